@@ -1,0 +1,1 @@
+"""Inference engine: hybrid global + sliding-window model, paged KV cache, prefill and decode workers."""

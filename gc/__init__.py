@@ -1,0 +1,1 @@
+"""Per-node GC worker: TTL expiry, watermark LRU eviction, zombie-write cleanup, repair."""

@@ -1,0 +1,1 @@
+"""TileLang kernels (KV block gather/scatter, quantisation) with torch reference versions."""

@@ -1,0 +1,1 @@
+"""Block store: keys and hash chains, EC codec, wire protocol, storage node, chunk engine, placement, client."""

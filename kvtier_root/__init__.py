@@ -1,0 +1,1 @@
+"""kvtier: a tiered, erasure-coded KV-cache store for LLM inference."""

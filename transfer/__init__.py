@@ -1,0 +1,1 @@
+"""Transfer tiers: host shared-memory staging pool, fetcher process, swap-in to HBM, SWA StateBlocks."""
