@@ -1,0 +1,590 @@
+"""The kvtier client: batched, erasure-coded block reads and writes against a cluster.
+
+Promises, for every method:
+
+- **Batched.** One call sends at most one request per node per phase, whatever the number of keys.
+- **Misses are not errors.** A block that is absent, expired, evicted, unreadable (fewer than 10 good
+  shards) or whose header does not match the caller's tokens is a miss: ``None`` / ``False`` /
+  a shorter ``match``. Exceptions mean a caller error (bad arguments, unknown TTL class), a wrong token
+  (:class:`~kvtier.kvstore.transport.AuthError`) or a full cluster (:class:`CapacityError`).
+- **Never wrong bytes.** Shards are crc-checked on the node; a read decodes around up to two lost or
+  corrupt shards and is a miss beyond that.
+- **Zero-copy.** ``get_into`` receives each node's shards straight into the caller's buffers;
+  ``put_from`` sends shards as views of the caller's buffers. The caller must not modify buffers while a
+  call runs; once it returns, kvtier holds no reference to them.
+- **Two-phase writes.** Shards are written PENDING on every node of the block's group, then COMMITTED;
+  the block becomes visible when its primary records it. A writer that dies mid-put leaves only pending
+  shards, which no reader is ever given and GC reclaims.
+
+Collision safety: pass ``tokens=`` (the token array the keys were chained from) and ``namespace=`` (or
+connect with a default namespace) to ``put``/``get``: the block's header digest is stored and checked, and
+a mismatch is a miss counted in ``stats["header_mismatches"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec, default_codec, shard_size
+from kvtier.kvstore.keys import Namespace, TokenInput, chain, header_digests
+from kvtier.kvstore.placement import Placement
+from kvtier.kvstore.protocol import Frame, Op, Status
+from kvtier.kvstore.transport import ConnectionPool, Exchange, Pending
+from kvtier.kvstore.wire import pack_keys
+
+Buffer = bytes | bytearray | memoryview
+
+
+class CapacityError(Exception):
+    """The cluster refused blocks because nodes are at capacity (even after eviction).
+
+    ``stored`` says, per block of the failed call, whether it was stored anyway.
+    """
+
+    def __init__(self, message: str, stored: list[bool]) -> None:
+        super().__init__(message)
+        self.stored = stored
+
+
+class BlockLayout:
+    """How block ``b`` of length ``L`` maps onto its 10 data shards of ``S`` bytes (the tail is padded)."""
+
+    __slots__ = ("length", "shard")
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.shard = shard_size(length)
+
+    def region(self, buf: memoryview, index: int) -> memoryview:
+        """The part of the block that data shard ``index`` covers (shorter than S for the tail, maybe empty)."""
+        start = min(index * self.shard, self.length)
+        return buf[start : min(start + self.shard, self.length)]
+
+
+class _ReadState:
+    """Book-keeping of one batched read: where each shard goes and which blocks can be decoded."""
+
+    def __init__(self, n: int, buffers: list[memoryview | None], allocate: bool) -> None:
+        self.buffers = buffers
+        self.allocate = allocate
+        self.layouts: list[BlockLayout | None] = [
+            BlockLayout(len(b)) if b is not None else None for b in buffers
+        ]
+        self.valid = np.zeros((n, TOTAL_SHARDS), dtype=bool)
+        self.asked = np.zeros((n, TOTAL_SHARDS), dtype=bool)
+        self.absent = np.zeros(n, dtype=bool)
+        self.mismatch = np.zeros(n, dtype=bool)
+        self.parity: dict[tuple[int, int], memoryview] = {}
+        self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
+
+    def arrived(self, frame: Frame) -> None:
+        """A GET reply is complete: its shards are now in place."""
+        entries = self.receiving.pop(frame.request_id, None)
+        if entries is not None and len(entries):
+            self.valid[entries[:, 0], entries[:, 1]] = True
+
+    def layout_for(self, b: int, block_len: int) -> BlockLayout | None:
+        layout = self.layouts[b]
+        if layout is None and self.allocate:
+            self.buffers[b] = memoryview(bytearray(block_len))
+            layout = self.layouts[b] = BlockLayout(block_len)
+        if layout is None or layout.length != block_len:
+            return None
+        return layout
+
+    def decodable(self) -> bool:
+        have = self.valid.sum(axis=1)
+        return bool(np.all((have >= DATA_SHARDS) | self.absent | self.mismatch))
+
+
+class Client:
+    """Synchronous client. Not thread-safe: use one per thread, or :class:`AsyncClient`."""
+
+    def __init__(
+        self,
+        config: cluster_mod.ClusterConfig,
+        token: str | None = None,
+        namespace: Namespace | None = None,
+        codec: Codec | None = None,
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.codec = codec or default_codec()
+        self.placement = Placement(config.groups)
+        addresses = {nid: (n.host, n.port) for nid, n in config.nodes.items()}
+        self.pool = ConnectionPool(
+            addresses,
+            token or config.token,
+            config.limits,
+            config.client.connect_timeout_s,
+            config.client.retry_down_after_s,
+        )
+        self.stats = {"header_mismatches": 0, "degraded_reads": 0, "misses": 0, "hits": 0}
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- metadata -------------------------------------------------------------------------------------
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are all stored and live (metadata only: asks each key's primary)."""
+        live = self._live(keys)
+        misses = np.flatnonzero(~live)
+        return int(misses[0]) if len(misses) else len(keys)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored and live (metadata only). A down primary reads as absent."""
+        return self._live(keys).tolist()
+
+    def _live(self, keys: Sequence[bytes]) -> np.ndarray:
+        live = np.zeros(len(keys), dtype=bool)
+        if not keys:
+            return live
+        primaries = self.placement.primaries(keys)
+        exchange = Exchange(self.pool)
+        asks = []
+        for node_id in np.unique(primaries).tolist():
+            positions = np.flatnonzero(primaries == node_id)
+            blob, klen = pack_keys([keys[i] for i in positions])
+            asks.append((positions, exchange.request(node_id, Op.MATCH, {"keys": blob, "klen": klen})))
+        exchange.run(self.config.client.op_timeout_s)
+        for positions, pending in asks:
+            flags = self._flags(pending, "live", len(positions))
+            if flags is not None:
+                live[positions] = flags.astype(bool)
+        return live
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove blocks: every node of each block's group drops its shards; primaries drop the record.
+
+        A node that is down keeps its shards until GC finds they have no block record.
+        """
+        if not keys:
+            return
+        shard_nodes = self.placement.shard_nodes(keys)
+        exchange = Exchange(self.pool)
+        for node_id in np.unique(shard_nodes).tolist():
+            positions = np.flatnonzero((shard_nodes == node_id).any(axis=1))
+            blob, klen = pack_keys([keys[i] for i in positions])
+            exchange.request(node_id, Op.DELETE, {"keys": blob, "klen": klen})
+        exchange.run(self.config.client.op_timeout_s)
+
+    def stat(self, key: bytes) -> dict[str, Any]:
+        """Where a block's shards live and what its primary records (for operators)."""
+        nodes = self.placement.shard_nodes([key])[0].tolist()
+        exchange = Exchange(self.pool)
+        asks = {nid: exchange.request(nid, Op.STAT, {"key": key}) for nid in sorted(set(nodes))}
+        exchange.run(self.config.client.op_timeout_s)
+        out: dict[str, Any] = {"key": key.hex(), "primary": nodes[0], "block": None, "shards": []}
+        for nid, pending in asks.items():
+            if not pending.ok:
+                out["shards"].append({"node": nid, "error": pending.error})
+                continue
+            assert pending.frame is not None
+            meta = pending.frame.meta
+            if nid == nodes[0]:
+                out["block"] = meta["block"]
+            out["shards"].extend({"node": nid, **s} for s in meta["shards"])
+        return out
+
+    # -- headers --------------------------------------------------------------------------------------
+
+    def _headers(
+        self, keys: Sequence[bytes], tokens: TokenInput | None, namespace: Namespace | None
+    ) -> tuple[list[bytes] | None, dict[bytes, bytes], bytes]:
+        """Header digests for ``keys`` from the tokens they were chained from, plus each key's parent."""
+        if tokens is None:
+            return None, {}, b""
+        ns = namespace or self.namespace
+        if ns is None:
+            raise ValueError("tokens= needs namespace= (or a client connected with a default namespace)")
+        full = chain(ns, tokens, self.config.hash_algo)
+        digests = dict(zip(full, header_digests(ns, tokens, full), strict=True))
+        parents = dict(zip(full, [ns.digest, *full[:-1]], strict=True))
+        missing = [k for k in keys if k not in digests]
+        if missing:
+            raise ValueError(f"{len(missing)} keys are not blocks of the given tokens in this namespace")
+        return [digests[k] for k in keys], parents, ns.digest
+
+    # -- writes ---------------------------------------------------------------------------------------
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Buffer],
+        ttl_class: str = "chatbot",
+        *,
+        tokens: TokenInput | None = None,
+        namespace: Namespace | None = None,
+    ) -> list[bool]:
+        """Store blocks; returns per block whether it is now committed (True if it already was).
+
+        Blocks may have different lengths. False means too few nodes took its shards (or its primary is
+        down); nothing of it is visible. Raises ValueError for an unknown TTL class and CapacityError if any
+        block was refused for lack of space (the others are stored as reported by the exception's
+        ``stored``).
+        """
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        if ttl_class not in self.config.ttl_classes:
+            raise ValueError(f"unknown TTL class {ttl_class!r}; known: {', '.join(sorted(self.config.ttl_classes))}")
+        if not keys:
+            return []
+        headers, parents, ns_digest = self._headers(keys, tokens, namespace)
+        views = [memoryview(b).cast("B") for b in blocks]
+        shard_nodes = self.placement.shard_nodes(keys)
+        shards = self._encode(views)
+        blob_meta = {"cls": ttl_class}
+
+        # phase 1: shards PENDING on every node
+        exchange = Exchange(self.pool)
+        plans = []
+        for node_id in np.unique(shard_nodes).tolist():
+            entries = np.argwhere(shard_nodes == node_id)
+            meta = self._entry_meta(keys, entries, headers)
+            meta["lens"] = np.asarray([len(shards[b][i]) for b, i in entries], dtype="<u4").tobytes()
+            meta["blen"] = np.asarray([len(views[b]) for b, _ in entries], dtype="<u8").tobytes()
+            meta.update(blob_meta)
+            payload = [shards[b][i] for b, i in entries]
+            plans.append((entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
+        exchange.run(self.config.client.op_timeout_s)
+        ok = np.zeros(shard_nodes.shape, dtype=bool)
+        no_space = np.zeros(len(keys), dtype=bool)
+        for entries, pending in plans:
+            statuses = self._flags(pending, "st", len(entries))
+            if statuses is None:
+                continue
+            if (statuses == Status.BAD_CLASS).any():
+                raise ValueError(f"the cluster does not know TTL class {ttl_class!r}")
+            good = (statuses == Status.OK) | (statuses == Status.EXISTS)
+            ok[entries[good, 0], entries[good, 1]] = True
+            no_space[entries[statuses == Status.NO_SPACE, 0]] = True
+        writable = ok[:, 0] & (ok.sum(axis=1) >= self.config.client.min_write_shards)
+
+        # phase 2: COMMIT where enough shards are durable; the primary's record makes the block visible
+        exchange = Exchange(self.pool)
+        commits = []
+        for node_id in np.unique(shard_nodes).tolist():
+            entries = np.argwhere((shard_nodes == node_id) & ok & writable[:, None])
+            if not len(entries):
+                continue
+            meta = self._entry_meta(keys, entries, headers)
+            meta["blen"] = np.asarray([len(views[b]) for b, _ in entries], dtype="<u8").tobytes()
+            meta.update(blob_meta)
+            if parents:
+                meta["ns"] = ns_digest
+                meta["parents"] = [parents[keys[b]] if i == 0 else b"" for b, i in entries]
+            commits.append((entries, exchange.request(node_id, Op.COMMIT, meta)))
+        exchange.run(self.config.client.op_timeout_s)
+        stored = np.zeros(len(keys), dtype=bool)
+        for entries, pending in commits:
+            statuses = self._flags(pending, "st", len(entries))
+            if statuses is not None:
+                primary = (entries[:, 1] == 0) & (statuses == Status.OK)
+                stored[entries[primary, 0]] = True
+        result = stored.tolist()
+        if (no_space & ~stored).any():
+            refused = int((no_space & ~stored).sum())
+            raise CapacityError(f"{refused} of {len(keys)} blocks were refused: nodes are at capacity", result)
+        return result
+
+    put_from = put  # buffers are sent as views either way; the second name matches get_into
+
+    def _encode(self, views: Sequence[memoryview]) -> list[list[memoryview]]:
+        """The 12 shards of every block: data shards are views of the block, except a padded tail."""
+        out = []
+        for view in views:
+            layout = BlockLayout(len(view))
+            data = []
+            for i in range(DATA_SHARDS):
+                region = layout.region(view, i)
+                if len(region) < layout.shard:
+                    padded = bytearray(layout.shard)
+                    padded[: len(region)] = region
+                    region = memoryview(padded)
+                data.append(region)
+            parity_buf = memoryview(bytearray(2 * layout.shard))
+            parity = [parity_buf[: layout.shard], parity_buf[layout.shard :]]
+            self.codec.encode_parity(data, parity)
+            out.append(data + parity)
+        return out
+
+    @staticmethod
+    def _entry_meta(keys: Sequence[bytes], entries: np.ndarray, headers: list[bytes] | None) -> dict[str, Any]:
+        blob, klen = pack_keys([keys[b] for b in entries[:, 0]])
+        meta: dict[str, Any] = {"keys": blob, "klen": klen, "idx": entries[:, 1].astype(np.uint8).tobytes()}
+        if headers is not None:
+            meta["hdr"] = b"".join(headers[b] for b in entries[:, 0])
+        return meta
+
+    @staticmethod
+    def _flags(pending: Pending, name: str, n: int) -> np.ndarray | None:
+        """A reply's per-entry byte array ``name``, or None if the node failed or answered malformed."""
+        if not pending.ok:
+            return None
+        assert pending.frame is not None
+        raw = pending.frame.meta.get(name)
+        if not isinstance(raw, bytes) or len(raw) != n:
+            return None
+        return np.frombuffer(raw, dtype=np.uint8)
+
+    # -- reads ----------------------------------------------------------------------------------------
+
+    def get(
+        self, keys: Sequence[bytes], *, tokens: TokenInput | None = None, namespace: Namespace | None = None
+    ) -> list[bytearray | None]:
+        """Read whole blocks; ``None`` for a miss. The returned buffers are the caller's to keep."""
+        buffers: list[memoryview | None] = [None] * len(keys)
+        found = self._read(keys, buffers, allocate=True, tokens=tokens, namespace=namespace)
+        return [buf.obj if hit and buf is not None else None for hit, buf in zip(found, buffers, strict=True)]
+
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        *,
+        tokens: TokenInput | None = None,
+        namespace: Namespace | None = None,
+    ) -> list[bool]:
+        """Read blocks into caller-owned writable buffers, each exactly the block's length.
+
+        Returns per block whether it was read; a miss (including a stored block of another length) leaves
+        that buffer's contents unspecified.
+        """
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views: list[memoryview | None] = [memoryview(b).cast("B") for b in buffers]
+        if any(v.readonly for v in views if v is not None):
+            raise ValueError("get_into needs writable buffers")
+        return self._read(keys, views, allocate=False, tokens=tokens, namespace=namespace)
+
+    def _read(
+        self,
+        keys: Sequence[bytes],
+        buffers: list[memoryview | None],
+        allocate: bool,
+        tokens: TokenInput | None,
+        namespace: Namespace | None,
+    ) -> list[bool]:
+        if not keys:
+            return []
+        headers, _, _ = self._headers(keys, tokens, namespace)
+        shard_nodes = self.placement.shard_nodes(keys)
+        state = _ReadState(len(keys), buffers, allocate)
+        fanout = self.config.client.read_fanout
+        self._read_round(keys, shard_nodes, headers, state, np.arange(TOTAL_SHARDS) < fanout, early=True)
+        # second round: blocks still short of 10 shards ask every holder not asked yet
+        short = (state.valid.sum(axis=1) < DATA_SHARDS) & ~state.absent & ~state.mismatch
+        if short.any():
+            wanted = ~state.asked & short[:, None]
+            self._read_round(keys, shard_nodes, headers, state, wanted, early=False)
+        return self._assemble(state)
+
+    def _read_round(
+        self,
+        keys: Sequence[bytes],
+        shard_nodes: np.ndarray,
+        headers: list[bytes] | None,
+        state: _ReadState,
+        wanted: np.ndarray,
+        early: bool,
+    ) -> None:
+        wanted = np.broadcast_to(wanted, shard_nodes.shape)
+        exchange = Exchange(self.pool)
+        for node_id in np.unique(shard_nodes[wanted]).tolist():
+            entries = np.argwhere((shard_nodes == node_id) & wanted)
+            state.asked[entries[:, 0], entries[:, 1]] = True
+            meta = self._entry_meta(keys, entries, headers)
+            exchange.request(
+                node_id,
+                Op.GET_SHARDS,
+                meta,
+                sink=lambda frame, e=entries: self._sink(frame, e, state),
+                on_reply=state.arrived,
+            )
+        exchange.run(self.config.client.op_timeout_s, until=state.decodable if early else None)
+
+    def _sink(self, frame: Frame, entries: np.ndarray, state: _ReadState) -> list[memoryview] | None:
+        """Where each OK shard of a GET reply goes: its place in the destination block, or scratch."""
+        raw_st, raw_lens, raw_blen = frame.meta.get("st"), frame.meta.get("lens"), frame.meta.get("blen")
+        n = len(entries)
+        if not (isinstance(raw_st, bytes) and isinstance(raw_lens, bytes) and isinstance(raw_blen, bytes)):
+            return None
+        if len(raw_st) != n or len(raw_lens) != 4 * n or len(raw_blen) != 8 * n:
+            return None
+        statuses = np.frombuffer(raw_st, dtype=np.uint8)
+        state.absent[entries[statuses == Status.ABSENT, 0]] = True
+        state.mismatch[entries[statuses == Status.MISMATCH, 0]] = True
+        ok = np.flatnonzero(statuses == Status.OK)
+        lens = np.frombuffer(raw_lens, dtype="<u4").tolist()
+        blens = np.frombuffer(raw_blen, dtype="<u8").tolist()
+        pairs = entries.tolist()
+        parity_bytes = sum(lens[j] for j in ok.tolist() if pairs[j][1] >= DATA_SHARDS)
+        parity_pool = memoryview(bytearray(parity_bytes))
+        sinks: list[memoryview] = []
+        good = []
+        for j in ok.tolist():
+            b, i = pairs[j]
+            length = lens[j]
+            layout = state.layout_for(b, blens[j])
+            buf = state.buffers[b]
+            if layout is None or buf is None or length != layout.shard:
+                sinks.append(_scratch(length))
+                continue
+            if i < DATA_SHARDS:
+                start = min(i * length, layout.length)
+                end = min(start + length, layout.length)
+                sinks.append(buf[start:end])
+                if end - start < length:  # the zero padding of the tail shard is not needed
+                    sinks.append(_PAD[: length - (end - start)])
+            else:
+                state.parity[(b, i)] = parity_pool[:length]
+                sinks.append(parity_pool[:length])
+                parity_pool = parity_pool[length:]
+            good.append(j)
+        state.receiving[frame.request_id] = entries[good]
+        return sinks
+
+    def _assemble(self, state: _ReadState) -> list[bool]:
+        out = []
+        for b, layout in enumerate(state.layouts):
+            buf = state.buffers[b]
+            valid = np.flatnonzero(state.valid[b])
+            if state.absent[b] or state.mismatch[b] or layout is None or buf is None or len(valid) < DATA_SHARDS:
+                if state.mismatch[b]:
+                    self.stats["header_mismatches"] += 1
+                self.stats["misses"] += 1
+                out.append(False)
+                continue
+            missing_data = [i for i in range(DATA_SHARDS) if not state.valid[b, i]]
+            if missing_data:
+                self._reconstruct(b, layout, buf, valid[:DATA_SHARDS].tolist(), missing_data, state)
+                self.stats["degraded_reads"] += 1
+            self.stats["hits"] += 1
+            out.append(True)
+        return out
+
+    def _reconstruct(
+        self,
+        b: int,
+        layout: BlockLayout,
+        buf: memoryview,
+        use: list[int],
+        missing: list[int],
+        state: _ReadState,
+    ) -> None:
+        present: dict[int, memoryview] = {}
+        for i in use:
+            if i >= DATA_SHARDS:
+                present[i] = state.parity[(b, i)]
+                continue
+            region = layout.region(buf, i)
+            if len(region) == layout.shard:
+                present[i] = region
+            else:
+                padded = bytearray(layout.shard)  # pad bytes were zero when the block was encoded
+                padded[: len(region)] = region
+                present[i] = memoryview(padded)
+        want: dict[int, memoryview] = {}
+        tails: dict[int, memoryview] = {}
+        for i in missing:
+            region = layout.region(buf, i)
+            if len(region) == layout.shard:
+                want[i] = region
+            else:
+                tails[i] = want[i] = memoryview(bytearray(layout.shard))
+        self.codec.reconstruct(present, want)
+        for i, scratch in tails.items():
+            region = layout.region(buf, i)
+            region[:] = scratch[: len(region)]
+
+
+def _scratch(n: int) -> memoryview:
+    return memoryview(bytearray(n))
+
+
+_PAD = memoryview(bytearray(DATA_SHARDS))  # a tail shard is padded by fewer than 10 bytes
+
+
+def connect(
+    path: str | Path, token: str | None = None, namespace: Namespace | None = None
+) -> Client:
+    """A client for the cluster described by the cluster file at ``path`` (use it as a context manager).
+
+    ``token`` selects the tenant (default: the cluster token, tenant "default").
+    """
+    return Client(cluster_mod.load(path), token=token, namespace=namespace)
+
+
+class AsyncClient:
+    """The same API for asyncio code: each call runs a pooled synchronous client in a worker thread.
+
+    The data path releases the GIL in socket calls and in the codec, so concurrent calls overlap.
+    """
+
+    def __init__(self, config: cluster_mod.ClusterConfig, token: str | None = None, namespace: Namespace | None = None):
+        self._factory = lambda: Client(config, token=token, namespace=namespace)
+        self._idle: list[Client] = []
+        self._all: list[Client] = []
+
+    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        client = self._idle.pop() if self._idle else None
+        if client is None:
+            client = self._factory()
+            self._all.append(client)
+        try:
+            return await asyncio.to_thread(getattr(client, name), *args, **kwargs)
+        finally:
+            self._idle.append(client)
+
+    async def put(self, keys, blocks, ttl_class: str = "chatbot", **kw: Any) -> list[bool]:
+        return await self._call("put", keys, blocks, ttl_class, **kw)
+
+    async def put_from(self, keys, buffers, ttl_class: str = "chatbot", **kw: Any) -> list[bool]:
+        return await self._call("put_from", keys, buffers, ttl_class, **kw)
+
+    async def get(self, keys, **kw: Any) -> list[bytearray | None]:
+        return await self._call("get", keys, **kw)
+
+    async def get_into(self, keys, buffers, **kw: Any) -> list[bool]:
+        return await self._call("get_into", keys, buffers, **kw)
+
+    async def match(self, keys) -> int:
+        return await self._call("match", keys)
+
+    async def exists(self, keys) -> list[bool]:
+        return await self._call("exists", keys)
+
+    async def delete(self, keys) -> None:
+        return await self._call("delete", keys)
+
+    async def close(self) -> None:
+        for client in self._all:
+            client.close()
+        self._all.clear()
+        self._idle.clear()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def connect_async(
+    path: str | Path, token: str | None = None, namespace: Namespace | None = None
+) -> AsyncClient:
+    return AsyncClient(cluster_mod.load(path), token=token, namespace=namespace)

@@ -1,0 +1,321 @@
+"""The cluster file: one TOML document describing nodes, placement groups, tenants, TTL classes and policy.
+
+Loading validates everything and raises :class:`ConfigError` with one line saying what to fix. Relative
+``data_dir`` paths are taken from the cluster file's folder, so a cluster directory can be moved whole.
+
+Example (what ``kvstore init`` writes, abridged)::
+
+    [cluster]
+    name = "local"
+    token = "…"                 # admin token; also the token of tenant "default"
+    hash = "xxh3_128"
+
+    [ttl]                       # TTL classes, seconds or "3d"/"12h"/"30s"
+    agent = "3d"
+    chatbot = "7d"
+
+    [gc]
+    high_watermark = 0.9
+    low_watermark = 0.8
+
+    [tenants.teamb]             # more tenants, each with its own token
+    token = "…"
+
+    [[nodes]]
+    id = 0
+    host = "127.0.0.1"
+    port = 7400
+    data_dir = "node-0"
+    capacity = "2GiB"
+
+    [[groups]]                  # placement groups of exactly 12 node slots
+    nodes = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.kvstore.codec import TOTAL_SHARDS
+from kvtier.kvstore.keys import HASH_ALGOS
+from kvtier.kvstore.protocol import Limits
+from kvtier.kvstore.units import format_duration, parse_duration, parse_size
+
+DEFAULT_TENANT = "default"
+DEFAULT_TTL_CLASSES = {"agent": 3 * 86400.0, "chatbot": 7 * 86400.0}
+
+
+class ConfigError(ValueError):
+    """The cluster file is missing, malformed or inconsistent; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    id: int
+    host: str
+    port: int
+    data_dir: Path
+    capacity_bytes: int
+    metrics_port: int = 0  # 0: no HTTP metrics endpoint
+
+
+@dataclass(frozen=True)
+class GCConfig:
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    interval_s: float = 5.0  # how often the worker looks at usage and expiry
+    write_timeout_s: float = 600.0  # a shard pending longer than this belongs to a dead writer
+    grace_s: float = 30.0  # between removing a block record and removing its shards; > any read
+    access_flush_s: float = 2.0  # last-access times are written to disk in batches this often
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    read_fanout: int = 11  # nodes asked per read; decoding starts once 10 answered
+    min_write_shards: int = 11  # a put needs this many shards durable (and the primary's) to commit
+    op_timeout_s: float = 10.0
+    connect_timeout_s: float = 2.0
+    retry_down_after_s: float = 1.0  # a node that refused a connection is not retried sooner
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    name: str
+    token: str
+    hash_algo: str
+    nodes: dict[int, NodeConfig]
+    groups: list[list[int]]
+    tenants: dict[str, str]  # tenant name -> token; DEFAULT_TENANT has the cluster token
+    ttl_classes: dict[str, float]
+    gc: GCConfig = field(default_factory=GCConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    limits: Limits = field(default_factory=Limits)
+    path: Path | None = None
+
+    def tenant_for_token(self, token: str) -> str | None:
+        """The tenant a token authenticates, comparing against every tenant in constant time."""
+        import hmac
+
+        found = None
+        for name, expected in self.tenants.items():
+            if hmac.compare_digest(expected.encode(), token.encode()):
+                found = name
+        return found
+
+
+def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    value = doc.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"[{name}] must be a table")
+    return value
+
+
+def _dataclass_from(cls: type, table: dict[str, Any], section: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(table) - set(known)
+    if unknown:
+        raise ConfigError(f"[{section}] has unknown keys: {', '.join(sorted(unknown))}")
+    values = {}
+    for key, raw in table.items():
+        kind = type(getattr(cls(), key))
+        if kind is float and isinstance(raw, int | float) and not isinstance(raw, bool):
+            values[key] = float(raw)
+        elif kind is float and isinstance(raw, str) and key.endswith("_s"):
+            values[key] = parse_duration(raw)
+        elif kind is int and isinstance(raw, int) and not isinstance(raw, bool):
+            values[key] = raw
+        else:
+            raise ConfigError(f"[{section}] {key} must be a {kind.__name__}, got {raw!r}")
+    return cls(**values)
+
+
+def load(path: str | Path) -> ClusterConfig:
+    """Read and validate a cluster file. Raises ConfigError (one line) on any problem."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"cluster file {path} does not exist (create one with `kvstore init DIR`)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from None
+    try:
+        return parse(doc, base_dir=path.parent.resolve(), path=path)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> ClusterConfig:
+    cluster = _section(doc, "cluster")
+    token = cluster.get("token")
+    if not isinstance(token, str) or len(token) < 16:
+        raise ConfigError("[cluster] token must be a string of at least 16 characters")
+    hash_algo = cluster.get("hash", "xxh3_128")
+    if hash_algo not in HASH_ALGOS:
+        raise ConfigError(f"[cluster] hash must be one of {', '.join(HASH_ALGOS)}, got {hash_algo!r}")
+
+    nodes: dict[int, NodeConfig] = {}
+    raw_nodes = doc.get("nodes", [])
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ConfigError("the cluster file lists no [[nodes]]")
+    for raw in raw_nodes:
+        try:
+            node = NodeConfig(
+                id=int(raw["id"]),
+                host=str(raw.get("host", "127.0.0.1")),
+                port=int(raw["port"]),
+                data_dir=(base_dir / str(raw["data_dir"])).resolve(),
+                capacity_bytes=parse_size(raw["capacity"]),
+                metrics_port=int(raw.get("metrics_port", 0)),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"a [[nodes]] entry lacks {exc.args[0]!r} (needs id, port, data_dir, capacity)") from None
+        if node.id in nodes:
+            raise ConfigError(f"node id {node.id} is listed twice")
+        if not 0 < node.port < 65536:
+            raise ConfigError(f"node {node.id}: port {node.port} is out of range")
+        if node.capacity_bytes <= 0:
+            raise ConfigError(f"node {node.id}: capacity must be positive")
+        nodes[node.id] = node
+
+    groups = []
+    for raw in doc.get("groups", []):
+        members = raw.get("nodes") if isinstance(raw, dict) else None
+        if not isinstance(members, list) or len(members) != TOTAL_SHARDS:
+            raise ConfigError(f"each [[groups]] entry needs nodes = [...] with exactly {TOTAL_SHARDS} node ids")
+        missing = [m for m in members if m not in nodes]
+        if missing:
+            raise ConfigError(f"group {len(groups)} names unknown node ids {missing}")
+        groups.append([int(m) for m in members])
+    if not groups:
+        raise ConfigError(f"the cluster file has no [[groups]] (each is {TOTAL_SHARDS} node slots)")
+
+    tenants = {DEFAULT_TENANT: token}
+    for name, table in _section(doc, "tenants").items():
+        if name == DEFAULT_TENANT:
+            raise ConfigError(f"tenant {DEFAULT_TENANT!r} is implicit (it uses the cluster token)")
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"tenant name {name!r} may only hold letters, digits, - and _")
+        tenant_token = table.get("token") if isinstance(table, dict) else None
+        if not isinstance(tenant_token, str) or len(tenant_token) < 16:
+            raise ConfigError(f"[tenants.{name}] token must be a string of at least 16 characters")
+        if tenant_token in tenants.values():
+            raise ConfigError(f"[tenants.{name}] token is already used by another tenant")
+        tenants[name] = tenant_token
+
+    ttl_table = doc.get("ttl", {k: v for k, v in DEFAULT_TTL_CLASSES.items()})
+    if not isinstance(ttl_table, dict) or not ttl_table:
+        raise ConfigError("[ttl] must define at least one TTL class")
+    ttl_classes = {}
+    for name, value in ttl_table.items():
+        try:
+            ttl_classes[str(name)] = parse_duration(value)
+        except ValueError as exc:
+            raise ConfigError(f"[ttl] {name}: {exc}") from None
+
+    gc = _dataclass_from(GCConfig, _section(doc, "gc"), "gc")
+    if not 0 < gc.low_watermark < gc.high_watermark <= 1:
+        raise ConfigError("[gc] watermarks need 0 < low_watermark < high_watermark <= 1")
+    client = _dataclass_from(ClientConfig, _section(doc, "client"), "client")
+    if not 10 <= client.read_fanout <= TOTAL_SHARDS:
+        raise ConfigError(f"[client] read_fanout must be between 10 and {TOTAL_SHARDS}")
+    if not 10 <= client.min_write_shards <= TOTAL_SHARDS:
+        raise ConfigError(f"[client] min_write_shards must be between 10 and {TOTAL_SHARDS}")
+    limits = _dataclass_from(Limits, _section(doc, "limits"), "limits")
+
+    return ClusterConfig(
+        name=str(cluster.get("name", "kvtier")),
+        token=token,
+        hash_algo=hash_algo,
+        nodes=nodes,
+        groups=groups,
+        tenants=tenants,
+        ttl_classes=ttl_classes,
+        gc=gc,
+        client=client,
+        limits=limits,
+        path=path,
+    )
+
+
+def _free_ports(count: int, host: str) -> list[int]:
+    """Ports the kernel hands out right now; held open together so they are distinct."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _size_literal(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f'"{n >> shift}{unit}"'
+    return str(n)
+
+
+def write_default(
+    directory: str | Path,
+    nodes: int = 12,
+    capacity_bytes: int = 2 << 30,
+    host: str = "127.0.0.1",
+    base_port: int | None = None,
+    metrics: bool = True,
+) -> Path:
+    """Write ``DIR/cluster.toml`` for ``nodes`` local nodes (a multiple of 12) and return its path."""
+    if nodes <= 0 or nodes % TOTAL_SHARDS:
+        raise ConfigError(f"--nodes must be a positive multiple of {TOTAL_SHARDS}, got {nodes}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "cluster.toml"
+    if target.exists():
+        raise ConfigError(f"{target} already exists; remove it or choose another directory")
+    if base_port is None:
+        ports = _free_ports(2 * nodes if metrics else nodes, host)
+    else:
+        ports = list(range(base_port, base_port + (2 * nodes if metrics else nodes)))
+    lines = [
+        "# kvtier cluster file (written by `kvstore init`)",
+        "[cluster]",
+        'name = "local"',
+        f'token = "{secrets.token_hex(24)}"',
+        'hash = "xxh3_128"',
+        "",
+        "[ttl]",
+        *(f'{name} = "{format_duration(seconds)}"' for name, seconds in DEFAULT_TTL_CLASSES.items()),
+        "",
+        "[gc]",
+        f"high_watermark = {GCConfig.high_watermark}",
+        f"low_watermark = {GCConfig.low_watermark}",
+        "",
+    ]
+    for i in range(nodes):
+        lines += [
+            "[[nodes]]",
+            f"id = {i}",
+            f'host = "{host}"',
+            f"port = {ports[i]}",
+            f'data_dir = "node-{i}"',
+            f"capacity = {_size_literal(capacity_bytes)}",
+        ]
+        if metrics:
+            lines.append(f"metrics_port = {ports[nodes + i]}")
+        lines.append("")
+    for g in range(nodes // TOTAL_SHARDS):
+        members = ", ".join(str(g * TOTAL_SHARDS + j) for j in range(TOTAL_SHARDS))
+        lines += ["[[groups]]", f"nodes = [{members}]", ""]
+    target.write_text("\n".join(lines))
+    return target

@@ -1,0 +1,49 @@
+"""Placement: which nodes hold which shards of a block, computed for whole batches at once.
+
+A block belongs to placement group ``h mod G`` (``h`` = the key's first 8 bytes, little-endian) and its
+shards rotate over the group's 12 slots by ``(h // G) mod 12``: shard ``i`` lives in slot
+``(i + rot) mod 12``. Parity shards and primaries (the holder of data shard 0, which also keeps the block
+record) therefore spread evenly over a group's nodes. Everything is numpy so that planning a 1,200-key
+batch costs microseconds, not a Python loop per key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from kvtier.kvstore.codec import TOTAL_SHARDS
+
+
+class Placement:
+    """Maps keys to node ids for one version of the cluster map."""
+
+    def __init__(self, groups: Sequence[Sequence[int]]) -> None:
+        table = np.asarray(groups, dtype=np.int64)
+        if table.ndim != 2 or table.shape[1] != TOTAL_SHARDS:
+            raise ValueError(f"placement groups must each have {TOTAL_SHARDS} slots")
+        self.groups = table
+        self.node_ids = sorted({int(n) for n in table.ravel()})
+
+    def shard_nodes(self, keys: Sequence[bytes]) -> np.ndarray:
+        """``out[b, i]`` is the node id holding shard ``i`` of ``keys[b]``; shape (len(keys), 12)."""
+        if not keys:
+            return np.empty((0, TOTAL_SHARDS), dtype=np.int64)
+        h = key_prefixes(keys)
+        g = (h % np.uint64(len(self.groups))).astype(np.int64)
+        rot = ((h // np.uint64(len(self.groups))) % np.uint64(TOTAL_SHARDS)).astype(np.int64)
+        slots = (rot[:, None] + np.arange(TOTAL_SHARDS)[None, :]) % TOTAL_SHARDS
+        return self.groups[g[:, None], slots]
+
+    def primaries(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Node id of each key's primary (the holder of data shard 0 and the block record)."""
+        return self.shard_nodes(keys)[:, 0]
+
+
+def key_prefixes(keys: Sequence[bytes]) -> np.ndarray:
+    """The first 8 bytes of every key as little-endian uint64 (keys must be of equal length >= 8)."""
+    width = len(keys[0])
+    blob = b"".join(keys)
+    if len(blob) != width * len(keys) or width < 8:
+        raise ValueError("keys in one batch must all have the same length (at least 8 bytes)")
+    return np.frombuffer(blob, dtype=np.uint8).reshape(len(keys), width)[:, :8].copy().view("<u8").ravel()

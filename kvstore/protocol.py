@@ -1,0 +1,292 @@
+"""The kvtier wire protocol, sans-IO: bytes in, frames out, and frames to bytes. No sockets here.
+
+A frame is a fixed 32-byte header, then ``meta_len`` bytes of msgpack metadata (always a map), then
+``payload_len`` raw payload bytes::
+
+    offset size field
+    0      4    magic        b"KVT\\x01"
+    4      1    version      PROTOCOL_VERSION
+    5      1    opcode       Op
+    6      2    flags        0 (reserved)
+    8      8    request_id   echoed by the reply
+    16     4    meta_len     <= Limits.max_meta_bytes
+    20     8    payload_len  <= Limits.max_payload_bytes
+    28     4    header_crc   crc32c of bytes 0..27
+
+All integers little-endian. Limits are checked on the header, before anything is allocated for the body.
+
+:class:`FrameReader` never copies payloads: the I/O layer asks it where the next bytes go (``writable()``,
+a list of buffers for ``recv_into``/``recvmsg_into``), reports how many arrived (``advance``), and takes
+complete frames (``next_frame``). Once a frame's header and metadata are parsed (``head``), the owner may
+point the payload at its own buffers (``sink``), e.g. straight into the destination blocks of a read.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import msgpack
+
+MAGIC = b"KVT\x01"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sBBHQIQI")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 32
+
+
+class Op(enum.IntEnum):
+    """Opcodes. A reply carries the request's opcode with REPLY set, or ERROR."""
+
+    HELLO = 1
+    PUT_SHARDS = 2
+    COMMIT = 3
+    GET_SHARDS = 4
+    MATCH = 5
+    DELETE = 6
+    STAT = 7
+    NODE_INFO = 8
+    ADMIN = 9
+    ERROR = 0x7F
+    REPLY = 0x80
+
+
+class Status(enum.IntEnum):
+    """Per-entry outcome inside a batched reply."""
+
+    OK = 0
+    MISSING = 1  # no committed shard (never written, pending, deleted, expired)
+    CORRUPT = 2  # crc mismatch on disk: an erasure, repaired later
+    MISMATCH = 3  # header digest differs from the reader's: a key collision, served as a miss
+    NO_SPACE = 4  # the node cannot fit the shard within its capacity
+    EXISTS = 5  # a committed shard with this key is already stored (put is idempotent)
+    ABSENT = 6  # primary only: no live block record, so the block is not visible
+    BAD_CLASS = 7  # unknown TTL class
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_FRAME = 1
+    TOO_LARGE = 2
+    AUTH_REQUIRED = 3
+    AUTH_FAILED = 4
+    BAD_REQUEST = 5
+    FORBIDDEN = 6
+    INTERNAL = 7
+
+
+class ProtocolError(Exception):
+    """The peer sent something the protocol does not allow; the connection must be closed."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds enforced on every frame header before allocation."""
+
+    max_meta_bytes: int = 8 << 20
+    max_payload_bytes: int = 2 << 30
+    max_batch: int = 65536
+
+
+@dataclass
+class Frame:
+    opcode: int
+    request_id: int
+    meta: dict[str, Any]
+    payload_len: int
+    payload: memoryview | None = field(default=None, repr=False)
+
+
+def encode_head(opcode: int, request_id: int, meta: dict[str, Any], payload_len: int = 0) -> bytes:
+    """Header plus metadata of one frame; the caller sends ``payload_len`` payload bytes after it."""
+    body = msgpack.packb(meta, use_bin_type=True)
+    head = HEADER.pack(MAGIC, PROTOCOL_VERSION, opcode, 0, request_id, len(body), payload_len, 0)
+    crc = crc32c.crc32c(head[:28])
+    return head[:28] + crc.to_bytes(4, "little") + body
+
+
+def encode_error(request_id: int, code: ErrorCode, message: str) -> bytes:
+    return encode_head(Op.ERROR, request_id, {"code": int(code), "message": message})
+
+
+def parse_header(data: bytes | memoryview, limits: Limits) -> tuple[int, int, int, int, int]:
+    """Validate a 32-byte header; returns (opcode, flags, request_id, meta_len, payload_len)."""
+    magic, version, opcode, flags, request_id, meta_len, payload_len, crc = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"bad magic {bytes(magic)!r}: not a kvtier peer")
+    if crc != crc32c.crc32c(bytes(data[:28])):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "frame header checksum mismatch")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"protocol version {version}, this peer speaks {PROTOCOL_VERSION}")
+    if meta_len > limits.max_meta_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"metadata of {meta_len} bytes exceeds {limits.max_meta_bytes}")
+    if payload_len > limits.max_payload_bytes:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"payload of {payload_len} bytes exceeds {limits.max_payload_bytes}"
+        )
+    return opcode, flags, request_id, meta_len, payload_len
+
+
+def parse_meta(data: bytes | memoryview, limits: Limits) -> dict[str, Any]:
+    try:
+        meta = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=limits.max_batch,
+            max_map_len=1024,
+            max_bin_len=limits.max_meta_bytes,
+            max_str_len=1 << 16,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for malformed input
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"malformed metadata: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "metadata must be a map")
+    return meta
+
+
+class FrameReader:
+    """Incremental frame parser over caller-driven receives (see the module docstring)."""
+
+    _HEADER, _META, _PAYLOAD = range(3)
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._header = bytearray(HEADER_SIZE)
+        self._state = self._HEADER
+        self._filled = 0
+        self._meta_buf = bytearray()
+        self._frame: Frame | None = None
+        self._sink: list[memoryview] | None = None
+        self._sink_index = 0
+        self._ready: Frame | None = None
+
+    @property
+    def head(self) -> Frame | None:
+        """The frame whose payload is being received: metadata parsed, payload not yet complete."""
+        return self._frame if self._state == self._PAYLOAD else None
+
+    def sink(self, buffers: Sequence[memoryview]) -> None:
+        """Receive the current frame's payload into ``buffers`` (their lengths must add up to it)."""
+        frame = self.head
+        if frame is None or self._sink is not None:
+            raise RuntimeError("sink() is only allowed before any payload byte of a frame arrived")
+        views = [memoryview(b).cast("B") for b in buffers]
+        views = [v for v in views if len(v)]
+        if sum(len(v) for v in views) != frame.payload_len:
+            raise ValueError("sink buffers do not add up to the payload length")
+        self._sink = views
+        self._sink_index = 0
+
+    def discard_payload(self, scratch: memoryview) -> None:
+        """Send the rest of the current payload into ``scratch`` (reused over and over) and drop it.
+
+        Used when the owner abandons a reply whose sink pointed at memory it no longer owns.
+        """
+        frame = self.head
+        if frame is None:
+            return
+        if self._sink is None:
+            remaining = frame.payload_len
+        else:
+            remaining = sum(len(v) for v in self._sink[self._sink_index :]) - self._filled
+        self._sink = [scratch[: min(len(scratch), remaining - off)] for off in range(0, remaining, len(scratch))]
+        self._sink_index = 0
+        self._filled = 0
+
+    def writable(self) -> list[memoryview]:
+        """Where the next received bytes must go, in order; never beyond the end of the current frame."""
+        if self._ready is not None:
+            return []
+        if self._state == self._HEADER:
+            return [memoryview(self._header)[self._filled :]]
+        if self._state == self._META:
+            return [memoryview(self._meta_buf)[self._filled :]]
+        if self._sink is None:  # nobody claimed the payload: it gets a buffer of its own
+            assert self._frame is not None
+            buf = memoryview(bytearray(self._frame.payload_len))
+            self._frame.payload = buf
+            self._sink = [buf]
+        views = self._sink[self._sink_index :]
+        if views and self._filled:
+            views = [views[0][self._filled :], *views[1:]]
+        return views
+
+    def advance(self, n: int) -> None:
+        """``n`` bytes were written into the buffers from ``writable()``; may raise ProtocolError."""
+        while n:
+            if self._state == self._PAYLOAD:
+                n = self._advance_payload(n)
+                continue
+            buf = self._header if self._state == self._HEADER else self._meta_buf
+            take = min(n, len(buf) - self._filled)
+            self._filled += take
+            n -= take
+            if self._filled == len(buf):
+                self._stage_done()
+
+    def _advance_payload(self, n: int) -> int:
+        assert self._sink is not None
+        while n and self._sink_index < len(self._sink):
+            current = self._sink[self._sink_index]
+            take = min(n, len(current) - self._filled)
+            self._filled += take
+            n -= take
+            if self._filled == len(current):
+                self._sink_index += 1
+                self._filled = 0
+        if self._sink_index == len(self._sink):
+            self._finish_frame()
+        return n
+
+    def _stage_done(self) -> None:
+        if self._state == self._HEADER:
+            opcode, _flags, request_id, meta_len, payload_len = parse_header(self._header, self.limits)
+            self._frame = Frame(opcode, request_id, {}, payload_len)
+            self._meta_buf = bytearray(meta_len)
+            self._state, self._filled = self._META, 0
+            if meta_len == 0:
+                self._stage_done()
+        elif self._state == self._META:
+            assert self._frame is not None
+            self._frame.meta = parse_meta(self._meta_buf, self.limits) if self._meta_buf else {}
+            self._state, self._filled = self._PAYLOAD, 0
+            self._sink, self._sink_index = None, 0
+            if not self._frame.payload_len:
+                self._finish_frame()
+
+    def _finish_frame(self) -> None:
+        self._ready, self._frame = self._frame, None
+        self._state, self._filled = self._HEADER, 0
+        self._sink, self._sink_index = None, 0
+
+    def next_frame(self) -> Frame | None:
+        """The frame completed by the last ``advance``, once; None while one is still in progress."""
+        frame, self._ready = self._ready, None
+        return frame
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Copy ``data`` in and return every frame it completes (for tests and small control traffic)."""
+        frames = []
+        view = memoryview(data)
+        while True:
+            frame = self.next_frame()
+            if frame is not None:
+                frames.append(frame)
+            if not view:
+                break
+            for target in self.writable():
+                take = min(len(target), len(view))
+                target[:take] = view[:take]
+                view = view[take:]
+                self.advance(take)
+                if self._ready is not None or not view:
+                    break
+        return frames

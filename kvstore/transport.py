@@ -1,0 +1,321 @@
+"""Client-side transport: one connection per node, many requests in flight at once, no copies.
+
+An :class:`Exchange` sends a batch of requests (at most one per node is the common case) over
+non-blocking sockets and drives them all from one ``selectors`` loop: requests go out with ``sendmsg``
+over the caller's buffers (gather), replies come in with ``recvmsg_into`` straight into buffers the caller
+chooses once it has seen the reply's metadata (scatter). The protocol itself is the sans-IO
+:class:`~kvtier.kvstore.protocol.FrameReader`.
+
+Failure contract: a node that refuses the connection, resets it, closes it, or does not answer before the
+deadline is reported per request as ``Pending.error`` (``"down"``, ``"timeout"``, or the node's error
+message); the exchange never raises for it. The one exception is authentication: a node that rejects the
+token raises :class:`AuthError`, because retrying cannot help.
+
+A reply the caller no longer wants (``run(until=...)`` returned early) is drained into a scratch buffer on
+the next use of that connection, so memory handed back to the caller is never written afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import selectors
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.kvstore.protocol import (
+    ErrorCode,
+    Frame,
+    FrameReader,
+    Limits,
+    Op,
+    ProtocolError,
+    encode_head,
+)
+
+IOV_MAX = 1024
+_SCRATCH = memoryview(bytearray(1 << 20))
+_request_ids = itertools.count(1)
+
+
+class AuthError(Exception):
+    """A node rejected this client's token: wrong token for the cluster, or an unknown tenant."""
+
+
+Sink = Callable[[Frame], Sequence[memoryview] | None]
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request and, once it completes, its reply (``frame``) or why there is none (``error``)."""
+
+    node_id: int
+    request_id: int
+    sink: Sink | None = None
+    on_reply: Callable[[Frame], None] | None = None
+    frame: Frame | None = None
+    error: str | None = None
+    abandoned: bool = False
+    sunk: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.frame is not None or self.error is not None
+
+    @property
+    def ok(self) -> bool:
+        return self.frame is not None and self.frame.opcode != Op.ERROR
+
+
+@dataclass(eq=False)
+class NodeConn:
+    node_id: int
+    address: tuple[str, int]
+    sock: socket.socket | None = None
+    reader: FrameReader = field(default_factory=FrameReader)
+    outgoing: list[memoryview] = field(default_factory=list)
+    inflight: dict[int, Pending] = field(default_factory=dict)
+    down_until: float = 0.0
+
+    def close(self, error: str) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.outgoing.clear()
+        for pending in self.inflight.values():
+            if not pending.done:
+                pending.error = error
+        self.inflight.clear()
+
+
+class ConnectionPool:
+    """Lazily opened, authenticated connections to the nodes of one cluster."""
+
+    def __init__(
+        self,
+        addresses: dict[int, tuple[str, int]],
+        token: str,
+        limits: Limits,
+        connect_timeout_s: float = 2.0,
+        retry_down_after_s: float = 1.0,
+    ) -> None:
+        self.token = token
+        self.limits = limits
+        self.connect_timeout_s = connect_timeout_s
+        self.retry_down_after_s = retry_down_after_s
+        self.conns = {nid: NodeConn(nid, addr) for nid, addr in addresses.items()}
+        self.hello: dict[int, dict[str, Any]] = {}
+
+    def get(self, node_id: int) -> NodeConn | None:
+        """An open, authenticated connection, or None while the node is down."""
+        conn = self.conns[node_id]
+        if conn.sock is not None:
+            return conn
+        if time.monotonic() < conn.down_until:
+            return None
+        try:
+            sock = socket.create_connection(conn.address, timeout=self.connect_timeout_s)
+        except OSError:
+            conn.down_until = time.monotonic() + self.retry_down_after_s
+            return None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            reply = _handshake(sock, self.token, self.limits, self.connect_timeout_s)
+        except OSError:
+            sock.close()
+            conn.down_until = time.monotonic() + self.retry_down_after_s
+            return None
+        except ProtocolError as exc:
+            sock.close()
+            if exc.code in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_REQUIRED):
+                raise AuthError(f"node {node_id} at {conn.address[0]}:{conn.address[1]}: {exc}") from None
+            conn.down_until = time.monotonic() + self.retry_down_after_s
+            return None
+        sock.setblocking(False)
+        conn.sock = sock
+        conn.reader = FrameReader(self.limits)
+        self.hello[node_id] = reply
+        return conn
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close("closed")
+
+
+def _handshake(sock: socket.socket, token: str, limits: Limits, timeout_s: float) -> dict[str, Any]:
+    sock.settimeout(timeout_s)
+    sock.sendall(encode_head(Op.HELLO, 0, {"token": token, "client": "kvtier"}))
+    reader = FrameReader(limits)
+    while True:
+        frame = reader.next_frame()
+        if frame is not None:
+            break
+        n = sock.recv_into(reader.writable()[0])
+        if n == 0:
+            raise ConnectionResetError("node closed the connection during HELLO")
+        reader.advance(n)
+    if frame.opcode == Op.ERROR:
+        raise ProtocolError(ErrorCode(frame.meta.get("code", ErrorCode.INTERNAL)), frame.meta.get("message", ""))
+    return frame.meta
+
+
+class Exchange:
+    """A set of requests driven together to completion, failure or deadline."""
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self.pool = pool
+        self.pendings: list[Pending] = []
+
+    def request(
+        self,
+        node_id: int,
+        opcode: Op,
+        meta: dict[str, Any],
+        payload: Sequence[memoryview] = (),
+        sink: Sink | None = None,
+        on_reply: Callable[[Frame], None] | None = None,
+    ) -> Pending:
+        """Queue a request to ``node_id``.
+
+        ``sink(head)`` chooses where the reply's payload goes (None: a buffer of its own);
+        ``on_reply(frame)`` runs as soon as a non-error reply is complete, before ``run`` returns.
+        """
+        pending = Pending(node_id, next(_request_ids), sink, on_reply)
+        self.pendings.append(pending)
+        conn = self.pool.get(node_id)
+        if conn is None:
+            pending.error = "down"
+            return pending
+        size = sum(len(p) for p in payload)
+        conn.outgoing.append(memoryview(encode_head(opcode, pending.request_id, meta, size)))
+        conn.outgoing.extend(memoryview(p).cast("B") for p in payload if len(p))
+        conn.inflight[pending.request_id] = pending
+        return pending
+
+    def run(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
+        """Drive every queued request until all are done, ``until()`` holds, or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as selector:
+            registered: dict[int, int] = {}
+            early = False
+            while True:
+                active = [c for c in self.pool.conns.values() if c.sock is not None and (c.inflight or c.outgoing)]
+                if not any(not p.done for p in self.pendings):
+                    break
+                if until is not None and until():
+                    early = True
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not active:
+                    break
+                self._register(selector, registered, active)
+                for key, events in selector.select(min(remaining, 1.0)):
+                    conn: NodeConn = key.data
+                    if conn.sock is None:
+                        continue
+                    try:
+                        if events & selectors.EVENT_WRITE:
+                            self._send(conn)
+                        if events & selectors.EVENT_READ:
+                            self._receive(conn)
+                    except ProtocolError as exc:
+                        conn.close(f"bad reply: {exc}")
+                    except OSError:
+                        conn.close("down")
+        self._finish(early)
+
+    def _register(self, selector: selectors.BaseSelector, registered: dict[int, int], active: list[NodeConn]) -> None:
+        wanted = {}
+        for conn in active:
+            assert conn.sock is not None
+            mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outgoing else 0)
+            wanted[conn.sock.fileno()] = mask
+            current = registered.get(conn.sock.fileno())
+            if current is None:
+                selector.register(conn.sock, mask, conn)
+            elif current != mask:
+                selector.modify(conn.sock, mask, conn)
+        for fd in [fd for fd in registered if fd not in wanted]:
+            with contextlib.suppress(KeyError, ValueError):
+                selector.unregister(fd)
+        registered.clear()
+        registered.update(wanted)
+
+    def _finish(self, early: bool) -> None:
+        """Fail what did not complete.
+
+        After an early stop (``until`` held) unwanted replies are drained later into scratch memory, so
+        the connection survives; after a deadline the node is slow or hung and its connection is closed.
+        """
+        for pending in self.pendings:
+            if pending.done:
+                continue
+            conn = self.pool.conns[pending.node_id]
+            if not early or conn.outgoing:  # a request only partly sent cannot be resumed safely either
+                conn.close("timeout")
+                continue
+            pending.abandoned = True
+            pending.error = "abandoned"
+            head = conn.reader.head
+            if head is not None and head.request_id == pending.request_id and pending.sunk:
+                conn.reader.discard_payload(_SCRATCH)
+
+    @staticmethod
+    def _send(conn: NodeConn) -> None:
+        assert conn.sock is not None
+        while conn.outgoing:
+            try:
+                sent = conn.sock.sendmsg(conn.outgoing[:IOV_MAX])
+            except BlockingIOError:
+                return
+            out = conn.outgoing
+            while sent:
+                if sent >= len(out[0]):
+                    sent -= len(out[0])
+                    out.pop(0)
+                else:
+                    out[0] = out[0][sent:]
+                    sent = 0
+
+    @staticmethod
+    def _receive(conn: NodeConn) -> None:
+        assert conn.sock is not None
+        reader = conn.reader
+        while True:
+            head = reader.head
+            if head is not None:
+                pending = conn.inflight.get(head.request_id)
+                if pending is not None and not pending.sunk:
+                    pending.sunk = True
+                    if pending.abandoned:
+                        reader.discard_payload(_SCRATCH)
+                    elif pending.sink is not None and head.opcode != Op.ERROR:
+                        buffers = pending.sink(head)
+                        if buffers is not None:
+                            reader.sink(buffers)
+            buffers = reader.writable()
+            try:
+                n = conn.sock.recvmsg_into(buffers[:IOV_MAX])[0]
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                raise
+            if n == 0:
+                raise ConnectionResetError("node closed the connection")
+            reader.advance(n)
+            frame = reader.next_frame()
+            if frame is not None:
+                pending = conn.inflight.pop(frame.request_id, None)
+                if pending is None or pending.abandoned:
+                    continue
+                pending.frame = frame
+                if frame.opcode == Op.ERROR:
+                    pending.error = str(frame.meta.get("message", "error"))
+                elif pending.on_reply is not None:
+                    pending.on_reply(frame)
