@@ -18,7 +18,8 @@ Promises, for every method:
 
 Collision safety: pass ``tokens=`` (the token array the keys were chained from) and ``namespace=`` (or
 connect with a default namespace) to ``put``/``get``: the block's header digest is stored and checked, and
-a mismatch is a miss counted in ``stats["header_mismatches"]``.
+a mismatch is a miss counted in ``stats["header_mismatches"]``. ``headers=`` passes precomputed digests
+(:func:`~kvtier.kvstore.keys.header_digests`) instead.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec, default_codec, shard_size
-from kvtier.kvstore.keys import Namespace, TokenInput, chain, header_digests
+from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, Namespace, TokenInput, chain, header_digests
 from kvtier.kvstore.placement import Placement
 from kvtier.kvstore.protocol import Frame, Op, Status
 from kvtier.kvstore.transport import ConnectionPool, Exchange, Pending
@@ -82,11 +83,16 @@ class _ReadState:
         self.parity: dict[tuple[int, int], memoryview] = {}
         self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
 
-    def arrived(self, frame: Frame) -> None:
-        """A GET reply is complete: its shards are now in place."""
-        entries = self.receiving.pop(frame.request_id, None)
-        if entries is not None and len(entries):
-            self.valid[entries[:, 0], entries[:, 1]] = True
+    def arrived(self, frame: Frame, entries: np.ndarray) -> None:
+        """A GET reply for ``entries`` is complete: its shards are in place, its verdicts known."""
+        statuses = frame.meta.get("st")
+        if isinstance(statuses, bytes) and len(statuses) == len(entries):
+            st = np.frombuffer(statuses, dtype=np.uint8)
+            self.absent[entries[st == Status.ABSENT, 0]] = True
+            self.mismatch[entries[st == Status.MISMATCH, 0]] = True
+        good = self.receiving.pop(frame.request_id, None)
+        if good is not None and len(good):
+            self.valid[good[:, 0], good[:, 1]] = True
 
     def layout_for(self, b: int, block_len: int) -> BlockLayout | None:
         layout = self.layouts[b]
@@ -203,9 +209,19 @@ class Client:
     # -- headers --------------------------------------------------------------------------------------
 
     def _headers(
-        self, keys: Sequence[bytes], tokens: TokenInput | None, namespace: Namespace | None
+        self,
+        keys: Sequence[bytes],
+        tokens: TokenInput | None,
+        namespace: Namespace | None,
+        headers: Sequence[bytes] | None,
     ) -> tuple[list[bytes] | None, dict[bytes, bytes], bytes]:
-        """Header digests for ``keys`` from the tokens they were chained from, plus each key's parent."""
+        """Header digests for ``keys`` (given, or from the tokens they were chained from) and their parents."""
+        if headers is not None:
+            if tokens is not None:
+                raise ValueError("pass tokens= or headers=, not both")
+            if len(headers) != len(keys) or any(len(h) != HEADER_DIGEST_BYTES for h in headers):
+                raise ValueError(f"headers= needs one {HEADER_DIGEST_BYTES}-byte digest per key")
+            return list(headers), {}, b""
         if tokens is None:
             return None, {}, b""
         ns = namespace or self.namespace
@@ -229,6 +245,7 @@ class Client:
         *,
         tokens: TokenInput | None = None,
         namespace: Namespace | None = None,
+        headers: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """Store blocks; returns per block whether it is now committed (True if it already was).
 
@@ -243,7 +260,7 @@ class Client:
             raise ValueError(f"unknown TTL class {ttl_class!r}; known: {', '.join(sorted(self.config.ttl_classes))}")
         if not keys:
             return []
-        headers, parents, ns_digest = self._headers(keys, tokens, namespace)
+        headers, parents, ns_digest = self._headers(keys, tokens, namespace, headers)
         views = [memoryview(b).cast("B") for b in blocks]
         shard_nodes = self.placement.shard_nodes(keys)
         shards = self._encode(views)
@@ -344,11 +361,16 @@ class Client:
     # -- reads ----------------------------------------------------------------------------------------
 
     def get(
-        self, keys: Sequence[bytes], *, tokens: TokenInput | None = None, namespace: Namespace | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        tokens: TokenInput | None = None,
+        namespace: Namespace | None = None,
+        headers: Sequence[bytes] | None = None,
     ) -> list[bytearray | None]:
         """Read whole blocks; ``None`` for a miss. The returned buffers are the caller's to keep."""
         buffers: list[memoryview | None] = [None] * len(keys)
-        found = self._read(keys, buffers, allocate=True, tokens=tokens, namespace=namespace)
+        found = self._read(keys, buffers, True, self._headers(keys, tokens, namespace, headers)[0])
         return [buf.obj if hit and buf is not None else None for hit, buf in zip(found, buffers, strict=True)]
 
     def get_into(
@@ -358,6 +380,7 @@ class Client:
         *,
         tokens: TokenInput | None = None,
         namespace: Namespace | None = None,
+        headers: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """Read blocks into caller-owned writable buffers, each exactly the block's length.
 
@@ -369,19 +392,13 @@ class Client:
         views: list[memoryview | None] = [memoryview(b).cast("B") for b in buffers]
         if any(v.readonly for v in views if v is not None):
             raise ValueError("get_into needs writable buffers")
-        return self._read(keys, views, allocate=False, tokens=tokens, namespace=namespace)
+        return self._read(keys, views, False, self._headers(keys, tokens, namespace, headers)[0])
 
     def _read(
-        self,
-        keys: Sequence[bytes],
-        buffers: list[memoryview | None],
-        allocate: bool,
-        tokens: TokenInput | None,
-        namespace: Namespace | None,
+        self, keys: Sequence[bytes], buffers: list[memoryview | None], allocate: bool, headers: list[bytes] | None
     ) -> list[bool]:
         if not keys:
             return []
-        headers, _, _ = self._headers(keys, tokens, namespace)
         shard_nodes = self.placement.shard_nodes(keys)
         state = _ReadState(len(keys), buffers, allocate)
         fanout = self.config.client.read_fanout
@@ -413,7 +430,7 @@ class Client:
                 Op.GET_SHARDS,
                 meta,
                 sink=lambda frame, e=entries: self._sink(frame, e, state),
-                on_reply=state.arrived,
+                on_reply=lambda frame, e=entries: state.arrived(frame, e),
             )
         exchange.run(self.config.client.op_timeout_s, until=state.decodable if early else None)
 
@@ -426,8 +443,6 @@ class Client:
         if len(raw_st) != n or len(raw_lens) != 4 * n or len(raw_blen) != 8 * n:
             return None
         statuses = np.frombuffer(raw_st, dtype=np.uint8)
-        state.absent[entries[statuses == Status.ABSENT, 0]] = True
-        state.mismatch[entries[statuses == Status.MISMATCH, 0]] = True
         ok = np.flatnonzero(statuses == Status.OK)
         lens = np.frombuffer(raw_lens, dtype="<u4").tolist()
         blens = np.frombuffer(raw_blen, dtype="<u8").tolist()

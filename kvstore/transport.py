@@ -61,6 +61,8 @@ class Pending:
     error: str | None = None
     abandoned: bool = False
     sunk: bool = False
+    wire: list[memoryview] = field(default_factory=list, repr=False)  # the request, kept for one resend
+    resent: bool = False
 
     @property
     def done(self) -> bool:
@@ -110,12 +112,16 @@ class ConnectionPool:
         self.conns = {nid: NodeConn(nid, addr) for nid, addr in addresses.items()}
         self.hello: dict[int, dict[str, Any]] = {}
 
-    def get(self, node_id: int) -> NodeConn | None:
-        """An open, authenticated connection, or None while the node is down."""
+    def get(self, node_id: int, retry_now: bool = False) -> NodeConn | None:
+        """An open, authenticated connection, or None while the node is down.
+
+        A node that refused a connection is not tried again for ``retry_down_after_s`` unless
+        ``retry_now``.
+        """
         conn = self.conns[node_id]
         if conn.sock is not None:
             return conn
-        if time.monotonic() < conn.down_until:
+        if time.monotonic() < conn.down_until and not retry_now:
             return None
         try:
             sock = socket.create_connection(conn.address, timeout=self.connect_timeout_s)
@@ -191,16 +197,42 @@ class Exchange:
             pending.error = "down"
             return pending
         size = sum(len(p) for p in payload)
-        conn.outgoing.append(memoryview(encode_head(opcode, pending.request_id, meta, size)))
-        conn.outgoing.extend(memoryview(p).cast("B") for p in payload if len(p))
+        pending.wire = [memoryview(encode_head(opcode, pending.request_id, meta, size))]
+        pending.wire.extend(memoryview(p).cast("B") for p in payload if len(p))
+        conn.outgoing.extend(pending.wire)
         conn.inflight[pending.request_id] = pending
         return pending
+
+    def _connection_lost(self, conn: NodeConn, reason: str) -> None:
+        """Close a broken connection; resend, once, the requests no reply byte had arrived for.
+
+        Every request kvtier sends is idempotent, and a pooled connection may have died while idle (the
+        node restarted), so one resend on a fresh connection turns that into a non-event.
+        """
+        retry = [p for p in conn.inflight.values() if not p.sunk and not p.abandoned and not p.resent]
+        retry_ids = {p.request_id for p in retry}
+        if conn.reader.head is not None:
+            retry_ids.discard(conn.reader.head.request_id)
+        retry = [p for p in retry if p.request_id in retry_ids]
+        for pending in retry:
+            conn.inflight.pop(pending.request_id)
+        conn.close(reason)
+        if not retry:
+            return
+        fresh = self.pool.get(conn.node_id, retry_now=True)
+        for pending in retry:
+            pending.resent = True
+            if fresh is None:
+                pending.error = reason
+                continue
+            fresh.outgoing.extend(pending.wire)
+            fresh.inflight[pending.request_id] = pending
 
     def run(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
         """Drive every queued request until all are done, ``until()`` holds, or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         with selectors.DefaultSelector() as selector:
-            registered: dict[int, int] = {}
+            registered: dict[int, tuple[socket.socket, int]] = {}
             early = False
             while True:
                 active = [c for c in self.pool.conns.values() if c.sock is not None and (c.inflight or c.outgoing)]
@@ -225,25 +257,31 @@ class Exchange:
                     except ProtocolError as exc:
                         conn.close(f"bad reply: {exc}")
                     except OSError:
-                        conn.close("down")
+                        self._connection_lost(conn, "down")
         self._finish(early)
 
-    def _register(self, selector: selectors.BaseSelector, registered: dict[int, int], active: list[NodeConn]) -> None:
-        wanted = {}
-        for conn in active:
+    @staticmethod
+    def _register(
+        selector: selectors.BaseSelector,
+        registered: dict[int, tuple[socket.socket, int]],
+        active: list[NodeConn],
+    ) -> None:
+        """Make the selector watch exactly the active connections (sockets may have been replaced)."""
+        wanted = {conn.node_id: conn for conn in active}
+        for node_id, (sock, _mask) in list(registered.items()):
+            if node_id not in wanted or wanted[node_id].sock is not sock:
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(sock)
+                del registered[node_id]
+        for node_id, conn in wanted.items():
             assert conn.sock is not None
             mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outgoing else 0)
-            wanted[conn.sock.fileno()] = mask
-            current = registered.get(conn.sock.fileno())
+            current = registered.get(node_id)
             if current is None:
                 selector.register(conn.sock, mask, conn)
-            elif current != mask:
+            elif current[1] != mask:
                 selector.modify(conn.sock, mask, conn)
-        for fd in [fd for fd in registered if fd not in wanted]:
-            with contextlib.suppress(KeyError, ValueError):
-                selector.unregister(fd)
-        registered.clear()
-        registered.update(wanted)
+            registered[node_id] = (conn.sock, mask)
 
     def _finish(self, early: bool) -> None:
         """Fail what did not complete.

@@ -1,0 +1,266 @@
+"""The block store end to end: real node processes, real sockets, real files, nodes killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvtier.kvstore.chunks import SIZE_CLASSES, ChunkEngine
+from kvtier.kvstore.client import CapacityError, Client, connect
+from kvtier.kvstore.keys import Namespace, chain, header_digests
+from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.placement import Placement
+
+SIZES = [1, 7, 10, 11, 1000, 4096, 65537, 1 << 20]
+
+
+def rand_keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+def rand_blocks(n: int, size: int = 64 << 10) -> list[bytes]:
+    return [os.urandom(size) for _ in range(n)]
+
+
+def wait_retry(client: Client) -> None:
+    """A refused node is not retried for retry_down_after_s; wait that out after a restart."""
+    time.sleep(client.config.client.retry_down_after_s + 0.1)
+
+
+@pytest.fixture(scope="module")
+def store(make_cluster) -> LocalCluster:
+    return make_cluster()
+
+
+@pytest.fixture
+def client(store: LocalCluster):
+    with connect(store.config_path) as c:
+        yield c
+
+
+def test_blocks_of_any_size_round_trip(client: Client) -> None:
+    keys = rand_keys(len(SIZES))
+    blocks = [os.urandom(n) for n in SIZES]
+    assert client.put(keys, blocks) == [True] * len(keys)
+    assert [bytes(b) for b in client.get(keys)] == blocks
+
+
+def test_get_into_fills_caller_buffers(client: Client) -> None:
+    keys, blocks = rand_keys(8), rand_blocks(8, 100_003)
+    client.put_from(keys, [memoryview(b) for b in blocks])
+    buffers = [bytearray(100_003) for _ in keys]
+    assert client.get_into(keys, buffers) == [True] * 8
+    assert buffers == [bytearray(b) for b in blocks]
+
+
+def test_get_into_a_buffer_of_the_wrong_size_is_a_miss(client: Client) -> None:
+    keys, blocks = rand_keys(1), rand_blocks(1, 5000)
+    client.put(keys, blocks)
+    assert client.get_into(keys, [bytearray(4000)]) == [False]
+
+
+def test_unknown_keys_are_misses_not_errors(client: Client) -> None:
+    keys = rand_keys(3)
+    assert client.get(keys) == [None, None, None]
+    assert client.get_into(keys, [bytearray(10)] * 3) == [False] * 3
+    assert client.exists(keys) == [False] * 3
+
+
+def test_match_counts_leading_present_keys(client: Client) -> None:
+    keys = rand_keys(40)
+    client.put(keys[:25], rand_blocks(25, 4096))
+    assert client.match(keys) == 25
+    client.put(keys[30:], rand_blocks(10, 4096))
+    assert client.match(keys) == 25
+    assert client.match(keys[30:]) == 10
+    assert client.match([]) == 0
+
+
+def test_match_of_a_1200_key_chain(client: Client) -> None:
+    ns = Namespace("m", "bf16", 64, "L")
+    keys = chain(ns, list(range(1200 * 64)))
+    client.put(keys[:1000], rand_blocks(1000, 1024))
+    assert client.match(keys) == 1000
+
+
+def test_delete_removes_blocks(client: Client) -> None:
+    keys = rand_keys(5)
+    client.put(keys, rand_blocks(5, 2048))
+    client.delete(keys[:2])
+    assert client.exists(keys) == [False, False, True, True, True]
+    assert client.get(keys[:2]) == [None, None]
+
+
+def test_put_is_idempotent(client: Client) -> None:
+    keys, blocks = rand_keys(3), rand_blocks(3, 3000)
+    assert client.put(keys, blocks) == [True] * 3
+    assert client.put(keys, blocks) == [True] * 3
+    assert [bytes(b) for b in client.get(keys)] == blocks
+
+
+def test_unknown_ttl_class_is_refused(client: Client) -> None:
+    with pytest.raises(ValueError, match="unknown TTL class"):
+        client.put(rand_keys(1), rand_blocks(1), ttl_class="forever")
+
+
+def test_header_mismatch_is_a_counted_miss(client: Client) -> None:
+    ns = Namespace("m", "bf16", 4, "L")
+    tokens_a, tokens_b = list(range(8)), list(range(100, 108))
+    keys_a = chain(ns, tokens_a)
+    blocks = rand_blocks(2, 4096)
+    client.put(keys_a, blocks, tokens=tokens_a, namespace=ns)
+    assert [bytes(b) for b in client.get(keys_a, tokens=tokens_a, namespace=ns)] == blocks
+    # the same keys presented with another prompt's header digests: as if xxh3 had collided
+    other = header_digests(ns, tokens_b, chain(ns, tokens_b))
+    before = client.stats["header_mismatches"]
+    assert client.get(keys_a, headers=other) == [None, None]
+    assert client.stats["header_mismatches"] == before + 2
+
+
+def test_async_client_has_the_same_api(store: LocalCluster) -> None:
+    import asyncio
+
+    from kvtier.kvstore.client import connect_async
+
+    async def scenario() -> None:
+        async with await connect_async(store.config_path) as c:
+            keys, blocks = rand_keys(4), rand_blocks(4, 8192)
+            results = await asyncio.gather(c.put(keys[:2], blocks[:2]), c.put(keys[2:], blocks[2:]))
+            assert results == [[True, True], [True, True]]
+            assert await c.match(keys) == 4
+            got = await c.get(keys)
+            assert [bytes(b) for b in got] == blocks
+
+    asyncio.run(scenario())
+
+
+# -- failures ---------------------------------------------------------------------------------------
+
+
+def test_two_nodes_down_every_block_reads_back(make_cluster) -> None:
+    local = make_cluster()
+    with connect(local.config_path) as client:
+        keys, blocks = rand_keys(48), rand_blocks(48, 50_001)
+        assert all(client.put(keys, blocks))
+        primaries = Placement(local.config.groups).primaries(keys).tolist()
+        victims = [primaries[0], next(p for p in primaries if p != primaries[0])]  # include primaries
+        for nid in victims:
+            local.kill(nid)
+        assert [bytes(b) for b in client.get(keys)] == blocks
+        assert client.stats["degraded_reads"] > 0
+        local.kill(next(n for n in local.alive()))
+        got = client.get(keys)  # three down: misses, never an exception or wrong bytes
+        assert any(g is None for g in got)
+        assert all(g is None or bytes(g) == b for g, b in zip(got, blocks, strict=True))
+
+
+def test_three_nodes_down_reads_are_misses(make_cluster) -> None:
+    local = make_cluster()
+    with connect(local.config_path) as client:
+        keys, blocks = rand_keys(24), rand_blocks(24, 20_000)
+        client.put(keys, blocks)
+        for nid in (1, 5, 9):
+            local.kill(nid)
+        assert client.get(keys) == [None] * 24
+        assert client.get_into(keys, [bytearray(20_000) for _ in keys]) == [False] * 24
+
+
+def test_restarted_nodes_serve_everything_committed(make_cluster) -> None:
+    local = make_cluster()
+    with connect(local.config_path) as client:
+        keys, blocks = rand_keys(30), rand_blocks(30, 70_000)
+        client.put(keys, blocks)
+        for nid in list(local.procs):
+            local.kill(nid)  # SIGKILL every node: no clean shutdown
+        local.start()
+        wait_retry(client)
+        assert [bytes(b) for b in client.get(keys)] == blocks
+        assert client.stats["degraded_reads"] == 0
+        assert client.match(keys) == 30
+
+
+def test_a_node_down_during_writes_does_not_block_them(make_cluster) -> None:
+    local = make_cluster()
+    with connect(local.config_path) as client:
+        keys = rand_keys(40)
+        primaries = Placement(local.config.groups).primaries(keys).tolist()
+        local.kill(4)
+        stored = client.put(keys, rand_blocks(40, 4096))
+        # min_write_shards = 11: blocks whose primary is alive are stored; the others are refused
+        assert stored == [p != 4 for p in primaries]
+
+
+WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from kvtier.kvstore import client as client_mod
+    from kvtier.kvstore.protocol import Op
+    from kvtier.kvstore.transport import Exchange
+
+    original = Exchange.request
+    def request(self, node_id, opcode, *args, **kwargs):
+        if opcode == Op.COMMIT:
+            print("pending-written", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # die between the two phases
+        return original(self, node_id, opcode, *args, **kwargs)
+    Exchange.request = request
+    c = client_mod.connect(sys.argv[1])
+    keys = [bytes.fromhex(k) for k in sys.argv[2].split(",")]
+    c.put(keys, [os.urandom(30000) for _ in keys])
+    """
+)
+
+
+def test_a_writer_killed_between_phases_leaves_nothing_visible(store: LocalCluster, client: Client) -> None:
+    keys = rand_keys(6)
+    proc = subprocess.run(
+        [sys.executable, "-c", WRITER, str(store.config_path), ",".join(k.hex() for k in keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGKILL and "pending-written" in proc.stdout
+    assert client.match(keys) == 0
+    assert client.exists(keys) == [False] * 6
+    assert client.get(keys) == [None] * 6
+    counts = [client.stat(k) for k in keys]
+    assert all(len(s["shards"]) == 12 and s["block"] is None for s in counts)  # the shards are there, pending
+
+
+def test_a_corrupt_shard_on_disk_is_an_erasure(make_cluster) -> None:
+    local = make_cluster()
+    with connect(local.config_path) as client:
+        keys, blocks = rand_keys(4), rand_blocks(4, 200_000)
+        client.put(keys, blocks)
+        victim = int(Placement(local.config.groups).shard_nodes(keys)[0, 3])  # holds data shard 3 of block 0
+        local.kill(victim)
+        engine = ChunkEngine(local.config.nodes[victim].data_dir, capacity_bytes=1 << 30)
+        rec = next(r for r in engine.shard_records("default", keys[0]) if r.index == 3)
+        engine.close()
+        slab = local.config.nodes[victim].data_dir / "slabs" / f"slab-{SIZE_CLASSES[rec.size_class]}.dat"
+        with open(slab, "r+b") as f:
+            f.seek(rec.slot * SIZE_CLASSES[rec.size_class] + 100)
+            f.write(b"\xff" * 64)
+        local.start([victim])
+        wait_retry(client)
+        before = client.stats["degraded_reads"]
+        assert [bytes(b) for b in client.get(keys)] == blocks
+        assert client.stats["degraded_reads"] == before + 1
+
+
+def test_puts_beyond_capacity_are_refused_with_a_clear_error(make_cluster) -> None:
+    local = make_cluster(capacity_bytes=2 << 20)
+    with connect(local.config_path) as client:
+        keys = rand_keys(40)
+        with pytest.raises(CapacityError, match="at capacity") as info:
+            client.put(keys, rand_blocks(40, 1 << 20))
+        stored = info.value.stored
+        assert 0 < sum(stored) < 40
+        survivors = [k for k, s in zip(keys, stored, strict=True) if s]
+        assert all(g is not None for g in client.get(survivors))  # the cluster keeps serving
