@@ -41,6 +41,7 @@ from pathlib import Path
 
 import crc32c
 import lmdb
+
 from kvtier.kvstore.protocol import Status
 
 PENDING, COMMITTED = 1, 2

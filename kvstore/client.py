@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec, default_codec, shard_size
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, Namespace, TokenInput, chain, header_digests
@@ -73,9 +74,7 @@ class _ReadState:
     def __init__(self, n: int, buffers: list[memoryview | None], allocate: bool) -> None:
         self.buffers = buffers
         self.allocate = allocate
-        self.layouts: list[BlockLayout | None] = [
-            BlockLayout(len(b)) if b is not None else None for b in buffers
-        ]
+        self.layouts: list[BlockLayout | None] = [BlockLayout(len(b)) if b is not None else None for b in buffers]
         self.valid = np.zeros((n, TOTAL_SHARDS), dtype=bool)
         self.asked = np.zeros((n, TOTAL_SHARDS), dtype=bool)
         self.absent = np.zeros(n, dtype=bool)
@@ -534,9 +533,7 @@ def _scratch(n: int) -> memoryview:
 _PAD = memoryview(bytearray(DATA_SHARDS))  # a tail shard is padded by fewer than 10 bytes
 
 
-def connect(
-    path: str | Path, token: str | None = None, namespace: Namespace | None = None
-) -> Client:
+def connect(path: str | Path, token: str | None = None, namespace: Namespace | None = None) -> Client:
     """A client for the cluster described by the cluster file at ``path`` (use it as a context manager).
 
     ``token`` selects the tenant (default: the cluster token, tenant "default").
@@ -599,7 +596,5 @@ class AsyncClient:
         await self.close()
 
 
-async def connect_async(
-    path: str | Path, token: str | None = None, namespace: Namespace | None = None
-) -> AsyncClient:
+async def connect_async(path: str | Path, token: str | None = None, namespace: Namespace | None = None) -> AsyncClient:
     return AsyncClient(cluster_mod.load(path), token=token, namespace=namespace)

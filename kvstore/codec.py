@@ -22,12 +22,12 @@ import ctypes.util
 import functools
 import importlib.util
 import os
+import struct
 import sys
-from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from pathlib import Path
-from typing import NamedTuple, Protocol, TypeAlias
+from typing import Protocol, TypeAlias
 
 import numpy as np
 
@@ -63,7 +63,6 @@ WritableBuffer: TypeAlias = bytearray | memoryview | np.ndarray
 _MAX_SHARD = 2**31 - 1  # ISA-L takes the shard length as a C int
 _ALL_INDICES = frozenset(range(TOTAL_SHARDS))
 _PTR_SIZE = ctypes.sizeof(ctypes.c_void_p)
-_PTR_TYPECODE = "Q" if _PTR_SIZE == 8 else "I"
 
 
 class CodecUnavailableError(RuntimeError):
@@ -117,17 +116,17 @@ def _gf_mul_table() -> np.ndarray:
     return table
 
 
-Matrix: TypeAlias = list[list[int]]
+_Matrix: TypeAlias = list[list[int]]
 
 
-def _cauchy_matrix() -> Matrix:
+def _cauchy_matrix() -> _Matrix:
     """ISA-L's ``gf_gen_cauchy1_matrix(a, TOTAL_SHARDS, DATA_SHARDS)`` as rows."""
     identity = [[int(i == j) for j in range(DATA_SHARDS)] for i in range(DATA_SHARDS)]
     cauchy = [[_gf_inv(i ^ j) for j in range(DATA_SHARDS)] for i in range(DATA_SHARDS, TOTAL_SHARDS)]
     return identity + cauchy
 
 
-def _gf_invert(matrix: Matrix) -> Matrix:
+def _gf_invert(matrix: _Matrix) -> _Matrix:
     """Inverse of a square matrix over GF(2^8) by Gauss-Jordan elimination; ValueError if singular."""
     n = len(matrix)
     rows = [[*row, *(int(i == j) for j in range(n))] for i, row in enumerate(matrix)]
@@ -145,7 +144,7 @@ def _gf_invert(matrix: Matrix) -> Matrix:
     return [row[n:] for row in rows]
 
 
-def _gf_row_times(row: Sequence[int], matrix: Matrix) -> list[int]:
+def _gf_row_times(row: Sequence[int], matrix: _Matrix) -> list[int]:
     """The row vector ``row`` times ``matrix`` over GF(2^8)."""
     out = [0] * len(matrix[0])
     for coef, mrow in zip(row, matrix, strict=True):
@@ -160,10 +159,11 @@ def _gf_row_times(row: Sequence[int], matrix: Matrix) -> list[int]:
 def _view_buf_offset() -> int | None:
     """Offset of ``Py_buffer.buf`` inside a CPython ``memoryview`` object, or None if not confirmed.
 
-    No public Python API yields the address of a read-only buffer cheaply (``np.frombuffer(b).ctypes.data``
-    costs ~2 us, a tenth of an ISA-L encode of a 1 MiB block). A memoryview embeds its ``Py_buffer``, so
-    the address is one read at a fixed offset. The offset is found here by scanning views with known
-    addresses, and only trusted if exactly one pointer-aligned field matches all of them.
+    No public Python API yields the address of a read-only buffer cheaply: ``np.frombuffer(b).ctypes.data``
+    costs ~2 us a buffer, so 24 us a call, more than ISA-L takes to encode a 1 MiB block. A memoryview
+    embeds its ``Py_buffer``, so the address is one read at a fixed offset. The offset is found here by
+    scanning views with known addresses, and only trusted if exactly one pointer-aligned field matches all
+    of them; otherwise the numpy route is used.
     """
     if sys.implementation.name != "cpython":
         return None
@@ -179,35 +179,45 @@ def _view_buf_offset() -> int | None:
 
 
 _VIEW_BUF_OFFSET = _view_buf_offset()
-_VOID_P_AT = ctypes.c_void_p.from_address
-_VALUE = attrgetter("value")
 _NBYTES = attrgetter("nbytes")
 _C_CONTIGUOUS = attrgetter("c_contiguous")
 _READONLY = attrgetter("readonly")
+_PACK_POINTERS = {n: struct.Struct(f"{n}P").pack for n in range(1, TOTAL_SHARDS + 1)}
+
+if _VIEW_BUF_OFFSET is None:
+
+    def _pointers(views: list[memoryview]) -> bytes:
+        """The start addresses of C-contiguous ``views`` as a C array of pointers (valid while they live)."""
+        return _PACK_POINTERS[len(views)](*[np.frombuffer(v, np.uint8).ctypes.data for v in views])
+
+else:
+    _AT_VIEW_BUF = _VIEW_BUF_OFFSET.__add__
+    _VOID_P_AT = ctypes.c_void_p.from_address
+    _VALUE = attrgetter("value")
+
+    def _pointers(views: list[memoryview]) -> bytes:
+        """The start addresses of C-contiguous ``views`` as a C array of pointers (valid while they live)."""
+        return _PACK_POINTERS[len(views)](*map(_VALUE, map(_VOID_P_AT, map(_AT_VIEW_BUF, map(id, views)))))
 
 
-def _addresses(views: list[memoryview]) -> array:
-    """Start addresses of C-contiguous ``views``, as a C array of pointers (valid while they live)."""
-    if _VIEW_BUF_OFFSET is not None:
-        return array(
-            _PTR_TYPECODE, map(_VALUE, map(_VOID_P_AT, map(_VIEW_BUF_OFFSET.__add__, map(id, views))))
-        )
-    return array(_PTR_TYPECODE, [np.frombuffer(v, np.uint8).ctypes.data for v in views])
+def _views(buffers: Sequence[Buffer], count: int, role: str, writable: bool = False) -> tuple[list[memoryview], int]:
+    """Views of ``count`` same-sized, non-empty, C-contiguous (and, if asked, writable) buffers, and their size.
 
-
-def _shard_views(inputs: Sequence[Buffer], outputs: Sequence[WritableBuffer]) -> tuple[list[memoryview], int]:
-    """Memoryviews of ``inputs`` then ``outputs``, and their common size; ValueError if they are unusable."""
-    views = [*map(memoryview, inputs), *map(memoryview, outputs)]
+    Raises ValueError, naming ``role``, if ``buffers`` does not fit.
+    """
+    if len(buffers) != count:
+        raise ValueError(f"need {count} {role} shards, got {len(buffers)}")
+    views = list(map(memoryview, buffers))
     sizes = set(map(_NBYTES, views))
     if len(sizes) != 1:
-        raise ValueError(f"all shards must have the same size in bytes, got {[v.nbytes for v in views]}")
+        raise ValueError(f"{role} shards differ in size: {[v.nbytes for v in views]} bytes")
     size = sizes.pop()
     if not 0 < size <= _MAX_SHARD:
-        raise ValueError(f"shard size must be between 1 and {_MAX_SHARD} bytes, got {size}")
+        raise ValueError(f"shard size must be between 1 and {_MAX_SHARD} bytes, got {size} ({role})")
     if not all(map(_C_CONTIGUOUS, views)):
-        raise ValueError("shard buffers must be C-contiguous")
-    if any(map(_READONLY, views[len(inputs) :])):
-        raise ValueError("output shard buffers must be writable")
+        raise ValueError(f"{role} shard buffers must be C-contiguous")
+    if writable and any(map(_READONLY, views)):
+        raise ValueError(f"{role} shard buffers must be writable")
     return views, size
 
 
@@ -220,22 +230,17 @@ class _Kernel(Protocol):
     path: str | None
     """The shared library it runs, if any."""
 
-    def matrix(self) -> Matrix: ...
+    def matrix(self) -> _Matrix: ...
 
-    def invert(self, square: Matrix) -> Matrix: ...
+    def invert(self, square: _Matrix) -> _Matrix: ...
 
-    def tables(self, rows: Matrix) -> object:
+    def tables(self, rows: _Matrix) -> object:
         """Precomputed form of ``rows`` (each ``DATA_SHARDS`` coefficients) for ``apply``."""
         ...
 
-    def apply(self, tables: object, views: list[memoryview], size: int) -> None:
-        """Writes output ``r`` (``views[DATA_SHARDS + r]``) = sum over ``j`` of ``rows[r][j] * views[j]``."""
+    def apply(self, tables: object, inputs: list[memoryview], outputs: list[memoryview], size: int) -> None:
+        """Writes ``outputs[r]`` = sum over ``j`` of ``rows[r][j] * inputs[j]``; all shards are ``size`` bytes."""
         ...
-
-
-class _IsalTables(NamedTuple):
-    buffer: ctypes.Array[ctypes.c_ubyte]  # keeps the tables alive
-    address: int
 
 
 class _IsalKernel:
@@ -256,12 +261,12 @@ class _IsalKernel:
         self.path = path
         self._init_tables, self._encode, self._invert, self._cauchy = init_tables, encode, invert, cauchy
 
-    def matrix(self) -> Matrix:
+    def matrix(self) -> _Matrix:
         a = (ctypes.c_ubyte * (TOTAL_SHARDS * DATA_SHARDS))()
         self._cauchy(a, TOTAL_SHARDS, DATA_SHARDS)
         return [list(a[i * DATA_SHARDS : (i + 1) * DATA_SHARDS]) for i in range(TOTAL_SHARDS)]
 
-    def invert(self, square: Matrix) -> Matrix:
+    def invert(self, square: _Matrix) -> _Matrix:
         n = len(square)
         source = (ctypes.c_ubyte * (n * n))(*(x for row in square for x in row))
         inverse = (ctypes.c_ubyte * (n * n))()
@@ -269,23 +274,16 @@ class _IsalKernel:
             raise ValueError("matrix is singular over GF(2^8)")
         return [list(inverse[i * n : (i + 1) * n]) for i in range(n)]
 
-    def tables(self, rows: Matrix) -> _IsalTables:
+    def tables(self, rows: _Matrix) -> ctypes.Array[ctypes.c_ubyte]:
         coefficients = (ctypes.c_ubyte * (len(rows) * DATA_SHARDS))(*(x for row in rows for x in row))
-        buffer = (ctypes.c_ubyte * (32 * DATA_SHARDS * len(rows)))()
-        self._init_tables(DATA_SHARDS, len(rows), coefficients, buffer)
-        return _IsalTables(buffer, ctypes.addressof(buffer))
+        tables = (ctypes.c_ubyte * (32 * DATA_SHARDS * len(rows)))()
+        self._init_tables(DATA_SHARDS, len(rows), coefficients, tables)
+        return tables
 
-    def apply(self, tables: _IsalTables, views: list[memoryview], size: int) -> None:
-        pointers = _addresses(views)
-        start = pointers.buffer_info()[0]
-        self._encode(
-            size,
-            DATA_SHARDS,
-            len(views) - DATA_SHARDS,
-            tables.address,
-            start,
-            start + DATA_SHARDS * _PTR_SIZE,
-        )
+    def apply(
+        self, tables: ctypes.Array[ctypes.c_ubyte], inputs: list[memoryview], outputs: list[memoryview], size: int
+    ) -> None:
+        self._encode(size, DATA_SHARDS, len(outputs), tables, _pointers(inputs), _pointers(outputs))
 
 
 class _NumpyKernel:
@@ -296,22 +294,21 @@ class _NumpyKernel:
     def __init__(self) -> None:
         self._mul = _gf_mul_table()
 
-    def matrix(self) -> Matrix:
+    def matrix(self) -> _Matrix:
         return _cauchy_matrix()
 
-    def invert(self, square: Matrix) -> Matrix:
+    def invert(self, square: _Matrix) -> _Matrix:
         return _gf_invert(square)
 
-    def tables(self, rows: Matrix) -> Matrix:
+    def tables(self, rows: _Matrix) -> _Matrix:
         return rows
 
-    def apply(self, tables: Matrix, views: list[memoryview], size: int) -> None:
-        arrays = [np.frombuffer(v, np.uint8) for v in views]
-        inputs, outputs = arrays[:DATA_SHARDS], arrays[DATA_SHARDS:]
+    def apply(self, tables: _Matrix, inputs: list[memoryview], outputs: list[memoryview], size: int) -> None:
+        sources = [np.frombuffer(v, np.uint8) for v in inputs]
         product = np.empty(size, np.uint8)
-        for row, out in zip(tables, outputs, strict=True):
+        for row, out in zip(tables, [np.frombuffer(v, np.uint8) for v in outputs], strict=True):
             out.fill(0)
-            for coef, src in zip(row, inputs, strict=True):
+            for coef, src in zip(row, sources, strict=True):
                 if coef == 1:
                     np.bitwise_xor(out, src, out=out)
                 elif coef:
@@ -342,9 +339,20 @@ _LOADERS: dict[str, Callable[[], _Kernel]] = {
 
 
 @functools.cache
+def _load(backend: str) -> _Kernel | str:
+    """The loaded backend, or why it cannot be loaded; tried once per process."""
+    try:
+        return _LOADERS[backend]()
+    except CodecUnavailableError as exc:
+        return str(exc)
+
+
 def _kernel(backend: str) -> _Kernel:
-    """The loaded backend (once per process); CodecUnavailableError if it cannot be loaded."""
-    return _LOADERS[backend]()
+    """The loaded backend; CodecUnavailableError if it cannot be loaded."""
+    loaded = _load(backend)
+    if isinstance(loaded, str):
+        raise CodecUnavailableError(loaded)
+    return loaded
 
 
 def _loadable() -> Iterator[str]:
@@ -399,13 +407,11 @@ class Codec:
         ``PARITY_SHARDS`` writable buffers, all C-contiguous and of the same, non-zero size in bytes; parity
         must not overlap data. Raises ValueError otherwise (nothing is written then).
         """
-        if len(data) != DATA_SHARDS or len(parity) != PARITY_SHARDS:
-            raise ValueError(
-                f"need {DATA_SHARDS} data and {PARITY_SHARDS} parity buffers, "
-                f"got {len(data)} and {len(parity)}"
-            )
-        views, size = _shard_views(data, parity)
-        self._kernel.apply(self._encode_tables, views, size)
+        self._run(
+            self._encode_tables,
+            _views(data, DATA_SHARDS, "data"),
+            _views(parity, PARITY_SHARDS, "parity", writable=True),
+        )
 
     def reconstruct(self, present: Mapping[int, Buffer], want: Mapping[int, WritableBuffer]) -> None:
         """Computes the shards ``want`` names (data or parity) from the shards in ``present``, in place.
@@ -424,13 +430,21 @@ class Codec:
             )
         if not (_ALL_INDICES.issuperset(present) and _ALL_INDICES.issuperset(want)):
             raise ValueError(
-                f"shard indices must be in 0..{TOTAL_SHARDS - 1}, got present {sorted(present)}, "
-                f"want {sorted(want)}"
+                f"shard indices must be in 0..{TOTAL_SHARDS - 1}, got present {sorted(present)}, want {sorted(want)}"
             )
         used = tuple(sorted(present)[:DATA_SHARDS])
         wanted = tuple(sorted(want))
-        views, size = _shard_views([present[i] for i in used], [want[i] for i in wanted])
-        self._kernel.apply(self._decode_tables(used, wanted), views, size)
+        self._run(
+            self._decode_tables(used, wanted),
+            _views([present[i] for i in used], DATA_SHARDS, "present"),
+            _views([want[i] for i in wanted], len(wanted), "wanted", writable=True),
+        )
+
+    def _run(self, tables: object, inputs: tuple[list[memoryview], int], outputs: tuple[list[memoryview], int]) -> None:
+        (sources, size), (targets, out_size) = inputs, outputs
+        if size != out_size:
+            raise ValueError(f"shards differ in size: {size} bytes in, {out_size} bytes out")
+        self._kernel.apply(tables, sources, targets, size)
 
     def _make_decode_tables(self, used: tuple[int, ...], wanted: tuple[int, ...]) -> object:
         """Tables mapping the shards ``used`` to the shards ``wanted``."""
@@ -456,8 +470,7 @@ class Codec:
         size = shard_size(block_len)
         if len(shards) < DATA_SHARDS or not _ALL_INDICES.issuperset(shards):
             raise ValueError(
-                f"need at least {DATA_SHARDS} shards with indices in 0..{TOTAL_SHARDS - 1}, "
-                f"got {sorted(shards)}"
+                f"need at least {DATA_SHARDS} shards with indices in 0..{TOTAL_SHARDS - 1}, got {sorted(shards)}"
             )
         sources = {i: memoryview(s).cast("B") for i, s in shards.items()}
         wrong = {i: v.nbytes for i, v in sources.items() if v.nbytes != size}

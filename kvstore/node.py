@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.chunks import NO_HEADER, BlockCommit, ChunkEngine, ShardWrite
 from kvtier.kvstore.codec import TOTAL_SHARDS
@@ -291,9 +292,7 @@ class NodeServer:
                     if session is None:
                         session = self.node.authenticate(frame)
                         reader.limits = self.node.config.limits
-                        reply = Reply(
-                            {"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin}
-                        )
+                        reply = Reply({"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin})
                     else:
                         try:
                             reply = self.node.handle(session, frame)

@@ -128,9 +128,7 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> tuple[int, int, in
     if meta_len > limits.max_meta_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"metadata of {meta_len} bytes exceeds {limits.max_meta_bytes}")
     if payload_len > limits.max_payload_bytes:
-        raise ProtocolError(
-            ErrorCode.TOO_LARGE, f"payload of {payload_len} bytes exceeds {limits.max_payload_bytes}"
-        )
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"payload of {payload_len} bytes exceeds {limits.max_payload_bytes}")
     return opcode, flags, request_id, meta_len, payload_len
 
 

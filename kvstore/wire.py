@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES
 from kvtier.kvstore.protocol import ErrorCode, ProtocolError
 

@@ -15,7 +15,11 @@ TOKENS = list(range(12))
 
 # Fixed vectors: a change here breaks every stored cache, so it must be deliberate.
 NS_DIGEST = "9a34641a75253b29c5f27338693f3de250fa082b669cc93db6d07ea8c551bfb6"
-XXH3_CHAIN = ["be20d79e2963d3247fe1a4fdc9f6055f", "6f21534dedfafee3173fc44b128fcfaf", "b458fb76a1b4c1b7189c2d02c2b61b41"]
+XXH3_CHAIN = [
+    "be20d79e2963d3247fe1a4fdc9f6055f",
+    "6f21534dedfafee3173fc44b128fcfaf",
+    "b458fb76a1b4c1b7189c2d02c2b61b41",
+]
 SHA256_CHAIN = [
     "565bbdd8edf3ef9373a36635943cf7a990920beb6dd6eb756fa3d16b22ca7876",
     "834d8ae31eef800781672fd24878b975c4bfb4ab895df1aeb64aa6737f4f2d51",
