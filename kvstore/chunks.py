@@ -28,13 +28,9 @@ writes, and any torn shard fails its crc and is treated as an erasure.
 
 from __future__ import annotations
 
-import bisect
-import errno
-import os
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,22 +39,10 @@ import crc32c
 import lmdb
 
 from kvtier.kvstore.protocol import Status
+from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
 
 PENDING, COMMITTED = 1, 2
 
-
-def _size_classes() -> list[int]:
-    sizes = set()
-    for power in range(12, 27):
-        for quarter in (4, 5, 6, 7):
-            size = (1 << power) * quarter // 4
-            if size <= 64 << 20:
-                sizes.add(size)
-    return sorted(sizes)
-
-
-SIZE_CLASSES = _size_classes()  # 4 KiB … 64 MiB in quarter-power steps: at most ~20 % slack per shard
-MAX_SHARD_BYTES = SIZE_CLASSES[-1]
 
 # state, index, size class, slot, shard length, crc32c, block length, created, header digest; + ttl class
 _SHARD = struct.Struct("<BBHIIIQd16s")
@@ -127,12 +111,24 @@ class BlockRecord:
 
 @dataclass(frozen=True)
 class ShardWrite:
+    """One shard a writer announces; its bytes arrive later into ``Reservation.view``."""
+
     key: bytes
     index: int
+    length: int
     block_len: int
     ttl_class: str
     header: bytes  # 16-byte header digest, or 16 zero bytes when the writer gave no tokens
-    data: memoryview
+
+
+@dataclass
+class Reservation:
+    """A slot set aside for one shard; the shard exists only once ``record_pending`` ran."""
+
+    write: ShardWrite
+    size_class: int
+    slot: int
+    view: memoryview
 
 
 @dataclass(frozen=True)
@@ -161,74 +157,6 @@ def block_key(tenant: str, key: bytes) -> bytes:
     return tenant_prefix(tenant) + key
 
 
-class NoSpace(Exception):
-    """The node cannot hold more shard bytes within its capacity (or its disk is full)."""
-
-
-class _Slabs:
-    """Slot allocator over the slab files. Callers hold the engine lock."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
-        self.fds: dict[int, int] = {}
-        self.next_slot: dict[int, int] = {}  # slots ever handed out per class (the file's length in slots)
-        self.free: dict[int, list[int]] = {}
-        self.quarantine: deque[tuple[float, int, int]] = deque()  # (release time, class, slot)
-        for i, size in enumerate(SIZE_CLASSES):
-            path = directory / f"slab-{size}.dat"
-            if path.exists():
-                self.fds[i] = os.open(path, os.O_RDWR)
-                self.next_slot[i] = os.fstat(self.fds[i]).st_size // size
-
-    def fd(self, size_class: int) -> int:
-        if size_class not in self.fds:
-            path = self.directory / f"slab-{SIZE_CLASSES[size_class]}.dat"
-            self.fds[size_class] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            self.next_slot[size_class] = 0
-        return self.fds[size_class]
-
-    def rebuild_free(self, used: dict[int, set[int]]) -> None:
-        for size_class, count in self.next_slot.items():
-            taken = used.get(size_class, set())
-            self.free[size_class] = [s for s in range(count - 1, -1, -1) if s not in taken]
-
-    def allocate(self, size_class: int) -> int:
-        free = self.free.setdefault(size_class, [])
-        if free:
-            return free.pop()
-        fd = self.fd(size_class)
-        slot = self.next_slot[size_class]
-        size = SIZE_CLASSES[size_class]
-        try:
-            os.posix_fallocate(fd, slot * size, size)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise NoSpace("disk full") from None
-            raise
-        self.next_slot[size_class] = slot + 1
-        return slot
-
-    def release(self, size_class: int, slot: int, after: float) -> None:
-        self.quarantine.append((after, size_class, slot))
-
-    def reap(self, now: float) -> None:
-        while self.quarantine and self.quarantine[0][0] <= now:
-            _, size_class, slot = self.quarantine.popleft()
-            self.free.setdefault(size_class, []).append(slot)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
-def size_class_for(length: int) -> int:
-    if length > MAX_SHARD_BYTES:
-        raise ValueError(f"shard of {length} bytes exceeds the largest size class ({MAX_SHARD_BYTES})")
-    return bisect.bisect_left(SIZE_CLASSES, length)
-
-
 class ChunkEngine:
     """One node's shard store. See the module docstring for the contract."""
 
@@ -251,7 +179,7 @@ class ChunkEngine:
         self.shards_db = self.env.open_db(b"shards")
         self.blocks_db = self.env.open_db(b"blocks")
         self.settings_db = self.env.open_db(b"settings")
-        self.slabs = _Slabs(self.data_dir / "slabs")
+        self.slabs = SlabFiles(self.data_dir / "slabs")
         self.used_bytes = 0
         used: dict[int, set[int]] = {}
         with self.env.begin(db=self.shards_db) as txn:
@@ -259,57 +187,100 @@ class ChunkEngine:
                 rec = ShardRecord.unpack(raw)
                 used.setdefault(rec.size_class, set()).add(rec.slot)
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
-        self.slabs.rebuild_free(used)
+        self.slabs.rebuild(used)
 
     # -- writes ---------------------------------------------------------------------------------------
 
-    def put_pending(self, tenant: str, writes: Sequence[ShardWrite]) -> list[Status]:
-        """Store shards as PENDING; returns a status per write (OK, EXISTS or NO_SPACE)."""
-        now = self.clock()
-        statuses: list[Status] = []
+    def reserve(self, tenant: str, writes: Sequence[ShardWrite]) -> list[Reservation | Status]:
+        """Set aside a slot per shard; the caller fills each ``view`` and then calls ``record_pending``.
+
+        Per write: a Reservation, ``EXISTS`` (a committed shard is already stored; nothing to do) or
+        ``NO_SPACE`` (capacity or disk). Reserved bytes count as used until recorded or cancelled.
+        """
+        plan: list[int | Status] = []  # size class to reserve, or the verdict
         with self._lock:
-            self.slabs.reap(now)
-            with self.env.begin(db=self.shards_db, write=True) as txn:
+            self.slabs.reap(self.clock())
+            with self.env.begin(db=self.shards_db, buffers=True) as txn:
                 for w in writes:
-                    skey = shard_key(tenant, w.key, w.index)
-                    old_raw = txn.get(skey)
-                    old = ShardRecord.unpack(old_raw) if old_raw is not None else None
-                    if old is not None and old.state == COMMITTED:
-                        statuses.append(Status.EXISTS)
+                    raw = txn.get(shard_key(tenant, w.key, w.index))
+                    if raw is not None and raw[0] == COMMITTED:
+                        plan.append(Status.EXISTS)
                         continue
-                    size_class = size_class_for(len(w.data))
-                    class_bytes = SIZE_CLASSES[size_class]
-                    if self.used_bytes + class_bytes > self.capacity_bytes:
-                        statuses.append(Status.NO_SPACE)
+                    size_class = size_class_for(w.length)
+                    if self.used_bytes + SIZE_CLASSES[size_class] > self.capacity_bytes:
+                        plan.append(Status.NO_SPACE)
                         continue
-                    try:
-                        slot = self.slabs.allocate(size_class)
-                    except NoSpace:
-                        statuses.append(Status.NO_SPACE)
+                    self.used_bytes += SIZE_CLASSES[size_class]
+                    plan.append(size_class)
+            slots: dict[int, list[int]] = {}
+            for size_class in {p for p in plan if not isinstance(p, Status)}:
+                count = sum(1 for p in plan if p == size_class and not isinstance(p, Status))
+                try:
+                    slots[size_class] = self.slabs.allocate(size_class, count)[::-1]
+                except NoSpace:
+                    self.used_bytes -= count * SIZE_CLASSES[size_class]
+            out: list[Reservation | Status] = []
+            for w, p in zip(writes, plan, strict=True):
+                if isinstance(p, Status):
+                    out.append(p)
+                elif p not in slots:
+                    out.append(Status.NO_SPACE)
+                else:
+                    slot = slots[p].pop()
+                    out.append(Reservation(w, p, slot, self.slabs.view(p, slot, w.length)))
+        return out
+
+    def record_pending(self, tenant: str, reservations: Sequence[Reservation]) -> None:
+        """The reserved slots hold their shards now: checksum them and record them PENDING.
+
+        A PENDING shard of the same (tenant, key, index) is replaced; its slot is released after grace.
+        """
+        now = self.clock()
+        with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
+            for r in reservations:
+                w = r.write
+                skey = shard_key(tenant, w.key, w.index)
+                old = txn.get(skey)
+                if old is not None:
+                    old_rec = ShardRecord.unpack(old)
+                    if old_rec.state == COMMITTED:  # a concurrent writer committed first: keep theirs
+                        self._release_slot(r.size_class, r.slot, now)
                         continue
-                    self._write_slot(size_class, slot, w.data)
-                    crc = crc32c.crc32c(w.data)
-                    if old is not None:
-                        self._release(old, now)
-                    self.used_bytes += class_bytes
-                    rec = ShardRecord(
-                        PENDING, w.index, size_class, slot, len(w.data), crc, w.block_len, now, w.header, w.ttl_class
-                    )
-                    txn.put(skey, rec.pack())
-                    statuses.append(Status.OK)
+                    self._release(old_rec, now)
+                crc = crc32c.crc32c(r.view)
+                rec = ShardRecord(
+                    PENDING, w.index, r.size_class, r.slot, w.length, crc, w.block_len, now, w.header, w.ttl_class
+                )
+                txn.put(skey, rec.pack())
+
+    def cancel(self, reservations: Sequence[Reservation]) -> None:
+        """Give back reserved slots whose shards never arrived (the writer went away)."""
+        with self._lock:
+            for r in reservations:
+                self.used_bytes -= SIZE_CLASSES[r.size_class]
+                self.slabs.release_now(r.size_class, r.slot)
+
+    def put_pending(self, tenant: str, writes: Sequence[ShardWrite], data: Sequence[memoryview]) -> list[Status]:
+        """``reserve`` + copy + ``record_pending`` in one call, for shards already in memory (repair, tests)."""
+        reserved = self.reserve(tenant, writes)
+        done = []
+        statuses = []
+        for r, payload in zip(reserved, data, strict=True):
+            if isinstance(r, Reservation):
+                r.view[:] = payload
+                done.append(r)
+                statuses.append(Status.OK)
+            else:
+                statuses.append(r)
+        self.record_pending(tenant, done)
         return statuses
 
-    def _write_slot(self, size_class: int, slot: int, data: memoryview) -> None:
-        fd = self.slabs.fd(size_class)
-        offset = slot * SIZE_CLASSES[size_class]
-        view = memoryview(data)
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
-
     def _release(self, rec: ShardRecord, now: float) -> None:
-        self.used_bytes -= SIZE_CLASSES[rec.size_class]
-        self.slabs.release(rec.size_class, rec.slot, now + self.grace_s)
+        self._release_slot(rec.size_class, rec.slot, now)
+
+    def _release_slot(self, size_class: int, slot: int, now: float) -> None:
+        self.used_bytes -= SIZE_CLASSES[size_class]
+        self.slabs.release(size_class, slot, now + self.grace_s)
 
     def commit(self, tenant: str, commits: Sequence[BlockCommit]) -> list[Status]:
         """Mark shards COMMITTED (and write block records at the primary); MISSING if no shard is stored."""
@@ -375,17 +346,17 @@ class ChunkEngine:
         tenant: str,
         wanted: Sequence[tuple[bytes, int, bytes | None]],
         ttl_s: Callable[[str], float | None],
-        buffer_for: Callable[[int], memoryview],
-    ) -> tuple[list[Status], list[int], list[int], int]:
-        """Read committed shards ``(key, index, expected header digest or None)`` into one buffer.
+    ) -> tuple[list[Status], list[memoryview | None], list[int]]:
+        """Look up committed shards ``(key, index, expected header digest or None)``.
 
-        ``buffer_for(total)`` must return a writable buffer of at least ``total`` bytes; shards are laid
-        end to end in request order, skipping those whose status is not OK. Returns statuses, the length of
-        each OK shard and the length of its block (0 where not OK), and the total.
+        Returns per shard a status, a view of its bytes in the slab file (None unless OK; valid until the
+        slot's grace time after a delete, longer than any read) and its block's length (0 unless OK).
+        A shard whose crc32c does not verify is ``CORRUPT``: an erasure, never returned.
         """
         now = self.clock()
-        found: list[ShardRecord | None] = []
         statuses: list[Status] = []
+        views: list[memoryview | None] = []
+        block_lens: list[int] = []
         with self.env.begin(buffers=True) as txn:
             for key, index, header in wanted:
                 raw = txn.get(shard_key(tenant, key, index), db=self.shards_db)
@@ -401,27 +372,15 @@ class ChunkEngine:
                     status = Status.MISSING
                 if status == Status.OK and header is not None and rec.header != header:
                     status = Status.MISMATCH
+                view = None
+                if status == Status.OK:
+                    view = self.slabs.view(rec.size_class, rec.slot, rec.length)
+                    if crc32c.crc32c(view) != rec.crc:
+                        status, view = Status.CORRUPT, None
                 statuses.append(status)
-                found.append(rec if status == Status.OK else None)
-        total = sum(rec.length for rec in found if rec is not None)
-        out = buffer_for(total)
-        lengths = []
-        block_lens = [rec.block_len if rec is not None else 0 for rec in found]
-        offset = 0
-        for i, rec in enumerate(found):
-            if rec is None:
-                lengths.append(0)
-                continue
-            view = out[offset : offset + rec.length]
-            got = os.preadv(self.slabs.fds[rec.size_class], [view], rec.slot * SIZE_CLASSES[rec.size_class])
-            if got != rec.length or crc32c.crc32c(view) != rec.crc:
-                statuses[i] = Status.CORRUPT
-                lengths.append(0)
-                block_lens[i] = 0
-                continue
-            lengths.append(rec.length)
-            offset += rec.length
-        return statuses, lengths, block_lens, offset
+                views.append(view)
+                block_lens.append(rec.block_len if view is not None else 0)
+        return statuses, views, block_lens
 
     def shard_records(self, tenant: str, key: bytes) -> Iterator[ShardRecord]:
         base = tenant_prefix(tenant) + key

@@ -182,7 +182,7 @@ _VIEW_BUF_OFFSET = _view_buf_offset()
 _NBYTES = attrgetter("nbytes")
 _C_CONTIGUOUS = attrgetter("c_contiguous")
 _READONLY = attrgetter("readonly")
-_PACK_POINTERS = {n: struct.Struct(f"{n}P").pack for n in range(1, TOTAL_SHARDS + 1)}
+_PACK_POINTERS = {n: struct.Struct(f"{n}P").pack for n in range(1, DATA_SHARDS + TOTAL_SHARDS + 1)}
 
 if _VIEW_BUF_OFFSET is None:
 
@@ -200,24 +200,25 @@ else:
         return _PACK_POINTERS[len(views)](*map(_VALUE, map(_VOID_P_AT, map(_AT_VIEW_BUF, map(id, views)))))
 
 
-def _views(buffers: Sequence[Buffer], count: int, role: str, writable: bool = False) -> tuple[list[memoryview], int]:
-    """Views of ``count`` same-sized, non-empty, C-contiguous (and, if asked, writable) buffers, and their size.
+def _shard_views(inputs: Sequence[Buffer], outputs: Sequence[WritableBuffer]) -> tuple[list[memoryview], int]:
+    """Views of ``inputs`` then ``outputs``, and their common size.
 
-    Raises ValueError, naming ``role``, if ``buffers`` does not fit.
+    Raises ValueError unless all are C-contiguous and of one non-zero size, and ``outputs`` are writable.
     """
-    if len(buffers) != count:
-        raise ValueError(f"need {count} {role} shards, got {len(buffers)}")
-    views = list(map(memoryview, buffers))
+    views = [*map(memoryview, inputs), *map(memoryview, outputs)]
     sizes = set(map(_NBYTES, views))
     if len(sizes) != 1:
-        raise ValueError(f"{role} shards differ in size: {[v.nbytes for v in views]} bytes")
+        raise ValueError(
+            f"shards differ in size: {[v.nbytes for v in views[: len(inputs)]]} bytes in, "
+            f"{[v.nbytes for v in views[len(inputs) :]]} bytes out"
+        )
     size = sizes.pop()
     if not 0 < size <= _MAX_SHARD:
-        raise ValueError(f"shard size must be between 1 and {_MAX_SHARD} bytes, got {size} ({role})")
+        raise ValueError(f"shard size must be between 1 and {_MAX_SHARD} bytes, got {size}")
     if not all(map(_C_CONTIGUOUS, views)):
-        raise ValueError(f"{role} shard buffers must be C-contiguous")
-    if writable and any(map(_READONLY, views)):
-        raise ValueError(f"{role} shard buffers must be writable")
+        raise ValueError("shard buffers must be C-contiguous")
+    if any(map(_READONLY, views[len(inputs) :])):
+        raise ValueError("output shard buffers must be writable")
     return views, size
 
 
@@ -238,8 +239,11 @@ class _Kernel(Protocol):
         """Precomputed form of ``rows`` (each ``DATA_SHARDS`` coefficients) for ``apply``."""
         ...
 
-    def apply(self, tables: object, inputs: list[memoryview], outputs: list[memoryview], size: int) -> None:
-        """Writes ``outputs[r]`` = sum over ``j`` of ``rows[r][j] * inputs[j]``; all shards are ``size`` bytes."""
+    def apply(self, tables: object, views: list[memoryview], size: int) -> None:
+        """Writes output ``r`` (``views[DATA_SHARDS + r]``) = sum over ``j`` of ``rows[r][j] * views[j]``.
+
+        All shards are ``size`` bytes.
+        """
         ...
 
 
@@ -280,10 +284,10 @@ class _IsalKernel:
         self._init_tables(DATA_SHARDS, len(rows), coefficients, tables)
         return tables
 
-    def apply(
-        self, tables: ctypes.Array[ctypes.c_ubyte], inputs: list[memoryview], outputs: list[memoryview], size: int
-    ) -> None:
-        self._encode(size, DATA_SHARDS, len(outputs), tables, _pointers(inputs), _pointers(outputs))
+    def apply(self, tables: ctypes.Array[ctypes.c_ubyte], views: list[memoryview], size: int) -> None:
+        pointers = _pointers(views)
+        outputs = len(views) - DATA_SHARDS
+        self._encode(size, DATA_SHARDS, outputs, tables, pointers, pointers[DATA_SHARDS * _PTR_SIZE :])
 
 
 class _NumpyKernel:
@@ -303,10 +307,11 @@ class _NumpyKernel:
     def tables(self, rows: _Matrix) -> _Matrix:
         return rows
 
-    def apply(self, tables: _Matrix, inputs: list[memoryview], outputs: list[memoryview], size: int) -> None:
-        sources = [np.frombuffer(v, np.uint8) for v in inputs]
+    def apply(self, tables: _Matrix, views: list[memoryview], size: int) -> None:
+        arrays = [np.frombuffer(v, np.uint8) for v in views]
+        sources = arrays[:DATA_SHARDS]
         product = np.empty(size, np.uint8)
-        for row, out in zip(tables, [np.frombuffer(v, np.uint8) for v in outputs], strict=True):
+        for row, out in zip(tables, arrays[DATA_SHARDS:], strict=True):
             out.fill(0)
             for coef, src in zip(row, sources, strict=True):
                 if coef == 1:
@@ -395,7 +400,7 @@ class Codec:
         self.library = self._kernel.path
         self._matrix = self._kernel.matrix()
         self._encode_tables = self._kernel.tables(self._matrix[DATA_SHARDS:])
-        self._decode_tables = functools.lru_cache(maxsize=4096)(self._make_decode_tables)
+        self._decode_plan = functools.lru_cache(maxsize=4096)(self._make_decode_plan)
 
     def __repr__(self) -> str:
         return f"Codec(backend={self.backend!r})"
@@ -407,11 +412,11 @@ class Codec:
         ``PARITY_SHARDS`` writable buffers, all C-contiguous and of the same, non-zero size in bytes; parity
         must not overlap data. Raises ValueError otherwise (nothing is written then).
         """
-        self._run(
-            self._encode_tables,
-            _views(data, DATA_SHARDS, "data"),
-            _views(parity, PARITY_SHARDS, "parity", writable=True),
-        )
+        if len(data) != DATA_SHARDS or len(parity) != PARITY_SHARDS:
+            raise ValueError(
+                f"need {DATA_SHARDS} data and {PARITY_SHARDS} parity shards, got {len(data)} and {len(parity)}"
+            )
+        self._kernel.apply(self._encode_tables, *_shard_views(data, parity))
 
     def reconstruct(self, present: Mapping[int, Buffer], want: Mapping[int, WritableBuffer]) -> None:
         """Computes the shards ``want`` names (data or parity) from the shards in ``present``, in place.
@@ -423,6 +428,11 @@ class Codec:
         """
         if not want:
             return
+        tables, used = self._decode_plan(tuple(present), tuple(want))
+        self._kernel.apply(tables, *_shard_views([*map(present.__getitem__, used)], [*want.values()]))
+
+    def _make_decode_plan(self, present: tuple[int, ...], want: tuple[int, ...]) -> tuple[object, tuple[int, ...]]:
+        """Tables that compute the shards ``want`` (in that order), and the present shards they read."""
         if len(present) < DATA_SHARDS:
             raise ValueError(
                 f"need at least {DATA_SHARDS} of {TOTAL_SHARDS} shards to reconstruct, "
@@ -433,24 +443,9 @@ class Codec:
                 f"shard indices must be in 0..{TOTAL_SHARDS - 1}, got present {sorted(present)}, want {sorted(want)}"
             )
         used = tuple(sorted(present)[:DATA_SHARDS])
-        wanted = tuple(sorted(want))
-        self._run(
-            self._decode_tables(used, wanted),
-            _views([present[i] for i in used], DATA_SHARDS, "present"),
-            _views([want[i] for i in wanted], len(wanted), "wanted", writable=True),
-        )
-
-    def _run(self, tables: object, inputs: tuple[list[memoryview], int], outputs: tuple[list[memoryview], int]) -> None:
-        (sources, size), (targets, out_size) = inputs, outputs
-        if size != out_size:
-            raise ValueError(f"shards differ in size: {size} bytes in, {out_size} bytes out")
-        self._kernel.apply(tables, sources, targets, size)
-
-    def _make_decode_tables(self, used: tuple[int, ...], wanted: tuple[int, ...]) -> object:
-        """Tables mapping the shards ``used`` to the shards ``wanted``."""
         inverse = self._kernel.invert([self._matrix[i] for i in used])
-        rows = [inverse[w] if w < DATA_SHARDS else _gf_row_times(self._matrix[w], inverse) for w in wanted]
-        return self._kernel.tables(rows)
+        rows = [inverse[w] if w < DATA_SHARDS else _gf_row_times(self._matrix[w], inverse) for w in want]
+        return self._kernel.tables(rows), used
 
     def encode(self, block: Buffer) -> list[bytes]:
         """The ``TOTAL_SHARDS`` shards of ``block`` (C-contiguous), each ``shard_size(len)`` bytes."""

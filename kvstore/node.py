@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.chunks import NO_HEADER, BlockCommit, ChunkEngine, ShardWrite
+from kvtier.kvstore.chunks import NO_HEADER, BlockCommit, ChunkEngine, Reservation, ShardWrite
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.protocol import (
     ErrorCode,
@@ -52,6 +52,7 @@ from kvtier.kvstore.protocol import (
     encode_error,
     encode_head,
 )
+from kvtier.kvstore.slabs import MAX_SHARD_BYTES
 from kvtier.kvstore.wire import bad, field, unpack_array, unpack_headers, unpack_keys
 
 log = logging.getLogger("kvtier.node")
@@ -85,23 +86,25 @@ class Reply:
 
 
 class Session:
-    """Per-connection state: the authenticated tenant and reusable buffers."""
+    """Per-connection state: the authenticated tenant, reusable buffers, a PUT whose payload is arriving."""
 
     def __init__(self, tenant: str, admin: bool) -> None:
         self.tenant = tenant
         self.admin = admin
         self.inbuf = bytearray()
-        self.outbuf = bytearray()
+        self.scratch = bytearray()
+        self.receiving: tuple[int, list[Reservation | Status]] | None = None  # (request id, slots)
 
     def in_view(self, n: int) -> memoryview:
         if len(self.inbuf) < n:
             self.inbuf = bytearray(n)
         return memoryview(self.inbuf)[:n]
 
-    def out_view(self, n: int) -> memoryview:
-        if len(self.outbuf) < n:
-            self.outbuf = bytearray(n)
-        return memoryview(self.outbuf)[:n]
+    def scratch_view(self, n: int) -> memoryview:
+        """Somewhere to receive bytes that are not kept (shards already stored, or refused)."""
+        if len(self.scratch) < n:
+            self.scratch = bytearray(n)
+        return memoryview(self.scratch)[:n]
 
 
 class StorageNode:
@@ -152,31 +155,46 @@ class StorageNode:
         name = field(frame.meta, "cls", str)
         return name if name in self.ttl_classes else None
 
-    def put_shards(self, session: Session, frame: Frame) -> Reply:
-        keys, idx = self._entries(frame)
-        lens = unpack_array(frame.meta, "lens", "<u4", len(keys))
-        blen = unpack_array(frame.meta, "blen", "<u8", len(keys))
-        headers = unpack_headers(frame.meta, len(keys))
-        if int(lens.sum()) != frame.payload_len:
+    def payload_sink(self, session: Session, head: Frame) -> list[memoryview]:
+        """Where a request's payload goes: a PUT's shards straight into their reserved slab slots."""
+        if head.opcode != Op.PUT_SHARDS:
+            return [session.in_view(head.payload_len)]
+        keys, idx = self._entries(head)
+        lens = unpack_array(head.meta, "lens", "<u4", len(keys))
+        blen = unpack_array(head.meta, "blen", "<u8", len(keys))
+        headers = unpack_headers(head.meta, len(keys))
+        if int(lens.sum()) != head.payload_len:
             raise bad("shard lengths do not add up to the payload")
-        ttl_class = self._ttl_class(frame)
+        if len(lens) and (int(lens.min()) == 0 or int(lens.max()) > MAX_SHARD_BYTES):
+            raise bad(f"shard lengths must be between 1 and {MAX_SHARD_BYTES} bytes")
+        ttl_class = self._ttl_class(head)
         if ttl_class is None:
-            return Reply({"st": bytes([Status.BAD_CLASS]) * len(keys)})
-        assert frame.payload is not None
-        offsets = np.concatenate(([0], np.cumsum(lens, dtype=np.int64)))
-        writes = [
-            ShardWrite(
-                keys[i],
-                int(idx[i]),
-                int(blen[i]),
-                ttl_class,
-                headers[i] or NO_HEADER,
-                frame.payload[offsets[i] : offsets[i + 1]],
-            )
-            for i in range(len(keys))
+            slots: list[Reservation | Status] = [Status.BAD_CLASS] * len(keys)
+        else:
+            writes = [
+                ShardWrite(keys[i], int(idx[i]), int(lens[i]), int(blen[i]), ttl_class, headers[i] or NO_HEADER)
+                for i in range(len(keys))
+            ]
+            slots = self.engine.reserve(session.tenant, writes)
+        session.receiving = (head.request_id, slots)
+        return [
+            s.view if isinstance(s, Reservation) else session.scratch_view(int(n))
+            for s, n in zip(slots, lens, strict=True)
         ]
-        statuses = self.engine.put_pending(session.tenant, writes)
-        return Reply({"st": bytes(statuses)})
+
+    def abandon_payload(self, session: Session) -> None:
+        """The connection died mid-payload: give the reserved slots back."""
+        if session.receiving is not None:
+            self.engine.cancel([s for s in session.receiving[1] if isinstance(s, Reservation)])
+            session.receiving = None
+
+    def put_shards(self, session: Session, frame: Frame) -> Reply:
+        if session.receiving is None or session.receiving[0] != frame.request_id:
+            raise bad("PUT_SHARDS without shards")
+        slots = session.receiving[1]
+        session.receiving = None
+        self.engine.record_pending(session.tenant, [s for s in slots if isinstance(s, Reservation)])
+        return Reply({"st": bytes(Status.OK if isinstance(s, Reservation) else s for s in slots)})
 
     def commit(self, session: Session, frame: Frame) -> Reply:
         keys, idx = self._entries(frame)
@@ -200,15 +218,15 @@ class StorageNode:
     def get_shards(self, session: Session, frame: Frame) -> Reply:
         keys, idx = self._entries(frame)
         headers = unpack_headers(frame.meta, len(keys))
-        statuses, lengths, block_lens, total = self.engine.read(
-            session.tenant, list(zip(keys, idx.tolist(), headers, strict=True)), self.ttl_s, session.out_view
+        statuses, views, block_lens = self.engine.read(
+            session.tenant, list(zip(keys, idx.tolist(), headers, strict=True)), self.ttl_s
         )
         meta = {
             "st": bytes(statuses),
-            "lens": np.asarray(lengths, dtype="<u4").tobytes(),
+            "lens": np.asarray([len(v) if v is not None else 0 for v in views], dtype="<u4").tobytes(),
             "blen": np.asarray(block_lens, dtype="<u8").tobytes(),
         }
-        return Reply(meta, [session.out_view(total)] if total else ())
+        return Reply(meta, [v for v in views if v is not None])
 
     def match(self, session: Session, frame: Frame) -> Reply:
         keys = unpack_keys(frame.meta, self.config.limits.max_batch)
@@ -306,23 +324,24 @@ class NodeServer:
                     sendmsg_all(conn, [head, *reply.payload])
         except ProtocolError as exc:
             log.warning("closing connection: %s", exc)
+            if session is not None:
+                self.node.abandon_payload(session)
             _send_quietly(conn, encode_error(request_id, exc.code, str(exc)))
         except (ConnectionError, TimeoutError):
-            return
+            if session is not None:
+                self.node.abandon_payload(session)
         except Exception:
             log.exception("internal error serving a connection")
             _send_quietly(conn, encode_error(request_id, ErrorCode.INTERNAL, "internal error; see the node log"))
 
-    @staticmethod
-    def _next_frame(conn: socket.socket, reader: FrameReader, session: Session | None) -> Frame | None:
+    def _next_frame(self, conn: socket.socket, reader: FrameReader, session: Session | None) -> Frame | None:
         while True:
             frame = reader.next_frame()
             if frame is not None:
                 return frame
-            head = reader.head
-            if head is not None and session is not None and head.payload_len and head.payload is None:
-                reader.sink([session.in_view(head.payload_len)])
-                head.payload = session.in_view(head.payload_len)
+            if reader.needs_sink and session is not None:
+                assert reader.head is not None
+                reader.sink(self.node.payload_sink(session, reader.head))
             n = conn.recvmsg_into(reader.writable())[0]
             if n == 0:
                 return None

@@ -171,6 +171,11 @@ class FrameReader:
         """The frame whose payload is being received: metadata parsed, payload not yet complete."""
         return self._frame if self._state == self._PAYLOAD else None
 
+    @property
+    def needs_sink(self) -> bool:
+        """A frame's payload is about to arrive and nobody has said where it goes yet."""
+        return self.head is not None and self._sink is None
+
     def sink(self, buffers: Sequence[memoryview]) -> None:
         """Receive the current frame's payload into ``buffers`` (their lengths must add up to it)."""
         frame = self.head

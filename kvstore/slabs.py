@@ -1,0 +1,138 @@
+"""Slab files: fixed-size slots per size class, memory-mapped so shards move without copies.
+
+``slabs/slab-<class bytes>.dat`` holds slot ``n`` of its class at offset ``n * class bytes``. A file is
+mapped in extents of about 64 MiB (a whole number of slots, so no slot straddles two maps); it is grown
+sparsely by whole extents with ``ftruncate`` so that every mapped byte lies inside the file, and the
+slots actually handed out are reserved on disk with ``posix_fallocate``. Writes into a reserved slot
+therefore cannot fail for lack of space, and a full disk shows up as :class:`NoSpace` at allocation.
+
+Nodes receive shard payloads straight into slot views (``recvmsg_into``) and send them from slot views
+(``sendmsg``): the only copies are the kernel's, between socket buffers and the page cache.
+
+Free slots live in memory: rebuilt from the shard records at open, then maintained here. A released slot
+is reused only after its grace time, so a read that found it keeps valid bytes. The caller serialises
+calls (the chunk engine holds its lock).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import mmap
+import os
+from collections import deque
+from pathlib import Path
+
+
+def _size_classes() -> list[int]:
+    sizes = set()
+    for power in range(12, 27):
+        for quarter in (4, 5, 6, 7):
+            size = (1 << power) * quarter // 4
+            if size <= 64 << 20:
+                sizes.add(size)
+    return sorted(sizes)
+
+
+SIZE_CLASSES = _size_classes()  # 4 KiB … 64 MiB in quarter-power steps: at most ~20 % slack per shard
+MAX_SHARD_BYTES = SIZE_CLASSES[-1]
+EXTENT_BYTES = 64 << 20
+
+
+def size_class_for(length: int) -> int:
+    """Index into SIZE_CLASSES of the smallest class that holds ``length`` bytes."""
+    if length > MAX_SHARD_BYTES:
+        raise ValueError(f"shard of {length} bytes exceeds the largest size class ({MAX_SHARD_BYTES})")
+    return bisect.bisect_left(SIZE_CLASSES, length)
+
+
+class NoSpace(Exception):
+    """The disk under the slab files is full."""
+
+
+class SlabFiles:
+    """Slot allocation and mapped views over one node's slab files."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.fds: dict[int, int] = {}
+        self.next_slot: dict[int, int] = {}  # slots of the class handed out at least once
+        self.free: dict[int, list[int]] = {}
+        self.quarantine: deque[tuple[float, int, int]] = deque()  # (reusable after, class, slot)
+        self.maps: dict[tuple[int, int], mmap.mmap] = {}
+
+    @staticmethod
+    def extent_slots(size_class: int) -> int:
+        return max(1, EXTENT_BYTES // SIZE_CLASSES[size_class])
+
+    def rebuild(self, used: dict[int, set[int]]) -> None:
+        """Take the slots in use from the shard records; everything else below the high mark is free."""
+        for size_class, slots in used.items():
+            self.next_slot[size_class] = max(slots) + 1
+            self.free[size_class] = [s for s in range(max(slots), -1, -1) if s not in slots]
+
+    def _fd(self, size_class: int) -> int:
+        fd = self.fds.get(size_class)
+        if fd is None:
+            path = self.directory / f"slab-{SIZE_CLASSES[size_class]}.dat"
+            fd = self.fds[size_class] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        return fd
+
+    def allocate(self, size_class: int, count: int) -> list[int]:
+        """``count`` slots of a class: freed ones first, then new ones reserved on disk in one call."""
+        free = self.free.setdefault(size_class, [])
+        reused = [free.pop() for _ in range(min(count, len(free)))]
+        new = count - len(reused)
+        if not new:
+            return reused
+        first = self.next_slot.get(size_class, 0)
+        size = SIZE_CLASSES[size_class]
+        fd = self._fd(size_class)
+        per_extent = self.extent_slots(size_class)
+        end_extent = -(-(first + new) // per_extent)
+        try:
+            if os.fstat(fd).st_size < end_extent * per_extent * size:
+                os.ftruncate(fd, end_extent * per_extent * size)
+            os.posix_fallocate(fd, first * size, new * size)
+        except OSError as exc:
+            free.extend(reversed(reused))
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpace(f"disk full under {self.directory}") from None
+            raise
+        self.next_slot[size_class] = first + new
+        return reused + list(range(first, first + new))
+
+    def view(self, size_class: int, slot: int, length: int) -> memoryview:
+        """A writable view of the first ``length`` bytes of a slot."""
+        per_extent = self.extent_slots(size_class)
+        extent, index = divmod(slot, per_extent)
+        size = SIZE_CLASSES[size_class]
+        mapped = self.maps.get((size_class, extent))
+        if mapped is None:
+            mapped = mmap.mmap(self._fd(size_class), per_extent * size, offset=extent * per_extent * size)
+            self.maps[(size_class, extent)] = mapped
+        return memoryview(mapped)[index * size : index * size + length]
+
+    def release(self, size_class: int, slot: int, after: float) -> None:
+        """Make a slot reusable once the clock passes ``after``."""
+        self.quarantine.append((after, size_class, slot))
+
+    def release_now(self, size_class: int, slot: int) -> None:
+        """Make a slot reusable at once (it was never visible to any reader)."""
+        self.free.setdefault(size_class, []).append(slot)
+
+    def reap(self, now: float) -> None:
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, size_class, slot = self.quarantine.popleft()
+            self.free.setdefault(size_class, []).append(slot)
+
+    def close(self) -> None:
+        for mapped in self.maps.values():
+            with contextlib.suppress(BufferError):  # a view still held by a dying connection thread
+                mapped.close()
+        self.maps.clear()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
