@@ -227,7 +227,7 @@ class ChunkEngine:
                     out.append(Status.NO_SPACE)
                 else:
                     slot = slots[p].pop()
-                    out.append(Reservation(w, p, slot, self.slabs.view(p, slot, w.length)))
+                    out.append(Reservation(w, p, slot, self.slabs.view(p, slot, w.length, for_write=True)))
         return out
 
     def record_pending(self, tenant: str, reservations: Sequence[Reservation]) -> None:

@@ -342,7 +342,7 @@ class NodeServer:
             if reader.needs_sink and session is not None:
                 assert reader.head is not None
                 reader.sink(self.node.payload_sink(session, reader.head))
-            n = conn.recvmsg_into(reader.writable())[0]
+            n = conn.recvmsg_into(reader.writable()[:IOV_MAX])[0]
             if n == 0:
                 return None
             reader.advance(n)
