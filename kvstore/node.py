@@ -91,14 +91,8 @@ class Session:
     def __init__(self, tenant: str, admin: bool) -> None:
         self.tenant = tenant
         self.admin = admin
-        self.inbuf = bytearray()
         self.scratch = bytearray()
         self.receiving: tuple[int, list[Reservation | Status]] | None = None  # (request id, slots)
-
-    def in_view(self, n: int) -> memoryview:
-        if len(self.inbuf) < n:
-            self.inbuf = bytearray(n)
-        return memoryview(self.inbuf)[:n]
 
     def scratch_view(self, n: int) -> memoryview:
         """Somewhere to receive bytes that are not kept (shards already stored, or refused)."""
@@ -158,7 +152,7 @@ class StorageNode:
     def payload_sink(self, session: Session, head: Frame) -> list[memoryview]:
         """Where a request's payload goes: a PUT's shards straight into their reserved slab slots."""
         if head.opcode != Op.PUT_SHARDS:
-            return [session.in_view(head.payload_len)]
+            raise bad(f"opcode {head.opcode} carries no payload")
         keys, idx = self._entries(head)
         lens = unpack_array(head.meta, "lens", "<u4", len(keys))
         blen = unpack_array(head.meta, "blen", "<u8", len(keys))
@@ -297,60 +291,82 @@ class NodeServer:
         self.listener.close()
 
     def _serve_connection(self, conn: socket.socket) -> None:
-        reader = FrameReader(PRE_AUTH_LIMITS)
-        session: Session | None = None
-        request_id = 0
-        try:
-            with conn:
-                while True:
-                    frame = self._next_frame(conn, reader, session)
-                    if frame is None:
-                        return
-                    request_id = frame.request_id
-                    if session is None:
-                        session = self.node.authenticate(frame)
-                        reader.limits = self.node.config.limits
-                        reply = Reply({"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin})
-                    else:
-                        try:
-                            reply = self.node.handle(session, frame)
-                        except ProtocolError as exc:
-                            if exc.code != ErrorCode.FORBIDDEN:
-                                raise
-                            conn.sendall(encode_error(request_id, exc.code, str(exc)))
-                            continue
-                    payload_len = sum(len(p) for p in reply.payload)
-                    head = encode_head(frame.opcode | Op.REPLY, request_id, reply.meta, payload_len)
-                    sendmsg_all(conn, [head, *reply.payload])
-        except ProtocolError as exc:
-            log.warning("closing connection: %s", exc)
-            if session is not None:
-                self.node.abandon_payload(session)
-            _send_quietly(conn, encode_error(request_id, exc.code, str(exc)))
-        except (ConnectionError, TimeoutError):
-            if session is not None:
-                self.node.abandon_payload(session)
-        except Exception:
-            log.exception("internal error serving a connection")
-            _send_quietly(conn, encode_error(request_id, ErrorCode.INTERNAL, "internal error; see the node log"))
+        state = _Conversation()
+        with conn:
+            try:
+                self._converse(conn, state)
+            except ProtocolError as exc:
+                log.warning("closing connection: %s", exc)
+                _close_with_error(conn, state.request_id, exc.code, str(exc))
+            except (ConnectionError, TimeoutError):
+                pass
+            except Exception:
+                log.exception("internal error serving a connection")
+                _close_with_error(conn, state.request_id, ErrorCode.INTERNAL, "internal error; see the node log")
+            finally:
+                if state.session is not None:
+                    self.node.abandon_payload(state.session)
 
-    def _next_frame(self, conn: socket.socket, reader: FrameReader, session: Session | None) -> Frame | None:
+    def _converse(self, conn: socket.socket, state: _Conversation) -> None:
+        reader = FrameReader(PRE_AUTH_LIMITS)
+        while True:
+            frame = self._next_frame(conn, reader, state)
+            if frame is None:
+                return
+            state.request_id = frame.request_id
+            if state.session is None:
+                state.session = self.node.authenticate(frame)
+                reader.limits = self.node.config.limits
+                session = state.session
+                reply = Reply({"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin})
+            else:
+                try:
+                    reply = self.node.handle(state.session, frame)
+                except ProtocolError as exc:
+                    if exc.code != ErrorCode.FORBIDDEN:
+                        raise
+                    conn.sendall(encode_error(frame.request_id, exc.code, str(exc)))
+                    continue
+            payload_len = sum(len(p) for p in reply.payload)
+            head = encode_head(frame.opcode | Op.REPLY, frame.request_id, reply.meta, payload_len)
+            sendmsg_all(conn, [head, *reply.payload])
+
+    def _next_frame(self, conn: socket.socket, reader: FrameReader, state: _Conversation) -> Frame | None:
         while True:
             frame = reader.next_frame()
             if frame is not None:
                 return frame
-            if reader.needs_sink and session is not None:
+            if reader.needs_sink and state.session is not None:
                 assert reader.head is not None
-                reader.sink(self.node.payload_sink(session, reader.head))
+                state.request_id = reader.head.request_id
+                reader.sink(self.node.payload_sink(state.session, reader.head))
             n = conn.recvmsg_into(reader.writable()[:IOV_MAX])[0]
             if n == 0:
                 return None
             reader.advance(n)
 
 
-def _send_quietly(conn: socket.socket, data: bytes) -> None:
+class _Conversation:
+    """What a connection's handler knows: who it talks to and which request it is answering."""
+
+    def __init__(self) -> None:
+        self.session: Session | None = None
+        self.request_id = 0
+
+
+def _close_with_error(conn: socket.socket, request_id: int, code: ErrorCode, message: str) -> None:
+    """Send an ERROR frame, then close gently: shut our side and drain briefly so the peer reads the
+    error instead of a reset caused by its own unread bytes."""
     with contextlib.suppress(OSError):
-        conn.sendall(data)
+        conn.sendall(encode_error(request_id, code, message))
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(0.2)
+        drained = 0
+        while drained < 4 << 20:
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                break
+            drained += len(chunk)
 
 
 def run_node(config_path: str, node_id: int) -> None:

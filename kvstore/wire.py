@@ -58,10 +58,9 @@ def unpack_keys(meta: dict[str, Any], max_batch: int) -> list[bytes]:
 
 def unpack_array(meta: dict[str, Any], name: str, dtype: str, n: int) -> np.ndarray:
     blob = field(meta, name, bytes)
-    arr = np.frombuffer(blob, dtype=dtype)
-    if len(arr) != n or len(blob) != arr.itemsize * n:
+    if len(blob) != np.dtype(dtype).itemsize * n:
         raise bad(f"field {name!r} must hold {n} values")
-    return arr
+    return np.frombuffer(blob, dtype=dtype)
 
 
 def unpack_headers(meta: dict[str, Any], n: int) -> list[bytes | None]:

@@ -3,12 +3,6 @@
 One 12-node cluster (real node processes started by :class:`LocalCluster`) serves the whole module. Raw
 sockets speak the wire protocol by hand to node 0 so each bad input is exactly what the test says; the
 real :class:`Client` then checks that the node keeps serving well-behaved peers.
-
-Bug notes (see the xfail reasons): every test that expects an ERROR frame before a close is marked
-``xfail(strict=True)`` because kvstore/node.py closes the socket before sending that frame (which also
-turns a wrong client token into misses instead of AuthError); a ragged ``lens`` blob additionally hits
-a ValueError in kvstore/wire.py. The companion tests that only require "closed, and the node keeps
-serving" pass today and keep passing once the bugs are fixed.
 """
 
 from __future__ import annotations
@@ -37,13 +31,6 @@ TEAMB_TOKEN = secrets.token_hex(16)
 TARGET = 0  # the node every raw-socket test talks to
 BLOCK = 16 << 10
 SOCKET_TIMEOUT_S = 5.0
-
-NO_ERROR_FRAME = (
-    "kvstore/node.py NodeServer._serve_connection: `with conn:` sits inside the `try`, so the socket is "
-    "already closed when `except ProtocolError` calls _send_quietly(conn, encode_error(...)); sendall "
-    "raises EBADF, which is suppressed, and the peer gets a bare close instead of the ERROR frame"
-)
-
 
 # -- fixtures --------------------------------------------------------------------------------------------
 
@@ -349,7 +336,6 @@ def test_hello_with_tenant_token_authenticates_that_tenant_without_admin(local: 
     assert reply.meta == {"node_id": TARGET, "tenant": "teamb", "admin": False}
 
 
-@pytest.mark.xfail(reason=NO_ERROR_FRAME, raises=AssertionError, strict=True)
 def test_first_frame_not_hello_gets_auth_required_and_close(local: LocalCluster, admin_token: str):
     with open_raw(local) as sock:
         code, rid = _not_hello(sock, admin_token)
@@ -364,7 +350,6 @@ def test_first_frame_not_hello_gets_no_reply_and_is_closed(local: LocalCluster, 
     assert all(f.meta.get("code") == ErrorCode.AUTH_REQUIRED for f in frames)
 
 
-@pytest.mark.xfail(reason=NO_ERROR_FRAME, raises=AssertionError, strict=True)
 def test_hello_with_wrong_token_gets_auth_failed_and_close(local: LocalCluster, admin_token: str):
     with open_raw(local) as sock:
         code, rid = _wrong_token(sock, admin_token)
@@ -389,12 +374,6 @@ def test_hello_with_a_prefix_of_the_real_token_is_refused(local: LocalCluster, a
         assert_closed(sock)
 
 
-@pytest.mark.xfail(
-    reason="the node closes without the AUTH_FAILED frame (" + NO_ERROR_FRAME + "), so the client's "
-    "_handshake sees EOF, ConnectionPool.get marks the node down and every call is a miss, not AuthError",
-    raises=pytest.fail.Exception,
-    strict=True,
-)
 @pytest.mark.parametrize("call", ["get", "get_into", "match", "exists", "put", "delete"])
 def test_client_with_wrong_token_raises_auth_error(path: Path, call: str):
     keys = random_keys(2)
@@ -413,7 +392,6 @@ def test_client_with_wrong_token_raises_auth_error(path: Path, call: str):
 # -- malformed input -------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason=NO_ERROR_FRAME, raises=AssertionError, strict=True)
 @pytest.mark.parametrize("case", ["bad-magic", "bad-crc", "wrong-version"])
 def test_bad_frame_header_gets_bad_frame_and_close(local: LocalCluster, admin_token: str, case: str):
     with open_raw(local) as sock:
@@ -422,7 +400,6 @@ def test_bad_frame_header_gets_bad_frame_and_close(local: LocalCluster, admin_to
         assert_error_then_closed(sock, ErrorCode.BAD_FRAME)
 
 
-@pytest.mark.xfail(reason=NO_ERROR_FRAME, raises=AssertionError, strict=True)
 @pytest.mark.parametrize("case", ["pre-auth-payload", "pre-auth-huge-meta", "huge-payload", "huge-meta"])
 def test_header_over_the_limit_gets_too_large_and_close(local: LocalCluster, admin_token: str, case: str):
     with open_raw(local) as sock:
@@ -431,7 +408,6 @@ def test_header_over_the_limit_gets_too_large_and_close(local: LocalCluster, adm
         assert_error_then_closed(sock, ErrorCode.TOO_LARGE)
 
 
-@pytest.mark.xfail(reason=NO_ERROR_FRAME, raises=AssertionError, strict=True)
 @pytest.mark.parametrize(
     "case",
     [
@@ -451,20 +427,12 @@ def test_malformed_request_gets_bad_request_and_close(local: LocalCluster, admin
         assert_error_then_closed(sock, ErrorCode.BAD_REQUEST, rid)
 
 
-@pytest.mark.xfail(reason=NO_ERROR_FRAME, raises=AssertionError, strict=True)
 def test_metadata_not_a_map_gets_bad_frame_and_close(local: LocalCluster, admin_token: str):
     with open_raw(local) as sock:
         _metadata_not_a_map(sock, admin_token)
         assert_error_then_closed(sock, ErrorCode.BAD_FRAME)
 
 
-@pytest.mark.xfail(
-    reason="kvstore/wire.py unpack_array calls np.frombuffer before checking the length, so a 'lens' blob "
-    "of 5 bytes raises ValueError; node.py answers that as INTERNAL instead of BAD_REQUEST (and, "
-    "because of the closed-socket bug, sends no ERROR frame at all)",
-    raises=AssertionError,
-    strict=True,
-)
 def test_put_shards_with_ragged_lens_blob_gets_bad_request_and_close(local: LocalCluster, admin_token: str):
     with open_raw(local) as sock:
         hello(sock, admin_token)
@@ -479,7 +447,6 @@ def test_put_shards_with_ragged_lens_blob_gets_bad_request_and_close(local: Loca
         assert_error_then_closed(sock, ErrorCode.BAD_REQUEST, 21)
 
 
-@pytest.mark.xfail(reason=NO_ERROR_FRAME, raises=AssertionError, strict=True)
 def test_garbage_longer_than_a_header_gets_bad_frame_and_close(local: LocalCluster):
     with open_raw(local) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: kvtier\r\nAccept: */*\r\n\r\n")

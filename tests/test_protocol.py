@@ -697,11 +697,6 @@ def test_unpack_array_rejects_missing_or_mistyped_field():
     _bad_request(unpack_array, {"idx": [0, 1]}, "idx", "u1", 2)
 
 
-@pytest.mark.xfail(
-    reason="kvstore/wire.py unpack_array: np.frombuffer raises ValueError (not ProtocolError BAD_REQUEST) "
-    "when the blob length is not a multiple of the dtype's itemsize",
-    strict=True,
-)
 @pytest.mark.parametrize(("dtype", "blob_len", "n"), [("<u4", 5, 1), ("<u8", 12, 1), ("<u4", 3, 0)])
 def test_unpack_array_rejects_blob_not_a_multiple_of_the_item_size(dtype: str, blob_len: int, n: int):
     _bad_request(unpack_array, {"lens": b"\x01" * blob_len}, "lens", dtype, n)
