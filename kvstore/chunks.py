@@ -38,6 +38,7 @@ from pathlib import Path
 import crc32c
 import lmdb
 
+from kvtier.gc.policy import LruIndex
 from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
 
@@ -180,13 +181,20 @@ class ChunkEngine:
         self.blocks_db = self.env.open_db(b"blocks")
         self.settings_db = self.env.open_db(b"settings")
         self.slabs = SlabFiles(self.data_dir / "slabs")
-        self.used_bytes = 0
+        self.used_bytes = 0  # slots holding shards, reserved, or in their grace time after a delete
+        self.lru = LruIndex()  # block records this node is primary for, least recently used first
+        self._accessed: dict[bytes, float] = {}  # last-access times not yet written to LMDB
         used: dict[int, set[int]] = {}
-        with self.env.begin(db=self.shards_db) as txn:
-            for _, raw in txn.cursor():
+        with self.env.begin() as txn:
+            for _, raw in txn.cursor(db=self.shards_db):
                 rec = ShardRecord.unpack(raw)
                 used.setdefault(rec.size_class, set()).add(rec.slot)
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
+            blocks = [(bytes(k), BlockRecord.unpack(raw)) for k, raw in txn.cursor(db=self.blocks_db)]
+            for bkey, block in sorted(blocks, key=lambda kb: kb[1].last_access):
+                own = txn.get(bkey + b"\x00", db=self.shards_db)
+                size = SIZE_CLASSES[ShardRecord.unpack(own).size_class] if own is not None else 0
+                self.lru.insert(bkey, size, block.last_access, block.ttl_class, block.created)
         self.slabs.rebuild(used)
 
     # -- writes ---------------------------------------------------------------------------------------
@@ -199,7 +207,7 @@ class ChunkEngine:
         """
         plan: list[int | Status] = []  # size class to reserve, or the verdict
         with self._lock:
-            self.slabs.reap(self.clock())
+            self.used_bytes -= self.slabs.reap(self.clock())
             with self.env.begin(db=self.shards_db, buffers=True) as txn:
                 for w in writes:
                     raw = txn.get(shard_key(tenant, w.key, w.index))
@@ -279,8 +287,18 @@ class ChunkEngine:
         self._release_slot(rec.size_class, rec.slot, now)
 
     def _release_slot(self, size_class: int, slot: int, now: float) -> None:
-        self.used_bytes -= SIZE_CLASSES[size_class]
+        """The slot stays counted as used through its grace time: its bytes are not reusable before."""
         self.slabs.release(size_class, slot, now + self.grace_s)
+
+    def reap(self) -> None:
+        """Return slots whose grace time has passed to the free lists."""
+        with self._lock:
+            self.used_bytes -= self.slabs.reap(self.clock())
+
+    @property
+    def freeing_bytes(self) -> int:
+        """Used bytes already deleted and waiting out their grace time."""
+        return self.slabs.quarantined_bytes
 
     def commit(self, tenant: str, commits: Sequence[BlockCommit]) -> list[Status]:
         """Mark shards COMMITTED (and write block records at the primary); MISSING if no shard is stored."""
@@ -302,6 +320,7 @@ class ChunkEngine:
                     created = BlockRecord.unpack(old).created if old is not None else now
                     block = BlockRecord(c.block_len, created, now, c.header, c.ns, c.parent, c.ttl_class)
                     txn.put(bkey, block.pack(), db=self.blocks_db)
+                    self.lru.insert(bkey, SIZE_CLASSES[rec.size_class], now, c.ttl_class, created)
                 statuses.append(Status.OK)
         return statuses
 
@@ -312,7 +331,10 @@ class ChunkEngine:
         prefix = tenant_prefix(tenant)
         with self._lock, self.env.begin(write=True) as txn:
             for key in keys:
-                txn.delete(block_key(tenant, key), db=self.blocks_db)
+                bkey = block_key(tenant, key)
+                txn.delete(bkey, db=self.blocks_db)
+                self.lru.remove(bkey)
+                self._accessed.pop(bkey, None)
             cursor = txn.cursor(db=self.shards_db)
             for key in keys:
                 base = prefix + key
@@ -328,6 +350,75 @@ class ChunkEngine:
                     elif not cursor.next():
                         break
         return removed
+
+    # -- GC support -----------------------------------------------------------------------------------
+
+    def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
+        """Record a read of blocks this node is primary for: in memory now, in LMDB at the next flush."""
+        now = self.clock()
+        with self._lock:
+            for key in keys:
+                bkey = block_key(tenant, key)
+                if self.lru.touch(bkey, now):
+                    self._accessed[bkey] = now
+
+    def flush_access(self) -> int:
+        """Write the batched last-access times into the block records; returns how many."""
+        with self._lock:
+            accessed, self._accessed = self._accessed, {}
+            if not accessed:
+                return 0
+            with self.env.begin(db=self.blocks_db, write=True) as txn:
+                for bkey, when in accessed.items():
+                    raw = txn.get(bkey)
+                    if raw is not None:
+                        txn.put(bkey, replace(BlockRecord.unpack(raw), last_access=when).pack())
+        return len(accessed)
+
+    def block_keys_to_pairs(self, bkeys: Sequence[bytes]) -> list[tuple[str, bytes]]:
+        """LRU keys (tenant prefix + key) back to (tenant, key)."""
+        out = []
+        for bkey in bkeys:
+            cut = bkey.index(b"/")
+            out.append((bkey[:cut].decode(), bkey[cut + 1 :]))
+        return out
+
+    def pending_before(self, cutoff: float) -> list[tuple[str, bytes, int]]:
+        """PENDING shards written before ``cutoff``: (tenant, key, index). A full scan: call it rarely."""
+        found = []
+        with self.env.begin(db=self.shards_db, buffers=True) as txn:
+            for skey, raw in txn.cursor():
+                if raw[0] == PENDING and ShardRecord.unpack(raw).created < cutoff:
+                    raw_key = bytes(skey)
+                    cut = raw_key.index(b"/")
+                    found.append((raw_key[:cut].decode(), raw_key[cut + 1 : -1], raw_key[-1]))
+        return found
+
+    def promote(self, tenant: str, items: Sequence[tuple[bytes, int]]) -> int:
+        """Mark still-PENDING shards COMMITTED (their block was committed at its primary)."""
+        promoted = 0
+        with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
+            for key, index in items:
+                skey = shard_key(tenant, key, index)
+                raw = txn.get(skey)
+                if raw is not None and raw[0] == PENDING:
+                    txn.put(skey, replace(ShardRecord.unpack(raw), state=COMMITTED).pack())
+                    promoted += 1
+        return promoted
+
+    def drop_pending(self, tenant: str, items: Sequence[tuple[bytes, int]]) -> int:
+        """Remove shards that are still PENDING (a dead writer's); committed ones are left alone."""
+        now = self.clock()
+        dropped = 0
+        with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
+            for key, index in items:
+                skey = shard_key(tenant, key, index)
+                raw = txn.get(skey)
+                if raw is not None and raw[0] == PENDING:
+                    self._release(ShardRecord.unpack(raw), now)
+                    txn.delete(skey)
+                    dropped += 1
+        return dropped
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -408,6 +499,7 @@ class ChunkEngine:
         self.env.sync(True)
 
     def close(self) -> None:
+        self.flush_access()
         with self._lock:
             self.env.sync(True)
             self.env.close()

@@ -62,6 +62,7 @@ class SlabFiles:
         self.next_slot: dict[int, int] = {}  # slots of the class handed out at least once
         self.free: dict[int, list[int]] = {}
         self.quarantine: deque[tuple[float, int, int]] = deque()  # (reusable after, class, slot)
+        self.quarantined_bytes = 0
         self.maps: dict[tuple[int, int], mmap.mmap] = {}
 
     @staticmethod
@@ -126,15 +127,21 @@ class SlabFiles:
     def release(self, size_class: int, slot: int, after: float) -> None:
         """Make a slot reusable once the clock passes ``after``."""
         self.quarantine.append((after, size_class, slot))
+        self.quarantined_bytes += SIZE_CLASSES[size_class]
 
     def release_now(self, size_class: int, slot: int) -> None:
         """Make a slot reusable at once (it was never visible to any reader)."""
         self.free.setdefault(size_class, []).append(slot)
 
-    def reap(self, now: float) -> None:
+    def reap(self, now: float) -> int:
+        """Free the quarantined slots whose grace has passed; returns their bytes."""
+        freed = 0
         while self.quarantine and self.quarantine[0][0] <= now:
             _, size_class, slot = self.quarantine.popleft()
             self.free.setdefault(size_class, []).append(slot)
+            freed += SIZE_CLASSES[size_class]
+        self.quarantined_bytes -= freed
+        return freed
 
     def close(self) -> None:
         for mapped in self.maps.values():
