@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
+from operator import itemgetter
 from typing import Any, ClassVar, TypeVar
 
 __all__ = [
@@ -144,20 +145,24 @@ class _Metric:
         self.name = name
         self.help = help
         self.labelnames: tuple[str, ...] = labelnames
+        self._label_count = len(labelnames)
+        # C-level lookup of the label values in declaration order (a bare value for one label).
+        self._get_labels: Callable[[Mapping[str, object]], Any] = itemgetter(*labelnames) if labelnames else len
         self._lock = threading.Lock()
         self._series: dict[LabelKey, Any] = {}
 
     def _key(self, labels: Mapping[str, object]) -> LabelKey:
         """The label-value tuple for ``labels`` (names checked; values are checked on first use)."""
-        names = self.labelnames
-        if len(labels) != len(names):
+        count = self._label_count
+        if len(labels) != count:
             raise self._label_error(labels)
-        if not names:
+        if count == 0:
             return ()
         try:
-            return tuple([labels[n] for n in names])  # type: ignore[misc]
+            values = self._get_labels(labels)
         except KeyError:
             raise self._label_error(labels) from None
+        return (values,) if count == 1 else values
 
     def _new_key(self, key: tuple[object, ...]) -> LabelKey:
         """Validate the values of a label set seen for the first time; plain ``str`` copies of them."""
