@@ -141,9 +141,13 @@ class BlockCommit:
     header: bytes
     ns: bytes
     parent: bytes
+    created: float | None = None  # repair re-creates a record with the block's original creation time
 
 
 NO_HEADER = bytes(16)
+# The primary (data shard 0) keeps the block record; the holder of shard 1 keeps a copy, so a wiped
+# primary's blocks can be found and its record rebuilt by repair.
+RECORD_HOLDERS = (0, 1)
 
 
 def tenant_prefix(tenant: str) -> bytes:
@@ -167,10 +171,13 @@ class ChunkEngine:
         capacity_bytes: int,
         grace_s: float = 30.0,
         clock: Callable[[], float] = time.time,
+        high_watermark: float = 0.9,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.capacity_bytes = capacity_bytes
         self.grace_s = grace_s
+        self.high_watermark = high_watermark
+        self.on_high_watermark: Callable[[], None] | None = None  # wakes the GC worker
         self.clock = clock
         self._lock = threading.Lock()
         (self.data_dir / "meta").mkdir(parents=True, exist_ok=True)
@@ -193,8 +200,9 @@ class ChunkEngine:
             blocks = [(bytes(k), BlockRecord.unpack(raw)) for k, raw in txn.cursor(db=self.blocks_db)]
             for bkey, block in sorted(blocks, key=lambda kb: kb[1].last_access):
                 own = txn.get(bkey + b"\x00", db=self.shards_db)
-                size = SIZE_CLASSES[ShardRecord.unpack(own).size_class] if own is not None else 0
-                self.lru.insert(bkey, size, block.last_access, block.ttl_class, block.created)
+                if own is not None:  # primary here (a record without shard 0 is shard 1's copy)
+                    size = SIZE_CLASSES[ShardRecord.unpack(own).size_class]
+                    self.lru.insert(bkey, size, block.last_access, block.ttl_class, block.created)
         self.slabs.rebuild(used)
 
     # -- writes ---------------------------------------------------------------------------------------
@@ -227,6 +235,9 @@ class ChunkEngine:
                     slots[size_class] = self.slabs.allocate(size_class, count)[::-1]
                 except NoSpace:
                     self.used_bytes -= count * SIZE_CLASSES[size_class]
+            over_high = self.used_bytes - self.freeing_bytes > self.capacity_bytes * self.high_watermark
+            if over_high and self.on_high_watermark is not None:
+                self.on_high_watermark()
             out: list[Reservation | Status] = []
             for w, p in zip(writes, plan, strict=True):
                 if isinstance(p, Status):
@@ -314,13 +325,17 @@ class ChunkEngine:
                 rec = ShardRecord.unpack(raw)
                 if rec.state != COMMITTED:
                     txn.put(skey, replace(rec, state=COMMITTED).pack(), db=self.shards_db)
-                if c.index == 0:
+                if c.index in RECORD_HOLDERS:
                     bkey = block_key(tenant, c.key)
                     old = txn.get(bkey, db=self.blocks_db)
-                    created = BlockRecord.unpack(old).created if old is not None else now
+                    if old is not None:
+                        created = BlockRecord.unpack(old).created
+                    else:
+                        created = c.created if c.created is not None else now
                     block = BlockRecord(c.block_len, created, now, c.header, c.ns, c.parent, c.ttl_class)
                     txn.put(bkey, block.pack(), db=self.blocks_db)
-                    self.lru.insert(bkey, SIZE_CLASSES[rec.size_class], now, c.ttl_class, created)
+                    if c.index == 0:
+                        self.lru.insert(bkey, SIZE_CLASSES[rec.size_class], now, c.ttl_class, created)
                 statuses.append(Status.OK)
         return statuses
 
@@ -437,17 +452,20 @@ class ChunkEngine:
         tenant: str,
         wanted: Sequence[tuple[bytes, int, bytes | None]],
         ttl_s: Callable[[str], float | None],
-    ) -> tuple[list[Status], list[memoryview | None], list[int]]:
+        probe: bool = False,
+    ) -> tuple[list[Status], list[memoryview | None], list[int], list[str]]:
         """Look up committed shards ``(key, index, expected header digest or None)``.
 
         Returns per shard a status, a view of its bytes in the slab file (None unless OK; valid until the
-        slot's grace time after a delete, longer than any read) and its block's length (0 unless OK).
-        A shard whose crc32c does not verify is ``CORRUPT``: an erasure, never returned.
+        slot's grace time after a delete, longer than any read), its block's length and TTL class (0 and ""
+        unless OK). A shard whose crc32c does not verify is ``CORRUPT``: an erasure, never returned.
+        ``probe`` skips the bytes and the crc check (a repair scan asking only what is there).
         """
         now = self.clock()
         statuses: list[Status] = []
         views: list[memoryview | None] = []
         block_lens: list[int] = []
+        classes: list[str] = []
         with self.env.begin(buffers=True) as txn:
             for key, index, header in wanted:
                 raw = txn.get(shard_key(tenant, key, index), db=self.shards_db)
@@ -464,14 +482,21 @@ class ChunkEngine:
                 if status == Status.OK and header is not None and rec.header != header:
                     status = Status.MISMATCH
                 view = None
-                if status == Status.OK:
+                if status == Status.OK and not probe:
                     view = self.slabs.view(rec.size_class, rec.slot, rec.length)
                     if crc32c.crc32c(view) != rec.crc:
                         status, view = Status.CORRUPT, None
                 statuses.append(status)
                 views.append(view)
-                block_lens.append(rec.block_len if view is not None else 0)
-        return statuses, views, block_lens
+                ok = view is not None
+                block_lens.append(rec.block_len if ok else 0)
+                classes.append(rec.ttl_class if ok else "")
+        return statuses, views, block_lens, classes
+
+    def records_held(self) -> list[tuple[bytes, BlockRecord]]:
+        """Every block record here (as primary or as shard 1's copy), keyed by tenant prefix + key."""
+        with self.env.begin(db=self.blocks_db) as txn:
+            return [(bytes(k), BlockRecord.unpack(raw)) for k, raw in txn.cursor()]
 
     def shard_records(self, tenant: str, key: bytes) -> Iterator[ShardRecord]:
         base = tenant_prefix(tenant) + key

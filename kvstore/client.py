@@ -71,14 +71,17 @@ class BlockLayout:
 class _ReadState:
     """Book-keeping of one batched read: where each shard goes and which blocks can be decoded."""
 
-    def __init__(self, n: int, buffers: list[memoryview | None], allocate: bool) -> None:
+    def __init__(self, n: int, buffers: list[memoryview | None], allocate: bool, trust_primary: bool) -> None:
         self.buffers = buffers
         self.allocate = allocate
+        self.trust_primary = trust_primary
         self.layouts: list[BlockLayout | None] = [BlockLayout(len(b)) if b is not None else None for b in buffers]
         self.valid = np.zeros((n, TOTAL_SHARDS), dtype=bool)
         self.asked = np.zeros((n, TOTAL_SHARDS), dtype=bool)
+        self.lost = np.zeros((n, TOTAL_SHARDS), dtype=bool)  # a node answered MISSING or CORRUPT: repairable
         self.absent = np.zeros(n, dtype=bool)
         self.mismatch = np.zeros(n, dtype=bool)
+        self.ttl_class: list[str | None] = [None] * n
         self.parity: dict[tuple[int, int], memoryview] = {}
         self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
 
@@ -87,8 +90,16 @@ class _ReadState:
         statuses = frame.meta.get("st")
         if isinstance(statuses, bytes) and len(statuses) == len(entries):
             st = np.frombuffer(statuses, dtype=np.uint8)
-            self.absent[entries[st == Status.ABSENT, 0]] = True
+            if self.trust_primary:
+                self.absent[entries[st == Status.ABSENT, 0]] = True
             self.mismatch[entries[st == Status.MISMATCH, 0]] = True
+            lost = entries[(st == Status.MISSING) | (st == Status.CORRUPT)]
+            self.lost[lost[:, 0], lost[:, 1]] = True
+            names, ci = frame.meta.get("classes"), frame.meta.get("ci")
+            if isinstance(names, list) and isinstance(ci, bytes) and len(ci) == len(entries):
+                for (b, _), c in zip(entries.tolist(), ci, strict=True):
+                    if c < len(names) and isinstance(names[c], str):
+                        self.ttl_class[b] = names[c]
         good = self.receiving.pop(frame.request_id, None)
         if good is not None and len(good):
             self.valid[good[:, 0], good[:, 1]] = True
@@ -129,7 +140,7 @@ class Client:
             config.client.connect_timeout_s,
             config.client.retry_down_after_s,
         )
-        self.stats = {"header_mismatches": 0, "degraded_reads": 0, "misses": 0, "hits": 0}
+        self.stats = {"header_mismatches": 0, "degraded_reads": 0, "misses": 0, "hits": 0, "shards_repaired": 0}
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -255,21 +266,47 @@ class Client:
         """
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        if ttl_class not in self.config.ttl_classes:
-            raise ValueError(f"unknown TTL class {ttl_class!r}; known: {', '.join(sorted(self.config.ttl_classes))}")
         if not keys:
             return []
         headers, parents, ns_digest = self._headers(keys, tokens, namespace, headers)
         views = [memoryview(b).cast("B") for b in blocks]
         shard_nodes = self.placement.shard_nodes(keys)
+        write = np.ones(shard_nodes.shape, dtype=bool)
+        _, stored, no_space = self._store(keys, views, ttl_class, shard_nodes, write, headers, parents, ns_digest)
+        result = stored.tolist()
+        if (no_space & ~stored).any():
+            refused = int((no_space & ~stored).sum())
+            raise CapacityError(f"{refused} of {len(keys)} blocks were refused: nodes are at capacity", result)
+        return result
+
+    def _store(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        ttl_class: str,
+        shard_nodes: np.ndarray,
+        write: np.ndarray,
+        headers: list[bytes] | None = None,
+        parents: dict[bytes, bytes] | None = None,
+        ns_digest: bytes = b"",
+        created: Sequence[float] | None = None,
+        commit_always: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Write the shards selected by ``write`` (n × 12) in two phases; see the module docstring.
+
+        A block commits when its primary's shard and ``min_write_shards`` shards are durable, or, with
+        ``commit_always`` (repair, which writes only the missing ones), whenever its written shards are.
+        Returns the (n × 12) shards now durable, per block whether it committed (its primary recorded it),
+        and per block whether a node refused a shard for lack of space.
+        """
         shards = self._encode(views)
         blob_meta = {"cls": ttl_class}
 
         # phase 1: shards PENDING on every node
         exchange = Exchange(self.pool)
         plans = []
-        for node_id in np.unique(shard_nodes).tolist():
-            entries = np.argwhere(shard_nodes == node_id)
+        for node_id in np.unique(shard_nodes[write]).tolist():
+            entries = np.argwhere((shard_nodes == node_id) & write)
             meta = self._entry_meta(keys, entries, headers)
             meta["lens"] = np.asarray([len(shards[b][i]) for b, i in entries], dtype="<u4").tobytes()
             meta["blen"] = np.asarray([len(views[b]) for b, _ in entries], dtype="<u8").tobytes()
@@ -284,17 +321,20 @@ class Client:
             if statuses is None:
                 continue
             if (statuses == Status.BAD_CLASS).any():
-                raise ValueError(f"the cluster does not know TTL class {ttl_class!r}")
+                raise ValueError(f"unknown TTL class {ttl_class!r}: the cluster defines no such class")
             good = (statuses == Status.OK) | (statuses == Status.EXISTS)
             ok[entries[good, 0], entries[good, 1]] = True
             no_space[entries[statuses == Status.NO_SPACE, 0]] = True
-        writable = ok[:, 0] & (ok.sum(axis=1) >= self.config.client.min_write_shards)
+        if commit_always:
+            committable = np.ones(len(keys), dtype=bool)
+        else:
+            committable = ok[:, 0] & (ok.sum(axis=1) >= self.config.client.min_write_shards)
 
         # phase 2: COMMIT where enough shards are durable; the primary's record makes the block visible
         exchange = Exchange(self.pool)
         commits = []
         for node_id in np.unique(shard_nodes).tolist():
-            entries = np.argwhere((shard_nodes == node_id) & ok & writable[:, None])
+            entries = np.argwhere((shard_nodes == node_id) & ok & write & committable[:, None])
             if not len(entries):
                 continue
             meta = self._entry_meta(keys, entries, headers)
@@ -302,7 +342,9 @@ class Client:
             meta.update(blob_meta)
             if parents:
                 meta["ns"] = ns_digest
-                meta["parents"] = [parents[keys[b]] if i == 0 else b"" for b, i in entries]
+                meta["parents"] = [parents[keys[b]] if i in (0, 1) else b"" for b, i in entries]
+            if created is not None:
+                meta["created"] = np.asarray([created[b] for b, _ in entries], dtype="<f8").tobytes()
             commits.append((entries, exchange.request(node_id, Op.COMMIT, meta)))
         exchange.run(self.config.client.op_timeout_s)
         stored = np.zeros(len(keys), dtype=bool)
@@ -311,13 +353,55 @@ class Client:
             if statuses is not None:
                 primary = (entries[:, 1] == 0) & (statuses == Status.OK)
                 stored[entries[primary, 0]] = True
-        result = stored.tolist()
-        if (no_space & ~stored).any():
-            refused = int((no_space & ~stored).sum())
-            raise CapacityError(f"{refused} of {len(keys)} blocks were refused: nodes are at capacity", result)
-        return result
+        return ok, stored, no_space
 
     put_from = put  # buffers are sent as views either way; the second name matches get_into
+
+    # -- repair ---------------------------------------------------------------------------------------
+
+    def probe(self, keys: Sequence[bytes]) -> np.ndarray:
+        """(n × 12) whether each shard of each block is stored, committed and (shard 0) recorded.
+
+        Metadata only; an unreachable node's shards read as absent.
+        """
+        shard_nodes = self.placement.shard_nodes(keys)
+        present = np.zeros(shard_nodes.shape, dtype=bool)
+        exchange = Exchange(self.pool)
+        asks = []
+        for node_id in np.unique(shard_nodes).tolist():
+            entries = np.argwhere(shard_nodes == node_id)
+            meta = {**self._entry_meta(keys, entries, None), "probe": True}
+            asks.append((entries, exchange.request(node_id, Op.GET_SHARDS, meta)))
+        exchange.run(self.config.client.op_timeout_s)
+        for entries, pending in asks:
+            statuses = self._flags(pending, "st", len(entries))
+            if statuses is not None:
+                ok = entries[statuses == Status.OK]
+                present[ok[:, 0], ok[:, 1]] = True
+        return present
+
+    def read_for_repair(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """Whole blocks decoded from their shards, even where the primary lost its record."""
+        buffers: list[memoryview | None] = [None] * len(keys)
+        found = self._read(keys, buffers, True, None, trust_primary=False, repair=False)
+        return [buf.obj if hit and buf is not None else None for hit, buf in zip(found, buffers, strict=True)]
+
+    def write_shards(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Buffer],
+        ttl_class: str,
+        which: np.ndarray,
+        created: Sequence[float] | None = None,
+    ) -> int:
+        """Write only the shards ``which`` (n × 12) of whole ``blocks`` and commit them (repair).
+
+        A rewritten shard 0 or 1 re-creates the block record with ``created``. Returns shards written.
+        """
+        views = [memoryview(b).cast("B") for b in blocks]
+        shard_nodes = self.placement.shard_nodes(keys)
+        ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, created=created, commit_always=True)
+        return int((ok & which).sum())
 
     def _encode(self, views: Sequence[memoryview]) -> list[list[memoryview]]:
         """The 12 shards of every block: data shards are views of the block, except a padded tail."""
@@ -394,12 +478,20 @@ class Client:
         return self._read(keys, views, False, self._headers(keys, tokens, namespace, headers)[0])
 
     def _read(
-        self, keys: Sequence[bytes], buffers: list[memoryview | None], allocate: bool, headers: list[bytes] | None
+        self,
+        keys: Sequence[bytes],
+        buffers: list[memoryview | None],
+        allocate: bool,
+        headers: list[bytes] | None,
+        trust_primary: bool = True,
+        repair: bool = True,
     ) -> list[bool]:
+        """The read procedure of docs/design.md §5. ``trust_primary=False`` (repair of a wiped primary)
+        reads a block from its shards even where the primary has no record."""
         if not keys:
             return []
         shard_nodes = self.placement.shard_nodes(keys)
-        state = _ReadState(len(keys), buffers, allocate)
+        state = _ReadState(len(keys), buffers, allocate, trust_primary)
         fanout = self.config.client.read_fanout
         self._read_round(keys, shard_nodes, headers, state, np.arange(TOTAL_SHARDS) < fanout, early=True)
         # second round: blocks still short of 10 shards ask every holder not asked yet
@@ -407,7 +499,28 @@ class Client:
         if short.any():
             wanted = ~state.asked & short[:, None]
             self._read_round(keys, shard_nodes, headers, state, wanted, early=False)
-        return self._assemble(state)
+        found = self._assemble(state)
+        if repair:
+            self._repair_on_read(keys, shard_nodes, state, found)
+        return found
+
+    def _repair_on_read(
+        self, keys: Sequence[bytes], shard_nodes: np.ndarray, state: _ReadState, found: list[bool]
+    ) -> None:
+        """Rewrite the shards that nodes reported missing or corrupt, for the blocks this read decoded."""
+        lost = state.lost & np.asarray(found)[:, None]
+        by_class: dict[str, list[int]] = {}
+        for b in np.flatnonzero(lost.any(axis=1)).tolist():
+            if state.ttl_class[b] is not None and state.buffers[b] is not None:
+                by_class.setdefault(state.ttl_class[b], []).append(b)
+        for ttl_class, blocks in by_class.items():
+            views = [state.buffers[b] for b in blocks]
+            self.stats["shards_repaired"] += self.write_shards(
+                [keys[b] for b in blocks],
+                views,  # type: ignore[arg-type]
+                ttl_class,
+                lost[blocks],
+            )
 
     def _read_round(
         self,

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.chunks import NO_HEADER, BlockCommit, ChunkEngine, Reservation, ShardWrite
 from kvtier.kvstore.codec import TOTAL_SHARDS
@@ -108,8 +109,9 @@ class StorageNode:
         self.config = config
         self.node_id = node_id
         self.engine = engine
-        self.ttl_classes = dict(config.ttl_classes)
+        self.ttl_classes = dict(config.ttl_classes)  # replaced at run time by ADMIN ttl_set
         self.started = time.time()
+        self.gc: GCWorker | None = None
         self.handlers: dict[int, Callable[[Session, Frame], Reply]] = {
             Op.PUT_SHARDS: self.put_shards,
             Op.COMMIT: self.commit,
@@ -118,6 +120,7 @@ class StorageNode:
             Op.DELETE: self.delete,
             Op.STAT: self.stat,
             Op.NODE_INFO: self.node_info,
+            Op.ADMIN: self.admin,
         }
 
     def ttl_s(self, ttl_class: str) -> float | None:
@@ -137,6 +140,21 @@ class StorageNode:
         if handler is None:
             raise bad(f"unknown opcode {frame.opcode}")
         return handler(session, frame)
+
+    @staticmethod
+    def tenant(session: Session, meta: dict[str, Any]) -> str:
+        """The tenant a request acts for: the connection's, or, for the admin only, ``meta["tenant"]``
+        (GC and repair work on every tenant's blocks)."""
+        if "tenant" not in meta:
+            return session.tenant
+        if not session.admin:
+            raise ProtocolError(ErrorCode.FORBIDDEN, "acting for another tenant needs the cluster (admin) token")
+        return field(meta, "tenant", str)
+
+    @staticmethod
+    def _require_admin(session: Session, what: str) -> None:
+        if not session.admin:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"{what} needs the cluster (admin) token")
 
     def _entries(self, frame: Frame) -> tuple[list[bytes], np.ndarray]:
         keys = unpack_keys(frame.meta, self.config.limits.max_batch)
@@ -169,7 +187,7 @@ class StorageNode:
                 ShardWrite(keys[i], int(idx[i]), int(lens[i]), int(blen[i]), ttl_class, headers[i] or NO_HEADER)
                 for i in range(len(keys))
             ]
-            slots = self.engine.reserve(session.tenant, writes)
+            slots = self.engine.reserve(self.tenant(session, head.meta), writes)
         session.receiving = (head.request_id, slots)
         return [
             s.view if isinstance(s, Reservation) else session.scratch_view(int(n))
@@ -187,7 +205,8 @@ class StorageNode:
             raise bad("PUT_SHARDS without shards")
         slots = session.receiving[1]
         session.receiving = None
-        self.engine.record_pending(session.tenant, [s for s in slots if isinstance(s, Reservation)])
+        reserved = [s for s in slots if isinstance(s, Reservation)]
+        self.engine.record_pending(self.tenant(session, frame.meta), reserved)
         return Reply({"st": bytes(Status.OK if isinstance(s, Reservation) else s for s in slots)})
 
     def commit(self, session: Session, frame: Frame) -> Reply:
@@ -201,42 +220,61 @@ class StorageNode:
         parents = frame.meta.get("parents") or [b""] * len(keys)
         if not isinstance(ns, bytes) or not isinstance(parents, list) or len(parents) != len(keys):
             raise bad("fields 'ns' and 'parents' must be bytes and a list of one parent per key")
+        created = unpack_array(frame.meta, "created", "<f8", len(keys)) if "created" in frame.meta else None
         commits = [
             BlockCommit(
-                keys[i], int(idx[i]), int(blen[i]), ttl_class, headers[i] or NO_HEADER, ns.ljust(32, b"\0"), parents[i]
+                keys[i],
+                int(idx[i]),
+                int(blen[i]),
+                ttl_class,
+                headers[i] or NO_HEADER,
+                ns.ljust(32, b"\0"),
+                parents[i],
+                float(created[i]) if created is not None else None,
             )
             for i in range(len(keys))
         ]
-        return Reply({"st": bytes(self.engine.commit(session.tenant, commits))})
+        return Reply({"st": bytes(self.engine.commit(self.tenant(session, frame.meta), commits))})
 
     def get_shards(self, session: Session, frame: Frame) -> Reply:
+        """Shards by (key, index). ``probe``: statuses only, no bytes, no crc check (for repair scans)."""
         keys, idx = self._entries(frame)
+        tenant = self.tenant(session, frame.meta)
         headers = unpack_headers(frame.meta, len(keys))
-        statuses, views, block_lens = self.engine.read(
-            session.tenant, list(zip(keys, idx.tolist(), headers, strict=True)), self.ttl_s
-        )
+        probe = bool(frame.meta.get("probe"))
+        wanted = list(zip(keys, idx.tolist(), headers, strict=True))
+        statuses, views, block_lens, classes = self.engine.read(tenant, wanted, self.ttl_s, probe=probe)
+        if probe:
+            return Reply({"st": bytes(statuses)})
+        read_primary = [k for k, i, st in zip(keys, idx.tolist(), statuses, strict=True) if i == 0 and st == 0]
+        if read_primary:
+            self.engine.touch(tenant, read_primary)
+        names = sorted(set(classes) - {""})
         meta = {
             "st": bytes(statuses),
             "lens": np.asarray([len(v) if v is not None else 0 for v in views], dtype="<u4").tobytes(),
             "blen": np.asarray(block_lens, dtype="<u8").tobytes(),
+            "classes": names,
+            "ci": bytes(names.index(c) if c else 255 for c in classes),
         }
         return Reply(meta, [v for v in views if v is not None])
 
     def match(self, session: Session, frame: Frame) -> Reply:
         keys = unpack_keys(frame.meta, self.config.limits.max_batch)
-        live = self.engine.live_blocks(session.tenant, keys, self.ttl_s)
+        live = self.engine.live_blocks(self.tenant(session, frame.meta), keys, self.ttl_s)
         return Reply({"live": bytes(live)})
 
     def delete(self, session: Session, frame: Frame) -> Reply:
         keys = unpack_keys(frame.meta, self.config.limits.max_batch)
-        return Reply({"removed": self.engine.delete(session.tenant, keys)})
+        return Reply({"removed": self.engine.delete(self.tenant(session, frame.meta), keys)})
 
     def stat(self, session: Session, frame: Frame) -> Reply:
         key = field(frame.meta, "key", bytes)
-        block = self.engine.block_record(session.tenant, key)
+        tenant = self.tenant(session, frame.meta)
+        block = self.engine.block_record(tenant, key)
         shards = [
             {"index": r.index, "state": r.state, "length": r.length, "crc": r.crc, "created": r.created}
-            for r in self.engine.shard_records(session.tenant, key)
+            for r in self.engine.shard_records(tenant, key)
         ]
         meta: dict[str, Any] = {"shards": shards, "block": None}
         if block is not None:
@@ -251,18 +289,42 @@ class StorageNode:
         return Reply(meta)
 
     def node_info(self, session: Session, frame: Frame) -> Reply:
-        if not session.admin:
-            raise ProtocolError(ErrorCode.FORBIDDEN, "node info needs the cluster (admin) token")
+        self._require_admin(session, "node info")
+        gc = self.config.gc
         return Reply(
             {
                 "node_id": self.node_id,
                 "used_bytes": self.engine.used_bytes,
+                "freeing_bytes": self.engine.freeing_bytes,
                 "capacity_bytes": self.engine.capacity_bytes,
+                "high_watermark": gc.high_watermark,
+                "low_watermark": gc.low_watermark,
                 "uptime_s": time.time() - self.started,
                 "pid": os.getpid(),
+                "ttl": self.ttl_classes,
+                "gc": self.gc.stats.as_dict() if self.gc is not None else None,
                 **self.engine.counts(),
             }
         )
+
+    def admin(self, session: Session, frame: Frame) -> Reply:
+        """Operator actions: ``ttl_set`` (replace the TTL table), ``gc`` (run one GC cycle now)."""
+        self._require_admin(session, "admin actions")
+        action = field(frame.meta, "action", str)
+        if action == "ttl_set":
+            classes = frame.meta.get("classes")
+            if not isinstance(classes, dict) or not all(
+                isinstance(k, str) and isinstance(v, int | float) and v > 0 for k, v in classes.items()
+            ):
+                raise bad("ttl_set needs classes = {name: positive seconds}")
+            self.ttl_classes.clear()
+            self.ttl_classes.update({k: float(v) for k, v in classes.items()})
+            return Reply({"ttl": self.ttl_classes})
+        if action == "gc":
+            if self.gc is None:
+                raise bad("this node runs no GC worker")
+            return Reply(self.gc.cycle(repair=bool(frame.meta.get("repair"))))
+        raise bad(f"unknown admin action {action!r}")
 
 
 class NodeServer:
@@ -378,15 +440,23 @@ def run_node(config_path: str, node_id: int) -> None:
     if node_id not in config.nodes:
         raise cluster_mod.ConfigError(f"node {node_id} is not in {config_path}")
     node_cfg = config.nodes[node_id]
-    engine = ChunkEngine(node_cfg.data_dir, node_cfg.capacity_bytes, grace_s=config.gc.grace_s)
+    engine = ChunkEngine(
+        node_cfg.data_dir,
+        node_cfg.capacity_bytes,
+        grace_s=config.gc.grace_s,
+        high_watermark=config.gc.high_watermark,
+    )
     node = StorageNode(config, node_id, engine)
     server = NodeServer(node, node_cfg.host, node_cfg.port)
+    node.gc = GCWorker(engine, node_id, config, node.ttl_classes)
+    engine.on_high_watermark = node.gc.wake
 
     def flush() -> None:
         while not server.stopping.wait(1.0):
             engine.sync()
 
     threading.Thread(target=flush, daemon=True).start()
+    threading.Thread(target=node.gc.run, args=(server.stopping,), daemon=True).start()
 
     def on_signal(signum: int, _frame: object) -> None:
         threading.Thread(target=server.stop, daemon=True).start()

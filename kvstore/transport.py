@@ -111,6 +111,7 @@ class ConnectionPool:
         self.retry_down_after_s = retry_down_after_s
         self.conns = {nid: NodeConn(nid, addr) for nid, addr in addresses.items()}
         self.hello: dict[int, dict[str, Any]] = {}
+        self.act_as: str | None = None  # admin only: every request acts for this tenant
 
     def get(self, node_id: int, retry_now: bool = False) -> NodeConn | None:
         """An open, authenticated connection, or None while the node is down.
@@ -197,6 +198,8 @@ class Exchange:
             pending.error = "down"
             return pending
         size = sum(len(p) for p in payload)
+        if self.pool.act_as is not None:
+            meta = {**meta, "tenant": self.pool.act_as}
         pending.wire = [memoryview(encode_head(opcode, pending.request_id, meta, size))]
         pending.wire.extend(memoryview(p).cast("B") for p in payload if len(p))
         conn.outgoing.extend(pending.wire)

@@ -1,0 +1,233 @@
+"""The per-node GC worker: TTL expiry, watermark LRU eviction, zombie-write cleanup and repair.
+
+One worker runs in every node process, over the blocks that node is *primary* for (its LRU index), and
+talks to the other nodes of its group through an admin :class:`~kvtier.kvstore.client.Client` that acts
+for each tenant in turn. A cycle, every ``gc.interval_s`` or at once when a write pushes usage past the
+high watermark:
+
+1. **Reap**: slots whose grace time has passed become free; batched last-access times are written.
+2. **Expire**: blocks past ``created + ttl[class]`` (the node's current TTL table, so a changed TTL
+   applies to blocks already stored) are removed like evictions.
+3. **Evict**: if ``used − freeing > high × capacity``, remove least-recently-used blocks until the
+   *group* is back under ``low × capacity``. A node frees one shard of a block on each of the 12 nodes of
+   its group, and all 12 primaries of the group evict at once, so each primary evicts its share: the LRU
+   prefix whose shards, counted twelve times, cover the excess (``gc.policy.plan_eviction``).
+4. **Zombies** (every ``write_timeout_s / 4``): PENDING shards older than ``write_timeout_s`` belong to a
+   writer that died. Ask the block's primary: a live record means the writer died mid-commit, so the
+   shard is promoted; otherwise it is dropped.
+5. **Repair** (when asked, e.g. ``kvctl repair``): for every block record held here, probe the 12 holders;
+   a block with missing shards but at least 10 present is read (decoded) and the missing shards rewritten,
+   the primary's record included, at most ``repair_bytes_per_s``.
+
+Removing a block: its record and its shard here go first (local), then the other nodes drop their
+shards. Every removed slot stays unreadable-but-intact for ``grace_s`` (see chunks), so a read that
+already passed the primary finishes, or misses cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.gc.policy import expired, plan_eviction
+
+if TYPE_CHECKING:
+    from kvtier.kvstore.chunks import ChunkEngine
+    from kvtier.kvstore.client import Client
+    from kvtier.kvstore.cluster import ClusterConfig
+
+log = logging.getLogger("kvtier.gc")
+
+REPAIR_BATCH = 64
+
+
+@dataclass
+class GCStats:
+    cycles: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    zombies_promoted: int = 0
+    zombies_dropped: int = 0
+    shards_repaired: int = 0
+    repair_bytes: int = 0
+    last_cycle_s: float = 0.0
+    last_error: str = ""
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
+
+
+class GCWorker:
+    """See the module docstring. ``cycle()`` is also callable directly (admin ``gc`` action, tests)."""
+
+    def __init__(
+        self,
+        engine: ChunkEngine,
+        node_id: int,
+        config: ClusterConfig,
+        ttl_classes: dict[str, float],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.node_id = node_id
+        self.config = config
+        self.ttl_classes = ttl_classes  # shared with the node: TTL changes apply at the next cycle
+        self.clock = clock
+        self.stats = GCStats()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # one cycle at a time (timer, watermark wake-up, admin request)
+        self._client: Client | None = None
+        self._next_zombie_scan = 0.0
+        group = next(g for g in config.groups if node_id in g)
+        self.group_size = len(set(group))
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            from kvtier.kvstore.client import Client
+
+            self._client = Client(self.config)  # the cluster token: admin, may act for any tenant
+        return self._client
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def run(self, stopping: threading.Event) -> None:
+        """Cycle until ``stopping`` is set; a failing cycle is logged and retried next interval."""
+        while not stopping.is_set():
+            self._wake.wait(self.config.gc.interval_s)
+            self._wake.clear()
+            if stopping.is_set():
+                break
+            try:
+                self.cycle()
+            except Exception as exc:
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("GC cycle failed")
+
+    def cycle(self, repair: bool = False) -> dict[str, float | int | str]:
+        """One GC pass (see the module docstring); returns the cumulative stats."""
+        with self._lock:
+            start = time.perf_counter()
+            self.engine.reap()
+            self.engine.flush_access()
+            self._expire()
+            self._evict_to_watermark()
+            now = self.clock()
+            if now >= self._next_zombie_scan:
+                self._reclaim_zombies(now)
+                self._next_zombie_scan = now + max(self.config.gc.interval_s, self.config.gc.write_timeout_s / 4)
+            if repair:
+                self._repair()
+            self.stats.cycles += 1
+            self.stats.last_cycle_s = time.perf_counter() - start
+            return self.stats.as_dict()
+
+    # -- removal --------------------------------------------------------------------------------------
+
+    def _remove(self, bkeys: list[bytes]) -> None:
+        """Remove blocks: record and local shard first, then every other node's shards."""
+        by_tenant: dict[str, list[bytes]] = {}
+        for tenant, key in self.engine.block_keys_to_pairs(bkeys):
+            by_tenant.setdefault(tenant, []).append(key)
+        for tenant, keys in by_tenant.items():
+            self.engine.delete(tenant, keys)
+            self.client.pool.act_as = tenant
+            try:
+                self.client.delete(keys)
+            finally:
+                self.client.pool.act_as = None
+
+    def _expire(self) -> None:
+        gone = expired(self.engine.lru, self.ttl_classes, self.clock())
+        if gone:
+            self._remove(list(gone))  # type: ignore[arg-type]
+            self.stats.expirations += len(gone)
+
+    def _evict_to_watermark(self) -> None:
+        gc = self.config.gc
+        used = self.engine.used_bytes - self.engine.freeing_bytes
+        group = self.group_size
+        victims = plan_eviction(
+            used,
+            self.engine.capacity_bytes,
+            gc.high_watermark,
+            gc.low_watermark,
+            ((key, size * group) for key, size in self.engine.lru.lru_sizes()),
+        )
+        if victims:
+            self._remove(list(victims))  # type: ignore[arg-type]
+            self.stats.evictions += len(victims)
+
+    # -- zombies --------------------------------------------------------------------------------------
+
+    def _reclaim_zombies(self, now: float) -> None:
+        stale = self.engine.pending_before(now - self.config.gc.write_timeout_s)
+        by_tenant: dict[str, list[tuple[bytes, int]]] = {}
+        for tenant, key, index in stale:
+            by_tenant.setdefault(tenant, []).append((key, index))
+        for tenant, items in by_tenant.items():
+            self.client.pool.act_as = tenant
+            try:
+                live = self.client.exists([key for key, _ in items])
+            finally:
+                self.client.pool.act_as = None
+            self.stats.zombies_promoted += self.engine.promote(
+                tenant, [i for i, ok in zip(items, live, strict=True) if ok]
+            )
+            self.stats.zombies_dropped += self.engine.drop_pending(
+                tenant, [i for i, ok in zip(items, live, strict=True) if not ok]
+            )
+
+    # -- repair ---------------------------------------------------------------------------------------
+
+    def _repair(self) -> None:
+        """Restore full redundancy of every block whose record is held here (primary or shard-1 copy)."""
+        rate = self.config.gc.repair_bytes_per_s
+        by_tenant: dict[str, list[tuple[bytes, float, str]]] = {}
+        for bkey, record in self.engine.records_held():
+            ((tenant, key),) = self.engine.block_keys_to_pairs([bkey])
+            by_tenant.setdefault(tenant, []).append((key, record.created, record.ttl_class))
+        for tenant, blocks in by_tenant.items():
+            self.client.pool.act_as = tenant
+            try:
+                for start in range(0, len(blocks), REPAIR_BATCH):
+                    began = time.perf_counter()
+                    moved = self._repair_batch(blocks[start : start + REPAIR_BATCH])
+                    budget = moved / rate if rate > 0 else 0.0
+                    time.sleep(max(0.0, budget - (time.perf_counter() - began)))
+            finally:
+                self.client.pool.act_as = None
+
+    def _repair_batch(self, blocks: list[tuple[bytes, float, str]]) -> int:
+        keys = [key for key, _, _ in blocks]
+        present = self.client.probe(keys)
+        missing = ~present
+        damaged = np.flatnonzero(missing.any(axis=1) & (present.sum(axis=1) >= 10))
+        if not len(damaged):
+            return 0
+        keys = [keys[b] for b in damaged]
+        data = self.client.read_for_repair(keys)
+        moved = 0
+        by_class: dict[str, list[int]] = {}
+        for j, b in enumerate(damaged.tolist()):
+            if data[j] is not None:
+                by_class.setdefault(blocks[b][2], []).append(j)
+        for ttl_class, rows in by_class.items():
+            written = self.client.write_shards(
+                [keys[j] for j in rows],
+                [data[j] for j in rows],  # type: ignore[misc]
+                ttl_class,
+                missing[damaged[rows]],
+                created=[blocks[damaged[j]][1] for j in rows],
+            )
+            self.stats.shards_repaired += written
+            moved += sum(len(data[j]) for j in rows)  # type: ignore[arg-type]
+        self.stats.repair_bytes += moved
+        return moved
