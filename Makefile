@@ -6,30 +6,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench lint system-deps clean
-
-# Debian's ISA-L (libisal2) is the fastest erasure-code backend (PERF.md: 12 GB/s at 1 MiB); the pyeclib
-# wheel brings its own copy, so this step is an optimisation and never fails the build.
-system-deps:
-	@if ! ldconfig -p 2>/dev/null | grep -q 'libisal.so.2' && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing Debian libisal2 (ISA-L)"; \
-		(apt-get install -y -qq libisal2 >/dev/null 2>&1 || \
-		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libisal2 >/dev/null 2>&1)) || \
-		echo "libisal2 unavailable: using the ISA-L bundled with pyeclib"; \
-	fi
+.PHONY: test demo bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: system-deps $(STAMP)
+test: $(STAMP)
 	$(PY) -m pytest -q
 
-demo: system-deps $(STAMP)
+demo: $(STAMP)
 	$(PY) -m kvtier.tools.demo
 
-bench: system-deps $(STAMP)
+bench: $(STAMP)
 	$(PY) benchmarks/codec_bench.py
 	$(PY) benchmarks/store_bench.py
 

@@ -138,11 +138,8 @@ class GCWorker:
             by_tenant.setdefault(tenant, []).append(key)
         for tenant, keys in by_tenant.items():
             self.engine.delete(tenant, keys)
-            self.client.pool.act_as = tenant
-            try:
+            with self.client.acting_for(tenant):
                 self.client.delete(keys)
-            finally:
-                self.client.pool.act_as = None
 
     def _expire(self) -> None:
         gone = expired(self.engine.lru, self.ttl_classes, self.clock())
@@ -195,15 +192,12 @@ class GCWorker:
             ((tenant, key),) = self.engine.block_keys_to_pairs([bkey])
             by_tenant.setdefault(tenant, []).append((key, record.created, record.ttl_class))
         for tenant, blocks in by_tenant.items():
-            self.client.pool.act_as = tenant
-            try:
+            with self.client.acting_for(tenant):
                 for start in range(0, len(blocks), REPAIR_BATCH):
                     began = time.perf_counter()
                     moved = self._repair_batch(blocks[start : start + REPAIR_BATCH])
                     budget = moved / rate if rate > 0 else 0.0
                     time.sleep(max(0.0, budget - (time.perf_counter() - began)))
-            finally:
-                self.client.pool.act_as = None
 
     def _repair_batch(self, blocks: list[tuple[bytes, float, str]]) -> int:
         keys = [key for key, _, _ in blocks]

@@ -169,7 +169,7 @@ class ChunkEngine:
         self,
         data_dir: str | Path,
         capacity_bytes: int,
-        grace_s: float = 30.0,
+        grace_s: float = 5.0,
         clock: Callable[[], float] = time.time,
         high_watermark: float = 0.9,
     ) -> None:
@@ -207,11 +207,12 @@ class ChunkEngine:
 
     # -- writes ---------------------------------------------------------------------------------------
 
-    def reserve(self, tenant: str, writes: Sequence[ShardWrite]) -> list[Reservation | Status]:
+    def reserve(self, tenant: str, writes: Sequence[ShardWrite], replace: bool = False) -> list[Reservation | Status]:
         """Set aside a slot per shard; the caller fills each ``view`` and then calls ``record_pending``.
 
-        Per write: a Reservation, ``EXISTS`` (a committed shard is already stored; nothing to do) or
-        ``NO_SPACE`` (capacity or disk). Reserved bytes count as used until recorded or cancelled.
+        Per write: a Reservation, ``EXISTS`` (a committed shard is already stored; nothing to do, unless
+        ``replace``: repair rewriting a corrupt one) or ``NO_SPACE`` (capacity or disk). Reserved bytes
+        count as used until recorded or cancelled.
         """
         plan: list[int | Status] = []  # size class to reserve, or the verdict
         with self._lock:
@@ -219,7 +220,7 @@ class ChunkEngine:
             with self.env.begin(db=self.shards_db, buffers=True) as txn:
                 for w in writes:
                     raw = txn.get(shard_key(tenant, w.key, w.index))
-                    if raw is not None and raw[0] == COMMITTED:
+                    if raw is not None and raw[0] == COMMITTED and not replace:
                         plan.append(Status.EXISTS)
                         continue
                     size_class = size_class_for(w.length)
@@ -249,10 +250,11 @@ class ChunkEngine:
                     out.append(Reservation(w, p, slot, self.slabs.view(p, slot, w.length, for_write=True)))
         return out
 
-    def record_pending(self, tenant: str, reservations: Sequence[Reservation]) -> None:
+    def record_pending(self, tenant: str, reservations: Sequence[Reservation], replace: bool = False) -> None:
         """The reserved slots hold their shards now: checksum them and record them PENDING.
 
-        A PENDING shard of the same (tenant, key, index) is replaced; its slot is released after grace.
+        A PENDING shard of the same (tenant, key, index) is replaced (a COMMITTED one only if ``replace``);
+        the old slot is released after grace.
         """
         now = self.clock()
         with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
@@ -262,7 +264,7 @@ class ChunkEngine:
                 old = txn.get(skey)
                 if old is not None:
                     old_rec = ShardRecord.unpack(old)
-                    if old_rec.state == COMMITTED:  # a concurrent writer committed first: keep theirs
+                    if old_rec.state == COMMITTED and not replace:  # a concurrent writer committed first
                         self._release_slot(r.size_class, r.slot, now)
                         continue
                     self._release(old_rec, now)
@@ -453,19 +455,18 @@ class ChunkEngine:
         wanted: Sequence[tuple[bytes, int, bytes | None]],
         ttl_s: Callable[[str], float | None],
         probe: bool = False,
-    ) -> tuple[list[Status], list[memoryview | None], list[int], list[str]]:
+    ) -> tuple[list[Status], list[memoryview | None], list[ShardRecord | None]]:
         """Look up committed shards ``(key, index, expected header digest or None)``.
 
         Returns per shard a status, a view of its bytes in the slab file (None unless OK; valid until the
-        slot's grace time after a delete, longer than any read), its block's length and TTL class (0 and ""
-        unless OK). A shard whose crc32c does not verify is ``CORRUPT``: an erasure, never returned.
+        slot's grace time after a delete, longer than any read) and its record (None unless OK). A shard
+        whose crc32c does not verify is ``CORRUPT``: an erasure, never returned.
         ``probe`` skips the bytes and the crc check (a repair scan asking only what is there).
         """
         now = self.clock()
         statuses: list[Status] = []
         views: list[memoryview | None] = []
-        block_lens: list[int] = []
-        classes: list[str] = []
+        records: list[ShardRecord | None] = []
         with self.env.begin(buffers=True) as txn:
             for key, index, header in wanted:
                 raw = txn.get(shard_key(tenant, key, index), db=self.shards_db)
@@ -488,10 +489,8 @@ class ChunkEngine:
                         status, view = Status.CORRUPT, None
                 statuses.append(status)
                 views.append(view)
-                ok = view is not None
-                block_lens.append(rec.block_len if ok else 0)
-                classes.append(rec.ttl_class if ok else "")
-        return statuses, views, block_lens, classes
+                records.append(rec if status == Status.OK else None)
+        return statuses, views, records
 
     def records_held(self) -> list[tuple[bytes, BlockRecord]]:
         """Every block record here (as primary or as shard 1's copy), keyed by tenant prefix + key."""
@@ -533,9 +532,9 @@ class ChunkEngine:
 
 def _alive(block: BlockRecord, ttl_s: Callable[[str], float | None], now: float) -> bool:
     ttl = ttl_s(block.ttl_class)
-    return ttl is not None and now < block.created + ttl
+    return ttl is not None and now <= block.created + ttl
 
 
 def _shard_alive(rec: ShardRecord, ttl_s: Callable[[str], float | None], now: float) -> bool:
     ttl = ttl_s(rec.ttl_class)
-    return ttl is not None and now < rec.created + ttl
+    return ttl is not None and now <= rec.created + ttl

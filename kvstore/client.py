@@ -25,10 +25,12 @@ a mismatch is a miss counted in ``stats["header_mismatches"]``. ``headers=`` pas
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import numpy as np
 
 from kvtier.kvstore import cluster as cluster_mod
@@ -83,7 +85,7 @@ class _ReadState:
         self.mismatch = np.zeros(n, dtype=bool)
         self.ttl_class: list[str | None] = [None] * n
         self.parity: dict[tuple[int, int], memoryview] = {}
-        self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
+        self.receiving: dict[int, list[tuple[int, int, memoryview, int, int]]] = {}  # request id -> shards
 
     def arrived(self, frame: Frame, entries: np.ndarray) -> None:
         """A GET reply for ``entries`` is complete: its shards are in place, its verdicts known."""
@@ -100,9 +102,12 @@ class _ReadState:
                 for (b, _), c in zip(entries.tolist(), ci, strict=True):
                     if c < len(names) and isinstance(names[c], str):
                         self.ttl_class[b] = names[c]
-        good = self.receiving.pop(frame.request_id, None)
-        if good is not None and len(good):
-            self.valid[good[:, 0], good[:, 1]] = True
+        for b, i, view, padding, crc in self.receiving.pop(frame.request_id, ()):
+            # end to end: what arrived must be what the node stored (padding is zeros by construction)
+            if crc32c.crc32c(bytes(padding), crc32c.crc32c(view)) == crc:
+                self.valid[b, i] = True
+            else:
+                self.lost[b, i] = True
 
     def layout_for(self, b: int, block_len: int) -> BlockLayout | None:
         layout = self.layouts[b]
@@ -143,6 +148,15 @@ class Client:
         self.stats = {"header_mismatches": 0, "degraded_reads": 0, "misses": 0, "hits": 0, "shards_repaired": 0}
 
     # -- lifecycle ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def acting_for(self, tenant: str) -> Iterator[None]:
+        """Within the block, act for ``tenant`` (the cluster token only: nodes refuse anyone else)."""
+        previous, self.pool.act_as = self.pool.act_as, tenant
+        try:
+            yield
+        finally:
+            self.pool.act_as = previous
 
     def close(self) -> None:
         self.pool.close()
@@ -215,6 +229,27 @@ class Client:
                 out["block"] = meta["block"]
             out["shards"].extend({"node": nid, **s} for s in meta["shards"])
         return out
+
+    # -- operators ------------------------------------------------------------------------------------
+
+    def admin(self, action: str, node_ids: Sequence[int] | None = None, **meta: Any) -> dict[int, dict[str, Any]]:
+        """Run an admin action (cluster token only) on nodes (default: all); per node its reply or
+        ``{"error": why}`` (``"down"`` for an unreachable node)."""
+        return self._each_node(Op.ADMIN, {"action": action, **meta}, node_ids)
+
+    def node_info(self, node_ids: Sequence[int] | None = None) -> dict[int, dict[str, Any]]:
+        """Usage, capacity, watermarks, counts, TTL table and GC state of nodes (cluster token only)."""
+        return self._each_node(Op.NODE_INFO, {}, node_ids)
+
+    def _each_node(self, op: Op, meta: dict[str, Any], node_ids: Sequence[int] | None) -> dict[int, dict[str, Any]]:
+        exchange = Exchange(self.pool)
+        ids = sorted(self.config.nodes) if node_ids is None else list(node_ids)
+        asks = {nid: exchange.request(nid, op, meta) for nid in ids}
+        exchange.run(self.config.client.op_timeout_s)
+        return {
+            nid: dict(p.frame.meta) if p.ok and p.frame is not None else {"error": p.error or "no reply"}
+            for nid, p in asks.items()
+        }
 
     # -- headers --------------------------------------------------------------------------------------
 
@@ -290,12 +325,13 @@ class Client:
         parents: dict[bytes, bytes] | None = None,
         ns_digest: bytes = b"",
         created: Sequence[float] | None = None,
-        commit_always: bool = False,
+        repair: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Write the shards selected by ``write`` (n × 12) in two phases; see the module docstring.
 
-        A block commits when its primary's shard and ``min_write_shards`` shards are durable, or, with
-        ``commit_always`` (repair, which writes only the missing ones), whenever its written shards are.
+        A block commits when its primary's shard and ``min_write_shards`` shards are durable, or, for a
+        ``repair`` (which writes only missing or corrupt shards, replacing what is there), whenever its
+        written shards are.
         Returns the (n × 12) shards now durable, per block whether it committed (its primary recorded it),
         and per block whether a node refused a shard for lack of space.
         """
@@ -311,6 +347,8 @@ class Client:
             meta["lens"] = np.asarray([len(shards[b][i]) for b, i in entries], dtype="<u4").tobytes()
             meta["blen"] = np.asarray([len(views[b]) for b, _ in entries], dtype="<u8").tobytes()
             meta.update(blob_meta)
+            if repair:
+                meta["replace"] = True
             payload = [shards[b][i] for b, i in entries]
             plans.append((entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
         exchange.run(self.config.client.op_timeout_s)
@@ -325,10 +363,11 @@ class Client:
             good = (statuses == Status.OK) | (statuses == Status.EXISTS)
             ok[entries[good, 0], entries[good, 1]] = True
             no_space[entries[statuses == Status.NO_SPACE, 0]] = True
-        if commit_always:
+        if repair:
             committable = np.ones(len(keys), dtype=bool)
         else:
             committable = ok[:, 0] & (ok.sum(axis=1) >= self.config.client.min_write_shards)
+            self._abort(keys, shard_nodes, ok & write & ~committable[:, None])
 
         # phase 2: COMMIT where enough shards are durable; the primary's record makes the block visible
         exchange = Exchange(self.pool)
@@ -400,7 +439,7 @@ class Client:
         """
         views = [memoryview(b).cast("B") for b in blocks]
         shard_nodes = self.placement.shard_nodes(keys)
-        ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, created=created, commit_always=True)
+        ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, created=created, repair=True)
         return int((ok & which).sum())
 
     def _encode(self, views: Sequence[memoryview]) -> list[list[memoryview]]:
@@ -421,6 +460,16 @@ class Client:
             self.codec.encode_parity(data, parity)
             out.append(data + parity)
         return out
+
+    def _abort(self, keys: Sequence[bytes], shard_nodes: np.ndarray, which: np.ndarray) -> None:
+        """Drop the PENDING shards of blocks that will not commit, so they do not wait for GC."""
+        if not which.any():
+            return
+        exchange = Exchange(self.pool)
+        for node_id in np.unique(shard_nodes[which]).tolist():
+            entries = np.argwhere((shard_nodes == node_id) & which)
+            exchange.request(node_id, Op.ABORT, self._entry_meta(keys, entries, None))
+        exchange.run(self.config.client.op_timeout_s)
 
     @staticmethod
     def _entry_meta(keys: Sequence[bytes], entries: np.ndarray, headers: list[bytes] | None) -> dict[str, Any]:
@@ -548,21 +597,21 @@ class Client:
 
     def _sink(self, frame: Frame, entries: np.ndarray, state: _ReadState) -> list[memoryview] | None:
         """Where each OK shard of a GET reply goes: its place in the destination block, or scratch."""
-        raw_st, raw_lens, raw_blen = frame.meta.get("st"), frame.meta.get("lens"), frame.meta.get("blen")
+        meta = frame.meta
+        raw = [meta.get("st"), meta.get("lens"), meta.get("blen"), meta.get("crc")]
         n = len(entries)
-        if not (isinstance(raw_st, bytes) and isinstance(raw_lens, bytes) and isinstance(raw_blen, bytes)):
+        if not all(isinstance(r, bytes) for r in raw) or [len(r) for r in raw] != [n, 4 * n, 8 * n, 4 * n]:
             return None
-        if len(raw_st) != n or len(raw_lens) != 4 * n or len(raw_blen) != 8 * n:
-            return None
-        statuses = np.frombuffer(raw_st, dtype=np.uint8)
+        statuses = np.frombuffer(raw[0], dtype=np.uint8)
         ok = np.flatnonzero(statuses == Status.OK)
-        lens = np.frombuffer(raw_lens, dtype="<u4").tolist()
-        blens = np.frombuffer(raw_blen, dtype="<u8").tolist()
+        lens = np.frombuffer(raw[1], dtype="<u4").tolist()
+        blens = np.frombuffer(raw[2], dtype="<u8").tolist()
+        crcs = np.frombuffer(raw[3], dtype="<u4").tolist()
         pairs = entries.tolist()
         parity_bytes = sum(lens[j] for j in ok.tolist() if pairs[j][1] >= DATA_SHARDS)
         parity_pool = memoryview(bytearray(parity_bytes))
         sinks: list[memoryview] = []
-        good = []
+        landed: list[tuple[int, int, memoryview, int, int]] = []  # block, shard, bytes, zero padding, crc
         for j in ok.tolist():
             b, i = pairs[j]
             length = lens[j]
@@ -574,15 +623,16 @@ class Client:
             if i < DATA_SHARDS:
                 start = min(i * length, layout.length)
                 end = min(start + length, layout.length)
-                sinks.append(buf[start:end])
+                view = buf[start:end]
+                sinks.append(view)
                 if end - start < length:  # the zero padding of the tail shard is not needed
                     sinks.append(_PAD[: length - (end - start)])
             else:
-                state.parity[(b, i)] = parity_pool[:length]
-                sinks.append(parity_pool[:length])
+                view = state.parity[(b, i)] = parity_pool[:length]
+                sinks.append(view)
                 parity_pool = parity_pool[length:]
-            good.append(j)
-        state.receiving[frame.request_id] = entries[good]
+            landed.append((b, i, view, length - len(view), crcs[j]))
+        state.receiving[frame.request_id] = landed
         return sinks
 
     def _assemble(self, state: _ReadState) -> list[bool]:

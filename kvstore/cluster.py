@@ -70,7 +70,7 @@ class GCConfig:
     low_watermark: float = 0.80
     interval_s: float = 5.0  # how often the worker looks at usage and expiry
     write_timeout_s: float = 600.0  # a shard pending longer than this belongs to a dead writer
-    grace_s: float = 30.0  # between removing a block record and removing its shards; > any read
+    grace_s: float = 5.0  # a removed shard's slot is not reused before this: reads already under way finish
     access_flush_s: float = 2.0  # last-access times are written to disk in batches this often
     repair_bytes_per_s: float = 64.0 * (1 << 20)  # background repair never moves more than this
 

@@ -49,8 +49,9 @@ DATA_SHARDS = 10
 PARITY_SHARDS = 2
 TOTAL_SHARDS = DATA_SHARDS + PARITY_SHARDS
 
-BACKENDS = ("isal", "isal-pyeclib", "numpy")
-"""Backend names, fastest first: the order in which ``Codec()`` tries them."""
+BACKENDS = ("isal-pyeclib", "isal", "numpy")
+"""Backend names, fastest first: the order in which ``Codec()`` tries them. The ISA-L inside the pyeclib
+wheel (2.32, with GFNI/AVX-512 code) measured twice as fast here as Debian's libisal2 (2.30)."""
 
 ENV_VAR = "KVTIER_CODEC"
 """Environment variable that forces a backend for ``Codec()`` and ``default_codec()``."""

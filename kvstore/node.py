@@ -121,6 +121,7 @@ class StorageNode:
             Op.STAT: self.stat,
             Op.NODE_INFO: self.node_info,
             Op.ADMIN: self.admin,
+            Op.ABORT: self.abort,
         }
 
     def ttl_s(self, ttl_class: str) -> float | None:
@@ -187,7 +188,7 @@ class StorageNode:
                 ShardWrite(keys[i], int(idx[i]), int(lens[i]), int(blen[i]), ttl_class, headers[i] or NO_HEADER)
                 for i in range(len(keys))
             ]
-            slots = self.engine.reserve(self.tenant(session, head.meta), writes)
+            slots = self.engine.reserve(self.tenant(session, head.meta), writes, replace=bool(head.meta.get("replace")))
         session.receiving = (head.request_id, slots)
         return [
             s.view if isinstance(s, Reservation) else session.scratch_view(int(n))
@@ -206,7 +207,7 @@ class StorageNode:
         slots = session.receiving[1]
         session.receiving = None
         reserved = [s for s in slots if isinstance(s, Reservation)]
-        self.engine.record_pending(self.tenant(session, frame.meta), reserved)
+        self.engine.record_pending(self.tenant(session, frame.meta), reserved, replace=bool(frame.meta.get("replace")))
         return Reply({"st": bytes(Status.OK if isinstance(s, Reservation) else s for s in slots)})
 
     def commit(self, session: Session, frame: Frame) -> Reply:
@@ -236,6 +237,12 @@ class StorageNode:
         ]
         return Reply({"st": bytes(self.engine.commit(self.tenant(session, frame.meta), commits))})
 
+    def abort(self, session: Session, frame: Frame) -> Reply:
+        """A writer gives up on blocks it could not commit: drop its shards that are still PENDING."""
+        keys, idx = self._entries(frame)
+        items = list(zip(keys, idx.tolist(), strict=True))
+        return Reply({"dropped": self.engine.drop_pending(self.tenant(session, frame.meta), items)})
+
     def get_shards(self, session: Session, frame: Frame) -> Reply:
         """Shards by (key, index). ``probe``: statuses only, no bytes, no crc check (for repair scans)."""
         keys, idx = self._entries(frame)
@@ -243,19 +250,20 @@ class StorageNode:
         headers = unpack_headers(frame.meta, len(keys))
         probe = bool(frame.meta.get("probe"))
         wanted = list(zip(keys, idx.tolist(), headers, strict=True))
-        statuses, views, block_lens, classes = self.engine.read(tenant, wanted, self.ttl_s, probe=probe)
+        statuses, views, records = self.engine.read(tenant, wanted, self.ttl_s, probe=probe)
         if probe:
             return Reply({"st": bytes(statuses)})
         read_primary = [k for k, i, st in zip(keys, idx.tolist(), statuses, strict=True) if i == 0 and st == 0]
         if read_primary:
             self.engine.touch(tenant, read_primary)
-        names = sorted(set(classes) - {""})
+        names = sorted({r.ttl_class for r in records if r is not None})
         meta = {
             "st": bytes(statuses),
-            "lens": np.asarray([len(v) if v is not None else 0 for v in views], dtype="<u4").tobytes(),
-            "blen": np.asarray(block_lens, dtype="<u8").tobytes(),
+            "lens": np.asarray([r.length if r else 0 for r in records], dtype="<u4").tobytes(),
+            "blen": np.asarray([r.block_len if r else 0 for r in records], dtype="<u8").tobytes(),
+            "crc": np.asarray([r.crc if r else 0 for r in records], dtype="<u4").tobytes(),
             "classes": names,
-            "ci": bytes(names.index(c) if c else 255 for c in classes),
+            "ci": bytes(names.index(r.ttl_class) if r else 255 for r in records),
         }
         return Reply(meta, [v for v in views if v is not None])
 

@@ -18,11 +18,12 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFa
     """Start a 12-node cluster: ``make_cluster(capacity_bytes=..., extra_toml=...)``; stopped after the module."""
     started: list[LocalCluster] = []
 
-    def factory(capacity_bytes: int = 256 << 20, extra_toml: str = "", nodes: int = 12) -> LocalCluster:
+    def factory(capacity_bytes: int = 256 << 20, extra_toml: str = "", nodes: int = 12, gc: str = "") -> LocalCluster:
+        """``gc``: extra lines for the [gc] table; ``extra_toml``: more tables appended to the file."""
         directory = tmp_path_factory.mktemp("cluster")
         path = cluster_mod.write_default(directory, nodes=nodes, capacity_bytes=capacity_bytes)
-        if extra_toml:
-            path.write_text(path.read_text() + "\n" + extra_toml + "\n")
+        text = path.read_text().replace("[gc]\n", f"[gc]\n{gc}")
+        path.write_text(text + ("\n" + extra_toml + "\n" if extra_toml else ""))
         local = LocalCluster(path)
         local.start()
         started.append(local)
