@@ -162,6 +162,21 @@ class GCWorker:
             self._remove(list(victims))  # type: ignore[arg-type]
             self.stats.evictions += len(victims)
 
+    def evict_matching(self, ttl_class: str | None, older_than_s: float | None, dry_run: bool) -> dict[str, int]:
+        """Operator eviction (``kvctl evict``) of this node's primary blocks by class and/or creation age."""
+        with self._lock:
+            now = self.clock()
+            victims = [
+                entry.key
+                for entry in self.engine.lru
+                if (ttl_class is None or entry.ttl_class == ttl_class)
+                and (older_than_s is None or now - entry.created > older_than_s)
+            ]
+            if victims and not dry_run:
+                self._remove(victims)  # type: ignore[arg-type]
+                self.stats.evictions += len(victims)
+            return {"matched": len(victims), "evicted": 0 if dry_run else len(victims)}
+
     # -- zombies --------------------------------------------------------------------------------------
 
     def _reclaim_zombies(self, now: float) -> None:

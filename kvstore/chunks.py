@@ -392,6 +392,14 @@ class ChunkEngine:
                         txn.put(bkey, replace(BlockRecord.unpack(raw), last_access=when).pack())
         return len(accessed)
 
+    def blocks_by_class(self) -> dict[str, int]:
+        """How many blocks this node is primary for, per TTL class."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for entry in self.lru:
+                counts[entry.ttl_class] = counts.get(entry.ttl_class, 0) + 1
+        return counts
+
     def block_keys_to_pairs(self, bkeys: Sequence[bytes]) -> list[tuple[str, bytes]]:
         """LRU keys (tenant prefix + key) back to (tenant, key)."""
         out = []

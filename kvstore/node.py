@@ -112,6 +112,7 @@ class StorageNode:
         self.ttl_classes = dict(config.ttl_classes)  # replaced at run time by ADMIN ttl_set
         self.started = time.time()
         self.gc: GCWorker | None = None
+        self.draining = False  # set by ``kvctl drain``: no new shards, so the node can be replaced
         self.handlers: dict[int, Callable[[Session, Frame], Reply]] = {
             Op.PUT_SHARDS: self.put_shards,
             Op.COMMIT: self.commit,
@@ -183,6 +184,8 @@ class StorageNode:
         ttl_class = self._ttl_class(head)
         if ttl_class is None:
             slots: list[Reservation | Status] = [Status.BAD_CLASS] * len(keys)
+        elif self.draining:
+            slots = [Status.DRAINING] * len(keys)
         else:
             writes = [
                 ShardWrite(keys[i], int(idx[i]), int(lens[i]), int(blen[i]), ttl_class, headers[i] or NO_HEADER)
@@ -310,15 +313,39 @@ class StorageNode:
                 "uptime_s": time.time() - self.started,
                 "pid": os.getpid(),
                 "ttl": self.ttl_classes,
+                "classes": self.engine.blocks_by_class(),
+                "draining": self.draining,
                 "gc": self.gc.stats.as_dict() if self.gc is not None else None,
                 **self.engine.counts(),
             }
         )
 
     def admin(self, session: Session, frame: Frame) -> Reply:
-        """Operator actions: ``ttl_set`` (replace the TTL table), ``gc`` (run one GC cycle now)."""
+        """Operator actions on this node.
+
+        - ``ttl_set {classes}``: replace the TTL table (seconds per class); applies to stored blocks.
+        - ``gc {repair}``: run one GC cycle now (with a repair pass if ``repair``); returns GC stats.
+        - ``evict {ttl_class, older_than_s, dry_run}``: remove the blocks this node is primary for that are
+          of that class and/or were created longer ago than that; returns how many matched/were removed.
+        - ``drain {on}``: stop (or resume) taking new shards.
+        """
         self._require_admin(session, "admin actions")
         action = field(frame.meta, "action", str)
+        if action == "drain":
+            self.draining = bool(frame.meta.get("on", True))
+            return Reply({"draining": self.draining})
+        if action == "evict":
+            if self.gc is None:
+                raise bad("this node runs no GC worker")
+            ttl_class = frame.meta.get("ttl_class")
+            older = frame.meta.get("older_than_s")
+            if ttl_class is not None and not isinstance(ttl_class, str):
+                raise bad("ttl_class must be a string")
+            if older is not None and (not isinstance(older, int | float) or older < 0):
+                raise bad("older_than_s must be a non-negative number")
+            if ttl_class is None and older is None:
+                raise bad("evict needs ttl_class and/or older_than_s")
+            return Reply(self.gc.evict_matching(ttl_class, older, dry_run=bool(frame.meta.get("dry_run"))))
         if action == "ttl_set":
             classes = frame.meta.get("classes")
             if not isinstance(classes, dict) or not all(

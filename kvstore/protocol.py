@@ -67,6 +67,7 @@ class Status(enum.IntEnum):
     EXISTS = 5  # a committed shard with this key is already stored (put is idempotent)
     ABSENT = 6  # primary only: no live block record, so the block is not visible
     BAD_CLASS = 7  # unknown TTL class
+    DRAINING = 8  # the node is being drained: it takes no new shards
 
 
 class ErrorCode(enum.IntEnum):
