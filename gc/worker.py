@@ -58,6 +58,7 @@ class GCStats:
     repair_bytes: int = 0
     last_cycle_s: float = 0.0
     last_error: str = ""
+    failing: bool = False  # the last cycle raised (``last_error`` says why)
 
     def as_dict(self) -> dict[str, float | int | str]:
         return asdict(self)
@@ -107,7 +108,9 @@ class GCWorker:
                 break
             try:
                 self.cycle()
+                self.stats.failing = False
             except Exception as exc:
+                self.stats.failing = True
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("GC cycle failed")
 

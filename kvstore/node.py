@@ -42,6 +42,8 @@ from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.chunks import NO_HEADER, BlockCommit, ChunkEngine, Reservation, ShardWrite
 from kvtier.kvstore.codec import TOTAL_SHARDS
+from kvtier.kvstore.metrics import MetricsServer
+from kvtier.kvstore.node_metrics import NodeMetrics
 from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
@@ -112,6 +114,7 @@ class StorageNode:
         self.ttl_classes = dict(config.ttl_classes)  # replaced at run time by ADMIN ttl_set
         self.started = time.time()
         self.gc: GCWorker | None = None
+        self.metrics = NodeMetrics(self)
         self.draining = False  # set by ``kvctl drain``: no new shards, so the node can be replaced
         self.handlers: dict[int, Callable[[Session, Frame], Reply]] = {
             Op.PUT_SHARDS: self.put_shards,
@@ -123,6 +126,17 @@ class StorageNode:
             Op.NODE_INFO: self.node_info,
             Op.ADMIN: self.admin,
             Op.ABORT: self.abort,
+        }
+
+    def health(self) -> dict[str, Any]:
+        """``/health``: ok unless the GC worker's last cycle failed."""
+        return {
+            "status": "degraded" if self.gc is not None and self.gc.stats.failing else "ok",
+            "node_id": self.node_id,
+            "used_bytes": self.engine.used_bytes,
+            "capacity_bytes": self.engine.capacity_bytes,
+            "uptime_s": time.time() - self.started,
+            "gc_last_error": self.gc.stats.last_error if self.gc is not None else "",
         }
 
     def ttl_s(self, ttl_class: str) -> float | None:
@@ -256,6 +270,7 @@ class StorageNode:
         statuses, views, records = self.engine.read(tenant, wanted, self.ttl_s, probe=probe)
         if probe:
             return Reply({"st": bytes(statuses)})
+        self.metrics.lookups(statuses)
         read_primary = [k for k, i, st in zip(keys, idx.tolist(), statuses, strict=True) if i == 0 and st == 0]
         if read_primary:
             self.engine.touch(tenant, read_primary)
@@ -417,6 +432,7 @@ class NodeServer:
                 session = state.session
                 reply = Reply({"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin})
             else:
+                started = time.perf_counter()
                 try:
                     reply = self.node.handle(state.session, frame)
                 except ProtocolError as exc:
@@ -427,6 +443,9 @@ class NodeServer:
             payload_len = sum(len(p) for p in reply.payload)
             head = encode_head(frame.opcode | Op.REPLY, frame.request_id, reply.meta, payload_len)
             sendmsg_all(conn, [head, *reply.payload])
+            if frame.opcode != Op.HELLO:
+                elapsed = time.perf_counter() - started
+                self.node.metrics.request(frame.opcode, elapsed, frame.payload_len, payload_len)
 
     def _next_frame(self, conn: socket.socket, reader: FrameReader, state: _Conversation) -> Frame | None:
         while True:
@@ -492,6 +511,8 @@ def run_node(config_path: str, node_id: int) -> None:
 
     threading.Thread(target=flush, daemon=True).start()
     threading.Thread(target=node.gc.run, args=(server.stopping,), daemon=True).start()
+    if node_cfg.metrics_port:
+        MetricsServer(node.metrics.registry, node_cfg.host, node_cfg.metrics_port, node.health).start()
 
     def on_signal(signum: int, _frame: object) -> None:
         threading.Thread(target=server.stop, daemon=True).start()
