@@ -32,8 +32,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import crc32c
 import lmdb
@@ -49,10 +50,12 @@ PENDING, COMMITTED = 1, 2
 _SHARD = struct.Struct("<BBHIIIQd16s")
 # block length, created, last access, header digest, ns digest, parent key length; + parent key, ttl class
 _BLOCK = struct.Struct("<Qdd16s32sB")
+_CREATED = struct.Struct("<d")
 
 
-@dataclass(frozen=True)
-class ShardRecord:
+class ShardRecord(NamedTuple):
+    """A shard's metadata as stored in LMDB (a NamedTuple: decoded on every read, so it must be cheap)."""
+
     state: int
     index: int
     size_class: int
@@ -65,29 +68,16 @@ class ShardRecord:
     ttl_class: str
 
     def pack(self) -> bytes:
-        return (
-            _SHARD.pack(
-                self.state,
-                self.index,
-                self.size_class,
-                self.slot,
-                self.length,
-                self.crc,
-                self.block_len,
-                self.created,
-                self.header,
-            )
-            + self.ttl_class.encode()
-        )
+        return _SHARD.pack(*self[:9]) + self.ttl_class.encode()
 
     @classmethod
-    def unpack(cls, raw: bytes) -> ShardRecord:
-        fields = _SHARD.unpack_from(raw)
-        return cls(*fields, ttl_class=bytes(raw[_SHARD.size :]).decode())
+    def unpack(cls, raw: bytes | memoryview) -> ShardRecord:
+        return cls._make((*_SHARD.unpack_from(raw), bytes(raw[_SHARD.size :]).decode()))
 
 
-@dataclass(frozen=True)
-class BlockRecord:
+class BlockRecord(NamedTuple):
+    """A block's record at its primary (and the copy at the holder of shard 1)."""
+
     block_len: int
     created: float
     last_access: float
@@ -104,10 +94,18 @@ class BlockRecord:
         )
 
     @classmethod
-    def unpack(cls, raw: bytes) -> BlockRecord:
+    def unpack(cls, raw: bytes | memoryview) -> BlockRecord:
         block_len, created, last_access, header, ns, parent_len = _BLOCK.unpack_from(raw)
         rest = bytes(raw[_BLOCK.size :])
         return cls(block_len, created, last_access, header, ns, rest[:parent_len], rest[parent_len:].decode())
+
+
+def _block_alive(raw: bytes | memoryview, ttl_s: Callable[[str], float | None], now: float) -> bool:
+    """Whether a stored block record is within its TTL, without decoding all of it."""
+    created = _CREATED.unpack_from(raw, 8)[0]
+    parent_len = raw[_BLOCK.size - 1]
+    ttl = ttl_s(bytes(raw[_BLOCK.size + parent_len :]).decode())
+    return ttl is not None and now <= created + ttl
 
 
 @dataclass(frozen=True)
@@ -326,7 +324,7 @@ class ChunkEngine:
                     continue
                 rec = ShardRecord.unpack(raw)
                 if rec.state != COMMITTED:
-                    txn.put(skey, replace(rec, state=COMMITTED).pack(), db=self.shards_db)
+                    txn.put(skey, rec._replace(state=COMMITTED).pack(), db=self.shards_db)
                 if c.index in RECORD_HOLDERS:
                     bkey = block_key(tenant, c.key)
                     old = txn.get(bkey, db=self.blocks_db)
@@ -389,7 +387,7 @@ class ChunkEngine:
                 for bkey, when in accessed.items():
                     raw = txn.get(bkey)
                     if raw is not None:
-                        txn.put(bkey, replace(BlockRecord.unpack(raw), last_access=when).pack())
+                        txn.put(bkey, BlockRecord.unpack(raw)._replace(last_access=when).pack())
         return len(accessed)
 
     def blocks_by_class(self) -> dict[str, int]:
@@ -427,7 +425,7 @@ class ChunkEngine:
                 skey = shard_key(tenant, key, index)
                 raw = txn.get(skey)
                 if raw is not None and raw[0] == PENDING:
-                    txn.put(skey, replace(ShardRecord.unpack(raw), state=COMMITTED).pack())
+                    txn.put(skey, ShardRecord.unpack(raw)._replace(state=COMMITTED).pack())
                     promoted += 1
         return promoted
 
@@ -454,7 +452,7 @@ class ChunkEngine:
         with self.env.begin(db=self.blocks_db, buffers=True) as txn:
             for key in keys:
                 raw = txn.get(block_key(tenant, key))
-                out.append(raw is not None and _alive(BlockRecord.unpack(raw), ttl_s, now))
+                out.append(raw is not None and _block_alive(raw, ttl_s, now))
         return out
 
     def read(
@@ -484,7 +482,7 @@ class ChunkEngine:
                     status = Status.MISSING
                 elif index == 0:
                     block_raw = txn.get(block_key(tenant, key), db=self.blocks_db)
-                    if block_raw is None or not _alive(BlockRecord.unpack(block_raw), ttl_s, now):
+                    if block_raw is None or not _block_alive(block_raw, ttl_s, now):
                         status = Status.ABSENT
                 elif not _shard_alive(rec, ttl_s, now):
                     status = Status.MISSING
@@ -536,11 +534,6 @@ class ChunkEngine:
             self.env.sync(True)
             self.env.close()
             self.slabs.close()
-
-
-def _alive(block: BlockRecord, ttl_s: Callable[[str], float | None], now: float) -> bool:
-    ttl = ttl_s(block.ttl_class)
-    return ttl is not None and now <= block.created + ttl
 
 
 def _shard_alive(rec: ShardRecord, ttl_s: Callable[[str], float | None], now: float) -> bool:
