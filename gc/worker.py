@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.gc.policy import expired, plan_eviction
+from kvtier.kvstore.chunks import COMMITTED
 
 if TYPE_CHECKING:
     from kvtier.kvstore.chunks import ChunkEngine
@@ -54,6 +55,7 @@ class GCStats:
     expirations: int = 0
     zombies_promoted: int = 0
     zombies_dropped: int = 0
+    shards_expired: int = 0
     shards_repaired: int = 0
     repair_bytes: int = 0
     last_cycle_s: float = 0.0
@@ -183,22 +185,18 @@ class GCWorker:
     # -- zombies --------------------------------------------------------------------------------------
 
     def _reclaim_zombies(self, now: float) -> None:
-        stale = self.engine.pending_before(now - self.config.gc.write_timeout_s)
-        by_tenant: dict[str, list[tuple[bytes, int]]] = {}
-        for tenant, key, index in stale:
-            by_tenant.setdefault(tenant, []).append((key, index))
-        for tenant, items in by_tenant.items():
-            self.client.pool.act_as = tenant
-            try:
+        """Dead writers' PENDING shards, and committed shards past their TTL that no primary removed
+        (it could not reach this node when it evicted, or is itself gone)."""
+        stale, expired_shards = self.engine.scan_shards(now - self.config.gc.write_timeout_s, self.ttl_classes.get)
+        for tenant, items in _by_tenant(expired_shards).items():
+            self.stats.shards_expired += self.engine.drop_shards(tenant, items, state=COMMITTED)
+        for tenant, items in _by_tenant(stale).items():
+            with self.client.acting_for(tenant):
                 live = self.client.exists([key for key, _ in items])
-            finally:
-                self.client.pool.act_as = None
-            self.stats.zombies_promoted += self.engine.promote(
-                tenant, [i for i, ok in zip(items, live, strict=True) if ok]
-            )
-            self.stats.zombies_dropped += self.engine.drop_pending(
-                tenant, [i for i, ok in zip(items, live, strict=True) if not ok]
-            )
+            committed = [item for item, ok in zip(items, live, strict=True) if ok]
+            abandoned = [item for item, ok in zip(items, live, strict=True) if not ok]
+            self.stats.zombies_promoted += self.engine.promote(tenant, committed)
+            self.stats.zombies_dropped += self.engine.drop_shards(tenant, abandoned)
 
     # -- repair ---------------------------------------------------------------------------------------
 
@@ -243,3 +241,10 @@ class GCWorker:
             moved += sum(len(data[j]) for j in rows)  # type: ignore[arg-type]
         self.stats.repair_bytes += moved
         return moved
+
+
+def _by_tenant(items: list[tuple[str, bytes, int]]) -> dict[str, list[tuple[bytes, int]]]:
+    out: dict[str, list[tuple[bytes, int]]] = {}
+    for tenant, key, index in items:
+        out.setdefault(tenant, []).append((key, index))
+    return out

@@ -406,16 +406,26 @@ class ChunkEngine:
             out.append((bkey[:cut].decode(), bkey[cut + 1 :]))
         return out
 
-    def pending_before(self, cutoff: float) -> list[tuple[str, bytes, int]]:
-        """PENDING shards written before ``cutoff``: (tenant, key, index). A full scan: call it rarely."""
-        found = []
+    def scan_shards(
+        self, pending_cutoff: float, ttl_s: Callable[[str], float | None]
+    ) -> tuple[list[tuple[str, bytes, int]], list[tuple[str, bytes, int]]]:
+        """One pass over every shard record (call it rarely): (PENDING shards written before
+        ``pending_cutoff``, COMMITTED shards past their class's TTL), each as (tenant, key, index)."""
+        now = self.clock()
+        stale, expired = [], []
         with self.env.begin(db=self.shards_db, buffers=True) as txn:
             for skey, raw in txn.cursor():
-                if raw[0] == PENDING and ShardRecord.unpack(raw).created < cutoff:
-                    raw_key = bytes(skey)
-                    cut = raw_key.index(b"/")
-                    found.append((raw_key[:cut].decode(), raw_key[cut + 1 : -1], raw_key[-1]))
-        return found
+                rec = ShardRecord.unpack(raw)
+                if rec.state == PENDING and rec.created < pending_cutoff:
+                    target = stale
+                elif rec.state == COMMITTED and not _shard_alive(rec, ttl_s, now):
+                    target = expired
+                else:
+                    continue
+                raw_key = bytes(skey)
+                cut = raw_key.index(b"/")
+                target.append((raw_key[:cut].decode(), raw_key[cut + 1 : -1], raw_key[-1]))
+        return stale, expired
 
     def promote(self, tenant: str, items: Sequence[tuple[bytes, int]]) -> int:
         """Mark still-PENDING shards COMMITTED (their block was committed at its primary)."""
@@ -429,15 +439,15 @@ class ChunkEngine:
                     promoted += 1
         return promoted
 
-    def drop_pending(self, tenant: str, items: Sequence[tuple[bytes, int]]) -> int:
-        """Remove shards that are still PENDING (a dead writer's); committed ones are left alone."""
+    def drop_shards(self, tenant: str, items: Sequence[tuple[bytes, int]], state: int = PENDING) -> int:
+        """Remove shards still in ``state`` (default PENDING: a dead writer's); others are left alone."""
         now = self.clock()
         dropped = 0
         with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
             for key, index in items:
                 skey = shard_key(tenant, key, index)
                 raw = txn.get(skey)
-                if raw is not None and raw[0] == PENDING:
+                if raw is not None and raw[0] == state:
                     self._release(ShardRecord.unpack(raw), now)
                     txn.delete(skey)
                     dropped += 1

@@ -258,7 +258,7 @@ class StorageNode:
         """A writer gives up on blocks it could not commit: drop its shards that are still PENDING."""
         keys, idx = self._entries(frame)
         items = list(zip(keys, idx.tolist(), strict=True))
-        return Reply({"dropped": self.engine.drop_pending(self.tenant(session, frame.meta), items)})
+        return Reply({"dropped": self.engine.drop_shards(self.tenant(session, frame.meta), items)})
 
     def get_shards(self, session: Session, frame: Frame) -> Reply:
         """Shards by (key, index). ``probe``: statuses only, no bytes, no crc check (for repair scans)."""
