@@ -1204,9 +1204,16 @@ def _print_report(report: dict[str, Any]) -> None:
     console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(table)
     notes = []
-    put = report["kvtier"]["put"]
-    if put["stopped_by"] == "max_bytes":
-        notes.append(f"the kvtier put phase stopped at --max-bytes ({format_size(settings['max_bytes'])})")
+    capped = [
+        s for s in ("kvtier", "redis", "mooncake") if s in report and report[s]["put"]["stopped_by"] == "max_bytes"
+    ]
+    if capped:
+        cap = format_size(settings["max_bytes"])
+        notes.append(
+            f"put phase stopped before {settings['duration_s']:g} s at --max-bytes ({cap}): {', '.join(capped)}"
+        )
+    if not settings["fill"]:
+        notes.append("--fresh: the timed puts went into space the stores had never used")
     notes.append(f"{report['verified_blocks']:,} blocks read back and verified byte for byte")
     notes.append("x raw: GB/s over that of one raw loopback TCP stream of the same bytes, measured in the same run")
     for note in notes:
