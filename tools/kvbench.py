@@ -79,6 +79,7 @@ import numpy as np
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import CapacityError, Client
 from kvtier.kvstore.codec import DATA_SHARDS, PARITY_SHARDS, shard_size
+from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.slabs import MAX_SHARD_BYTES
 from kvtier.kvstore.transport import AuthError
 from kvtier.kvstore.units import format_size, parse_duration, parse_size
@@ -714,6 +715,8 @@ def run_kvtier(args: argparse.Namespace, spec: Spec, progress: ProgressView) -> 
 
             try:
                 result, _ = run_putget("kvtier", sessions, spec, progress, degrade if args.degraded else None)
+            except BenchError as exc:
+                raise type(exc)(f"{exc}{_node_trouble(local, killed)}") from None
             finally:
                 for s in sessions:
                     s.close()
@@ -725,6 +728,22 @@ def run_kvtier(args: argparse.Namespace, spec: Spec, progress: ProgressView) -> 
                 "killed_nodes": killed,
             }
     return _with_raw(result, raw_stream_gbps(result["put"]["bytes"])), cluster
+
+
+def _node_trouble(local: LocalCluster, killed: list[int]) -> str:
+    """What the temporary cluster's node logs say, to explain a failed run (nodes normally log nothing)."""
+    notes = []
+    for nid in local.local_ids:
+        if nid in killed:
+            continue
+        proc = local.procs.get(nid)
+        exited = proc is None or proc.poll() is not None
+        log = local.log_path(nid)
+        said = log.exists() and log.stat().st_size > 0
+        if exited or said:
+            state = f"exited with code {proc.returncode if proc else '?'}" if exited else "running"
+            notes.append(f"node {nid} {state}: {_last_line(log) if said else 'no log'}")
+    return f" [{'; '.join(notes[:3])}{'; ...' if len(notes) > 3 else ''}]" if notes else ""
 
 
 def _cleanup(sessions: Sequence[KvtierSession], workers: list[Worker]) -> None:
