@@ -203,10 +203,11 @@ class GCWorker:
     def _repair(self) -> None:
         """Restore full redundancy of every block whose record is held here (primary or shard-1 copy)."""
         rate = self.config.gc.repair_bytes_per_s
-        by_tenant: dict[str, list[tuple[bytes, float, str]]] = {}
+        by_tenant: dict[str, list[tuple[bytes, float, str, bool]]] = {}
         for bkey, record in self.engine.records_held():
             ((tenant, key),) = self.engine.block_keys_to_pairs([bkey])
-            by_tenant.setdefault(tenant, []).append((key, record.created, record.ttl_class))
+            primary = bkey in self.engine.lru
+            by_tenant.setdefault(tenant, []).append((key, record.created, record.ttl_class, primary))
         for tenant, blocks in by_tenant.items():
             with self.client.acting_for(tenant):
                 for start in range(0, len(blocks), REPAIR_BATCH):
@@ -215,11 +216,14 @@ class GCWorker:
                     budget = moved / rate if rate > 0 else 0.0
                     time.sleep(max(0.0, budget - (time.perf_counter() - began)))
 
-    def _repair_batch(self, blocks: list[tuple[bytes, float, str]]) -> int:
-        keys = [key for key, _, _ in blocks]
+    def _repair_batch(self, blocks: list[tuple[bytes, float, str, bool]]) -> int:
+        """Repair one batch; a block's primary repairs it, and the holder of the record's copy (shard 1)
+        only when the primary itself lost the block (so no shard is rewritten twice)."""
+        keys = [key for key, _, _, _ in blocks]
         present = self.client.probe(keys)
         missing = ~present
-        damaged = np.flatnonzero(missing.any(axis=1) & (present.sum(axis=1) >= 10))
+        mine = np.asarray([primary for _, _, _, primary in blocks]) | missing[:, 0]
+        damaged = np.flatnonzero(mine & missing.any(axis=1) & (present.sum(axis=1) >= 10))
         if not len(damaged):
             return 0
         keys = [keys[b] for b in damaged]

@@ -528,6 +528,15 @@ class ChunkEngine:
             raw = txn.get(block_key(tenant, key))
         return BlockRecord.unpack(raw) if raw is not None else None
 
+    def setting(self, name: str) -> bytes | None:
+        """A node setting persisted with the data (e.g. the drain flag)."""
+        with self.env.begin(db=self.settings_db) as txn:
+            return txn.get(name.encode())
+
+    def set_setting(self, name: str, value: bytes) -> None:
+        with self._lock, self.env.begin(db=self.settings_db, write=True) as txn:
+            txn.put(name.encode(), value)
+
     def counts(self) -> dict[str, int]:
         with self.env.begin() as txn:
             return {

@@ -225,8 +225,9 @@ class Client:
                 continue
             assert pending.frame is not None
             meta = pending.frame.meta
-            if nid == nodes[0]:
-                out["block"] = meta["block"]
+            # the primary's record, else the copy kept by the holder of shard 1
+            if nid == nodes[0] or (nid == nodes[1] and out["block"] is None):
+                out["block"] = meta["block"] or out["block"]
             out["shards"].extend({"node": nid, **s} for s in meta["shards"])
         return out
 

@@ -115,7 +115,8 @@ class StorageNode:
         self.started = time.time()
         self.gc: GCWorker | None = None
         self.metrics = NodeMetrics(self)
-        self.draining = False  # set by ``kvctl drain``: no new shards, so the node can be replaced
+        # set by ``kvctl drain`` (kept across restarts): no new shards, so the node can be replaced
+        self.draining = engine.setting("draining") == b"1"
         self.handlers: dict[int, Callable[[Session, Frame], Reply]] = {
             Op.PUT_SHARDS: self.put_shards,
             Op.COMMIT: self.commit,
@@ -348,6 +349,7 @@ class StorageNode:
         action = field(frame.meta, "action", str)
         if action == "drain":
             self.draining = bool(frame.meta.get("on", True))
+            self.engine.set_setting("draining", b"1" if self.draining else b"0")
             return Reply({"draining": self.draining})
         if action == "evict":
             if self.gc is None:
