@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -42,20 +43,21 @@ def _raw_sender(port: int, total: int) -> None:
 def raw_stream_gbps(total: int) -> float:
     """One loopback TCP stream of ``total`` bytes, sender in another process; GB/s seen by the receiver.
 
-    The clock starts at the first bytes received, so process start-up is not counted.
+    The clock starts at the first bytes received, so process start-up is not counted. The sender is a fresh
+    interpreter (not multiprocessing), so callers need no ``if __name__ == "__main__"`` guard.
     """
     if total <= 0:
         raise ValueError(f"a raw stream needs a positive number of bytes, got {total}")
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.settimeout(ACCEPT_TIMEOUT_S)
         port = listener.getsockname()[1]
-        proc = mp.get_context("spawn").Process(target=_raw_sender, args=(port, total))
-        proc.start()
+        code = "import sys; from kvtier.tools.benchutil import _raw_sender as s; s(int(sys.argv[1]), int(sys.argv[2]))"
+        proc = subprocess.Popen([sys.executable, "-c", code, str(port), str(total)], stdin=subprocess.DEVNULL)
         try:
             conn, _ = listener.accept()
         except TimeoutError:
             proc.kill()
-            proc.join()
+            proc.wait()
             raise RuntimeError(f"the raw stream's sender did not connect within {ACCEPT_TIMEOUT_S:.0f} s") from None
         conn.settimeout(None)
         buf = memoryview(bytearray(CHUNK))
@@ -70,7 +72,7 @@ def raw_stream_gbps(total: int) -> float:
                     break
                 got += n
             elapsed = time.perf_counter() - start
-        proc.join()
+        proc.wait()
     if got < total:
         raise RuntimeError(f"the raw stream's sender stopped after {got} of {total} bytes")
     return got / max(elapsed, 1e-9) / 1e9

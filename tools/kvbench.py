@@ -273,7 +273,7 @@ class KvtierSession(Session):
         if not all(stored):
             missing = len(stored) - sum(stored)
             raise BenchError(
-                f"kvtier stored only {len(stored) - missing} of {len(stored)} blocks of a put (nodes down?)"
+                f"kvtier stored only {len(stored) - missing} of {len(stored)} blocks of a put (nodes down or failing?)"
             )
 
     def get(self, keys: list[bytes]) -> list[bool]:
@@ -933,7 +933,9 @@ def _read_messages(proc: subprocess.Popen[str], progress: ProgressView, what: st
                 progress.finish(p["label"])
         elif "error" in message:
             proc.wait()
-            raise (VerifyError if message.get("verify") else BenchError)(message["error"])
+            if message.get("verify"):
+                raise VerifyError(message["error"])
+            raise BenchError(f"{message['error']} ({what}'s log: {_last_line(log)})")
         elif "result" in message or "ready" in message:
             return message
     code = proc.wait()
@@ -946,44 +948,65 @@ def run_mooncake(folder: Path, spec: Spec, progress: ProgressView) -> dict[str, 
     segment = (spec.max_bytes * 13 // 10 + (256 << 20)) >> 20 << 20
     procs: list[subprocess.Popen[Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvbench-mooncake-") as tmp:
-        logs = Path(tmp)
         try:
-            rpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-            master_cmd = [
-                str(folder / "mooncake_master"),
-                f"--rpc_port={rpc_port}",
-                "--rpc_address=127.0.0.1",
-                "--enable_http_metadata_server=true",
-                "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={http_port}",
-                f"--metrics_port={metrics_port}",
-            ]
-            with open(logs / "master.log", "ab") as err:
-                master = subprocess.Popen(
-                    master_cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=_die_with_parent
-                )
-            procs.append(master)
-            _wait_port(rpc_port, master, "mooncake_master", logs / "master.log")
-            _wait_port(http_port, master, "mooncake_master's HTTP metadata server", logs / "master.log")
-            params = {
-                "metadata": f"http://127.0.0.1:{http_port}/metadata",
-                "master": f"127.0.0.1:{rpc_port}",
-                "segment": segment,
-                "spec": spec.to_dict(),
-            }
-            server = _child("_mooncake_store_server_main", params, logs / "server.log")
-            procs.append(server)
-            _read_messages(server, progress, "the Mooncake store server", logs / "server.log")
+            for attempt in (1, 2):  # a second try, on fresh ports, when another process took one meanwhile
+                logs = Path(tmp) / f"try-{attempt}"
+                logs.mkdir()
+                try:
+                    params = _start_mooncake_services(folder, segment, spec, logs, procs, progress)
+                    break
+                except BenchError:
+                    _stop_all(procs)
+                    if attempt == 2:
+                        raise
             client = _child("_mooncake_client_main", params, logs / "client.log")
             procs.append(client)
             result = _read_messages(client, progress, "the Mooncake client", logs / "client.log")["result"]
         finally:
-            for proc in reversed(procs):
-                _stop_process(proc)
-                if proc.stdout is not None:
-                    proc.stdout.close()
+            _stop_all(procs)
     result["version"] = _mooncake_version()
     return _with_raw(result, raw_stream_gbps(result["put"]["bytes"]))
+
+
+def _start_mooncake_services(
+    folder: Path, segment: int, spec: Spec, logs: Path, procs: list[subprocess.Popen[Any]], progress: ProgressView
+) -> dict[str, Any]:
+    """Start mooncake_master and the store server (appended to ``procs``); returns the client's parameters."""
+    rpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    master_cmd = [
+        str(folder / "mooncake_master"),
+        f"--rpc_port={rpc_port}",
+        "--rpc_address=127.0.0.1",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={http_port}",
+        f"--metrics_port={metrics_port}",
+    ]
+    with open(logs / "master.log", "ab") as err:
+        master = subprocess.Popen(
+            master_cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=_die_with_parent
+        )
+    procs.append(master)
+    _wait_port(rpc_port, master, "mooncake_master", logs / "master.log")
+    _wait_port(http_port, master, "mooncake_master's HTTP metadata server", logs / "master.log")
+    params = {
+        "metadata": f"http://127.0.0.1:{http_port}/metadata",
+        "master": f"127.0.0.1:{rpc_port}",
+        "segment": segment,
+        "spec": spec.to_dict(),
+    }
+    server = _child("_mooncake_store_server_main", params, logs / "server.log")
+    procs.append(server)
+    _read_messages(server, progress, "the Mooncake store server", logs / "server.log")
+    return params
+
+
+def _stop_all(procs: list[subprocess.Popen[Any]]) -> None:
+    while procs:
+        proc = procs.pop()
+        _stop_process(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _mooncake_setup(params: dict[str, Any], segment: int) -> Any:
