@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
+import math
 import mmap
 import os
 from collections import deque
@@ -67,7 +68,11 @@ class SlabFiles:
 
     @staticmethod
     def extent_slots(size_class: int) -> int:
-        return max(1, EXTENT_BYTES // SIZE_CLASSES[size_class])
+        """Slots per mapped extent: about EXTENT_BYTES, and a whole number of mmap granules, because
+        every extent's file offset must be a multiple of ``mmap.ALLOCATIONGRANULARITY``."""
+        size = SIZE_CLASSES[size_class]
+        step = mmap.ALLOCATIONGRANULARITY // math.gcd(size, mmap.ALLOCATIONGRANULARITY)
+        return max(step, EXTENT_BYTES // size // step * step)
 
     def rebuild(self, used: dict[int, set[int]]) -> None:
         """Take the slots in use from the shard records; everything else below the high mark is free."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,3 +38,24 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFa
 
 def cluster_path(local: LocalCluster) -> Path:
     return local.config_path
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of ``size`` mounted at ``path``, to fill up; skips the test where mounting is not
+    allowed (not root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB filesystem."""
+    with tmpfs(tmp_path / "small-disk", "2m") as path:
+        yield path

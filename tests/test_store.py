@@ -274,3 +274,27 @@ def test_puts_beyond_capacity_are_refused_with_a_clear_error(make_cluster) -> No
         assert 0 < sum(stored) < 40
         survivors = [k for k, s in zip(keys, stored, strict=True) if s]
         assert all(g is not None for g in client.get(survivors))  # the cluster keeps serving
+
+
+def test_a_node_whose_disk_fills_refuses_cleanly_and_the_cluster_keeps_serving(make_cluster) -> None:
+    from .conftest import tmpfs
+
+    local = make_cluster(capacity_bytes=1 << 30)  # the configured capacity is larger than the disk
+    victim = 6
+    local.kill(victim)
+    with tmpfs(local.config.nodes[victim].data_dir / "slabs", "3m"), connect(local.config_path) as client:
+        local.start([victim])
+        wait_retry(client)
+        keys, blocks = rand_keys(60), rand_blocks(60, 1 << 20)
+        primaries = Placement(local.config.groups).primaries(keys).tolist()
+        with pytest.raises(CapacityError, match="at capacity") as info:
+            client.put(keys, blocks)
+        stored = info.value.stored
+        # blocks whose primary is the full node are refused; the others commit with 11 shards
+        assert [s for s, p in zip(stored, primaries, strict=True) if p != victim] == [True] * sum(
+            p != victim for p in primaries
+        )
+        assert not all(stored)
+        survivors = [k for k, s in zip(keys, stored, strict=True) if s]
+        assert [bytes(b) for b in client.get(survivors)] == [b for b, s in zip(blocks, stored, strict=True) if s]
+        local.kill(victim)

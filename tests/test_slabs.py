@@ -1,0 +1,51 @@
+"""Slab files: slots of every size class map, write and read back across extent boundaries."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+
+from kvtier.kvstore.slabs import EXTENT_BYTES, SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
+
+
+@pytest.mark.parametrize("size_class", range(len(SIZE_CLASSES)))
+def test_every_extent_starts_on_an_mmap_granule(size_class: int) -> None:
+    per_extent = SlabFiles.extent_slots(size_class)
+    assert per_extent * SIZE_CLASSES[size_class] % mmap.ALLOCATIONGRANULARITY == 0
+    assert per_extent * SIZE_CLASSES[size_class] <= max(EXTENT_BYTES, 4 * SIZE_CLASSES[size_class])
+
+
+@pytest.mark.parametrize("size", [4096, 5120, 7168, 10240, 14336, 1 << 20])
+def test_slots_on_both_sides_of_an_extent_boundary_hold_their_bytes(tmp_path: Path, size: int) -> None:
+    slabs = SlabFiles(tmp_path)
+    size_class = size_class_for(size)
+    boundary = SlabFiles.extent_slots(size_class)
+    slots = slabs.allocate(size_class, boundary + 2)
+    for slot in (0, boundary - 1, boundary, boundary + 1):
+        slabs.view(size_class, slots[slot], size, for_write=True)[:] = bytes([slot % 251]) * size
+    for slot in (0, boundary - 1, boundary, boundary + 1):
+        assert bytes(slabs.view(size_class, slots[slot], size)) == bytes([slot % 251]) * size
+    slabs.close()
+
+
+def test_a_released_slot_is_reused_only_after_its_grace(tmp_path: Path) -> None:
+    slabs = SlabFiles(tmp_path)
+    (slot,) = slabs.allocate(0, 1)
+    slabs.release(0, slot, after=10.0)
+    assert slabs.quarantined_bytes == SIZE_CLASSES[0]
+    assert slabs.reap(now=9.0) == 0 and slabs.allocate(0, 1) != [slot]
+    assert slabs.reap(now=10.0) == SIZE_CLASSES[0]
+    assert slabs.allocate(0, 1) == [slot]
+    slabs.close()
+
+
+def test_a_full_disk_is_no_space_at_allocation(small_disk: Path) -> None:
+    slabs = SlabFiles(small_disk)
+    (first,) = slabs.allocate(size_class_for(1 << 20), 1)
+    slabs.view(size_class_for(1 << 20), first, 1 << 20, for_write=True)[:] = b"x" * (1 << 20)
+    with pytest.raises(NoSpace, match="disk full"):
+        slabs.allocate(size_class_for(1 << 20), 4)
+    assert bytes(slabs.view(size_class_for(1 << 20), first, 4)) == b"xxxx"  # what was stored is intact
+    slabs.close()
