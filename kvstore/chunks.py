@@ -474,9 +474,10 @@ class ChunkEngine:
     ) -> tuple[list[Status], list[memoryview | None], list[ShardRecord | None]]:
         """Look up committed shards ``(key, index, expected header digest or None)``.
 
-        Returns per shard a status, a view of its bytes in the slab file (None unless OK; valid until the
-        slot's grace time after a delete, longer than any read) and its record (None unless OK). A shard
-        whose crc32c does not verify is ``CORRUPT``: an erasure, never returned.
+        Returns per shard a status, a view of its bytes in the slab file (None unless OK) and its record
+        (None unless OK). A shard whose crc32c does not verify is ``CORRUPT``: an erasure, never returned.
+        The slots of OK shards are *pinned*: however long the caller takes to send them, they are not
+        reused, even after a delete; the caller must ``unpin(records)`` when done.
         ``probe`` skips the bytes and the crc check (a repair scan asking only what is there).
         """
         now = self.clock()
@@ -506,7 +507,15 @@ class ChunkEngine:
                 statuses.append(status)
                 views.append(view)
                 records.append(rec if status == Status.OK else None)
+        if not probe:
+            with self._lock:
+                self.slabs.pin([(r.size_class, r.slot) for r in records if r is not None])
         return statuses, views, records
+
+    def unpin(self, records: Sequence[ShardRecord | None]) -> None:
+        """Release the pins ``read`` took."""
+        with self._lock:
+            self.slabs.unpin([(r.size_class, r.slot) for r in records if r is not None])
 
     def records_held(self) -> list[tuple[bytes, BlockRecord]]:
         """Every block record here (as primary or as shard 1's copy), keyed by tenant prefix + key."""

@@ -79,13 +79,19 @@ def sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> N
 
 
 class Reply:
-    """What a handler answers: metadata plus optional payload buffers."""
+    """What a handler answers: metadata, optional payload buffers, and what to run once they are sent."""
 
-    __slots__ = ("meta", "payload")
+    __slots__ = ("meta", "on_sent", "payload")
 
-    def __init__(self, meta: dict[str, Any], payload: Sequence[memoryview] = ()) -> None:
+    def __init__(
+        self,
+        meta: dict[str, Any],
+        payload: Sequence[memoryview] = (),
+        on_sent: Callable[[], None] | None = None,
+    ) -> None:
         self.meta = meta
         self.payload = payload
+        self.on_sent = on_sent
 
 
 class Session:
@@ -280,11 +286,10 @@ class StorageNode:
             "st": bytes(statuses),
             "lens": np.asarray([r.length if r else 0 for r in records], dtype="<u4").tobytes(),
             "blen": np.asarray([r.block_len if r else 0 for r in records], dtype="<u8").tobytes(),
-            "crc": np.asarray([r.crc if r else 0 for r in records], dtype="<u4").tobytes(),
             "classes": names,
             "ci": bytes(names.index(r.ttl_class) if r else 255 for r in records),
         }
-        return Reply(meta, [v for v in views if v is not None])
+        return Reply(meta, [v for v in views if v is not None], on_sent=lambda: self.engine.unpin(records))
 
     def match(self, session: Session, frame: Frame) -> Reply:
         keys = unpack_keys(frame.meta, self.config.limits.max_batch)
@@ -444,7 +449,11 @@ class NodeServer:
                     continue
             payload_len = sum(len(p) for p in reply.payload)
             head = encode_head(frame.opcode | Op.REPLY, frame.request_id, reply.meta, payload_len)
-            sendmsg_all(conn, [head, *reply.payload])
+            try:
+                sendmsg_all(conn, [head, *reply.payload])
+            finally:
+                if reply.on_sent is not None:
+                    reply.on_sent()
             if frame.opcode != Op.HELLO:
                 elapsed = time.perf_counter() - started
                 self.node.metrics.request(frame.opcode, elapsed, frame.payload_len, payload_len)

@@ -64,6 +64,7 @@ class SlabFiles:
         self.free: dict[int, list[int]] = {}
         self.quarantine: deque[tuple[float, int, int]] = deque()  # (reusable after, class, slot)
         self.quarantined_bytes = 0
+        self.pins: dict[tuple[int, int], int] = {}  # slots whose bytes a reader is still sending
         self.maps: dict[tuple[int, int], mmap.mmap] = {}
 
     @staticmethod
@@ -138,13 +139,31 @@ class SlabFiles:
         """Make a slot reusable at once (it was never visible to any reader)."""
         self.free.setdefault(size_class, []).append(slot)
 
+    def pin(self, slots: list[tuple[int, int]]) -> None:
+        """Readers are sending these (size class, slot)s: they are not reused until unpinned."""
+        for key in slots:
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+    def unpin(self, slots: list[tuple[int, int]]) -> None:
+        for key in slots:
+            left = self.pins[key] - 1
+            if left:
+                self.pins[key] = left
+            else:
+                del self.pins[key]
+
     def reap(self, now: float) -> int:
-        """Free the quarantined slots whose grace has passed; returns their bytes."""
+        """Free the quarantined slots whose grace has passed and that no reader pins; returns their bytes."""
         freed = 0
+        still_pinned = []
         while self.quarantine and self.quarantine[0][0] <= now:
-            _, size_class, slot = self.quarantine.popleft()
-            self.free.setdefault(size_class, []).append(slot)
-            freed += SIZE_CLASSES[size_class]
+            entry = self.quarantine.popleft()
+            if (entry[1], entry[2]) in self.pins:
+                still_pinned.append(entry)
+                continue
+            self.free.setdefault(entry[1], []).append(entry[2])
+            freed += SIZE_CLASSES[entry[1]]
+        self.quarantine.extendleft(reversed(still_pinned))
         self.quarantined_bytes -= freed
         return freed
 

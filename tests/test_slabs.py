@@ -49,3 +49,16 @@ def test_a_full_disk_is_no_space_at_allocation(small_disk: Path) -> None:
         slabs.allocate(size_class_for(1 << 20), 4)
     assert bytes(slabs.view(size_class_for(1 << 20), first, 4)) == b"xxxx"  # what was stored is intact
     slabs.close()
+
+
+def test_a_pinned_slot_is_not_reused_after_its_grace_until_unpinned(tmp_path: Path) -> None:
+    slabs = SlabFiles(tmp_path)
+    (slot,) = slabs.allocate(0, 1)
+    slabs.pin([(0, slot)])  # a reader is still sending it
+    slabs.release(0, slot, after=1.0)
+    assert slabs.reap(now=5.0) == 0
+    assert slot not in slabs.allocate(0, 1)
+    slabs.unpin([(0, slot)])
+    assert slabs.reap(now=5.0) == SIZE_CLASSES[0]
+    assert slabs.allocate(0, 1) == [slot]
+    slabs.close()
