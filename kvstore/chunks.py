@@ -322,10 +322,10 @@ class ChunkEngine:
                 if raw is None:
                     statuses.append(Status.MISSING)
                     continue
-                rec = ShardRecord.unpack(raw)
-                if rec.state != COMMITTED:
-                    txn.put(skey, rec._replace(state=COMMITTED).pack(), db=self.shards_db)
+                if raw[0] != COMMITTED:  # the state is the record's first byte
+                    txn.put(skey, bytes((COMMITTED,)) + raw[1:], db=self.shards_db)
                 if c.index in RECORD_HOLDERS:
+                    rec = ShardRecord.unpack(raw)
                     bkey = block_key(tenant, c.key)
                     old = txn.get(bkey, db=self.blocks_db)
                     if old is not None:

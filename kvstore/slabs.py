@@ -49,6 +49,15 @@ def size_class_for(length: int) -> int:
     return bisect.bisect_left(SIZE_CLASSES, length)
 
 
+def _extent_slots(size: int) -> int:
+    step = mmap.ALLOCATIONGRANULARITY // math.gcd(size, mmap.ALLOCATIONGRANULARITY)
+    return max(step, EXTENT_BYTES // size // step * step)
+
+
+_EXTENT_SLOTS = [_extent_slots(size) for size in SIZE_CLASSES]
+POPULATE_MIN_BYTES = 64 << 10  # below this, a handful of page faults cost less than the system call
+
+
 class NoSpace(Exception):
     """The disk under the slab files is full."""
 
@@ -71,9 +80,7 @@ class SlabFiles:
     def extent_slots(size_class: int) -> int:
         """Slots per mapped extent: about EXTENT_BYTES, and a whole number of mmap granules, because
         every extent's file offset must be a multiple of ``mmap.ALLOCATIONGRANULARITY``."""
-        size = SIZE_CLASSES[size_class]
-        step = mmap.ALLOCATIONGRANULARITY // math.gcd(size, mmap.ALLOCATIONGRANULARITY)
-        return max(step, EXTENT_BYTES // size // step * step)
+        return _EXTENT_SLOTS[size_class]
 
     def rebuild(self, used: dict[int, set[int]]) -> None:
         """Take the slots in use from the shard records; everything else below the high mark is free."""
@@ -125,7 +132,7 @@ class SlabFiles:
         if mapped is None:
             mapped = mmap.mmap(self._fd(size_class), per_extent * size, offset=extent * per_extent * size)
             self.maps[(size_class, extent)] = mapped
-        if for_write and _POPULATE_WRITE:
+        if for_write and _POPULATE_WRITE and length >= POPULATE_MIN_BYTES:
             with contextlib.suppress(OSError):  # older kernels: the faults happen during the receive
                 mapped.madvise(_POPULATE_WRITE, index * size, -(-length // mmap.PAGESIZE) * mmap.PAGESIZE)
         return memoryview(mapped)[index * size : index * size + length]
