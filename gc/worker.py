@@ -8,10 +8,10 @@ high watermark:
 1. **Reap**: slots whose grace time has passed become free; batched last-access times are written.
 2. **Expire**: blocks past ``created + ttl[class]`` (the node's current TTL table, so a changed TTL
    applies to blocks already stored) are removed like evictions.
-3. **Evict**: if ``used − freeing > high × capacity``, remove least-recently-used blocks until the
-   *group* is back under ``low × capacity``. A node frees one shard of a block on each of the 12 nodes of
-   its group, and all 12 primaries of the group evict at once, so each primary evicts its share: the LRU
-   prefix whose shards, counted twelve times, cover the excess (``gc.policy.plan_eviction``).
+3. **Evict**: each primary keeps its own blocks' shards within ``capacity / 12`` between the
+   watermarks (``gc.policy.plan_eviction`` over its LRU index): above ``high × capacity / 12`` it removes
+   least-recently-used blocks down to ``low × capacity / 12``. Since every node holds one shard of each of
+   the group's blocks, that keeps every node between the watermarks, without coordination.
 4. **Zombies** (every ``write_timeout_s / 4``): PENDING shards older than ``write_timeout_s`` belong to a
    writer that died. Ask the block's primary: a live record means the writer died mid-commit, so the
    shard is promoted; otherwise it is dropped.
@@ -153,15 +153,20 @@ class GCWorker:
             self.stats.expirations += len(gone)
 
     def _evict_to_watermark(self) -> None:
+        """Keep this primary's blocks within its share of every node's capacity.
+
+        Every block has one shard on each of the group's 12 nodes, so a node's usage is the sum, over the
+        group's primaries, of their blocks' shard sizes. Giving each primary a budget of ``capacity / 12``
+        between the watermarks keeps every node between them, with no coordination and no race: the
+        index total drops the moment a block is removed, whatever the peers are doing.
+        """
         gc = self.config.gc
-        used = self.engine.used_bytes - self.engine.freeing_bytes
-        group = self.group_size
         victims = plan_eviction(
-            used,
-            self.engine.capacity_bytes,
+            self.engine.lru.total_bytes,
+            self.engine.capacity_bytes // self.group_size,
             gc.high_watermark,
             gc.low_watermark,
-            ((key, size * group) for key, size in self.engine.lru.lru_sizes()),
+            self.engine.lru.lru_sizes(),
         )
         if victims:
             self._remove(list(victims))  # type: ignore[arg-type]

@@ -1,0 +1,138 @@
+"""Write throughput with GC evicting vs without, and eviction accuracy, on local 12-node clusters.
+
+    python benchmarks/gc_bench.py [--capacity 64MiB] [--block-size 64KiB] [--load 4] [--json]
+
+Same run, same client, same blocks: (1) a cluster big enough that GC never evicts; (2) a cluster of
+``--capacity`` per node written ``--load`` times over, so GC evicts continuously between its watermarks.
+Reports put GB/s of each and their ratio, the peak and final usage against the watermarks, refused puts,
+and eviction accuracy: fill to 85 % of capacity, write 10 % more, and compare the blocks GC removed with
+the blocks it needed to remove to reach the low watermark. A benchmark, never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.client import CapacityError, Client
+from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
+from kvtier.kvstore.units import format_size, parse_size
+
+GC_SETTINGS = "interval_s = 0.2\ngrace_s = 0.2\n"
+BATCH = 128
+
+
+def start(tmp: str, name: str, capacity: int) -> LocalCluster:
+    path = cluster_mod.write_default(os.path.join(tmp, name), capacity_bytes=capacity, metrics=False)
+    path.write_text(path.read_text().replace("[gc]\n", f"[gc]\n{GC_SETTINGS}"))
+    local = LocalCluster(path)
+    local.start()
+    return local
+
+
+def sustained_writes(client: Client, block_size: int, total_bytes: int, capacity: int) -> dict[str, float]:
+    blocks = [os.urandom(block_size) for _ in range(BATCH)]
+    written = refused = 0
+    peak = 0.0
+    start = time.perf_counter()
+    while written < total_bytes:
+        keys = [os.urandom(16) for _ in range(BATCH)]
+        try:
+            client.put(keys, blocks)
+        except CapacityError as exc:
+            refused += BATCH - sum(exc.stored)
+        written += BATCH * block_size
+        peak = max(peak, max(i["used_bytes"] for i in client.node_info().values()) / capacity)
+    elapsed = time.perf_counter() - start
+    return {"put_gbps": written / elapsed / 1e9, "peak_usage": peak, "refused_blocks": refused}
+
+
+def eviction_accuracy(client: Client, block_size: int, capacity: int) -> dict[str, float]:
+    slot = SIZE_CLASSES[size_class_for(-(-block_size // 10))]
+    blocks = [os.urandom(block_size) for _ in range(BATCH)]
+    fill = int(0.85 * capacity) // slot
+    keys = [os.urandom(16) for _ in range(fill)]
+    for i in range(0, fill, BATCH):
+        client.put(keys[i : i + BATCH], blocks[: len(keys[i : i + BATCH])])
+    # one put crosses the high watermark: a single eviction episode, whose size is then known exactly
+    extra = [os.urandom(16) for _ in range(int(0.1 * capacity) // slot)]
+    client.put(extra, [blocks[i % BATCH] for i in range(len(extra))])
+    time.sleep(1.0)
+    client.admin("gc")
+    time.sleep(0.5)
+    total = fill + len(extra)
+    remaining = sum(client.exists(keys)) + sum(client.exists(extra))
+    info = client.node_info().values()
+    budget = capacity // 12  # each primary's share of every node (see gc.worker)
+    high, low = int(0.9 * budget) // slot, int(0.8 * budget) // slot  # blocks per primary at the marks
+    counts = [sum(i["classes"].values()) for i in info]
+    evicting = [(c, i["gc"]["evictions"]) for c, i in zip(counts, info, strict=True) if i["gc"]["evictions"]]
+    final = [i["used_bytes"] / capacity for i in info]
+    return {
+        "blocks_written": total,
+        "blocks_evicted": total - remaining,
+        "primaries_over_high": len(evicting),
+        "primary_blocks_at_low_watermark": low,
+        "primary_blocks_at_high_watermark": high,
+        # a primary over its high mark must end exactly at its low mark: anything below is over-eviction
+        "over_evicted_blocks": sum(max(0, low - c) for c, _ in evicting),
+        "under_evicted_blocks": sum(max(0, c - low) for c, _ in evicting),
+        "final_usage_min": min(final),
+        "final_usage_max": max(final),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--capacity", default="64MiB", help="per node, for the evicting cluster")
+    parser.add_argument("--block-size", default="64KiB")
+    parser.add_argument("--load", type=float, default=4.0, help="bytes written, in multiples of capacity")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    capacity, block_size = parse_size(args.capacity), parse_size(args.block_size)
+    slot = SIZE_CLASSES[size_class_for(-(-block_size // 10))]
+    total = int(args.load * capacity / slot) * block_size  # block bytes that fill capacity `load` times
+    results: dict[str, object] = {"capacity": capacity, "block_size": block_size, "load": args.load}
+    with tempfile.TemporaryDirectory(prefix="kvtier-gcbench-") as tmp:
+        for name, cap in (("no_gc", 64 * capacity), ("gc", capacity)):
+            local = start(tmp, name, cap)
+            try:
+                with Client(local.config) as client:
+                    results[name] = sustained_writes(client, block_size, total, cap)
+            finally:
+                local.stop()
+        local = start(tmp, "accuracy", capacity)
+        try:
+            with Client(local.config) as client:
+                results["accuracy"] = eviction_accuracy(client, block_size, capacity)
+        finally:
+            local.stop()
+    results["gc_vs_no_gc"] = results["gc"]["put_gbps"] / results["no_gc"]["put_gbps"]  # type: ignore[index]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    no_gc, gc, acc = results["no_gc"], results["gc"], results["accuracy"]
+    print(f"{format_size(block_size)} blocks, {args.load:g}x a capacity of {format_size(capacity)} per node")
+    print(f"put without eviction: {no_gc['put_gbps']:.2f} GB/s")  # type: ignore[index]
+    print(
+        f"put with GC evicting: {gc['put_gbps']:.2f} GB/s ({results['gc_vs_no_gc']:.2f}x), "  # type: ignore[index]
+        f"peak usage {gc['peak_usage']:.1%} of capacity, {gc['refused_blocks']} blocks refused"  # type: ignore[index]
+    )
+    print(
+        f"eviction accuracy: {acc['primaries_over_high']} of 12 primaries crossed their high mark "  # type: ignore[index]
+        f"({acc['primary_blocks_at_high_watermark']} blocks) and evicted {acc['blocks_evicted']} blocks; "  # type: ignore[index]
+        f"over-evicted {acc['over_evicted_blocks']}, under-evicted {acc['under_evicted_blocks']} "  # type: ignore[index]
+        f"(target {acc['primary_blocks_at_low_watermark']} each); node usage after "  # type: ignore[index]
+        f"{acc['final_usage_min']:.1%}..{acc['final_usage_max']:.1%} (watermarks 80%/90%)"  # type: ignore[index]
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
