@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,43 +27,9 @@ from kvtier.kvstore.client import Client
 from kvtier.kvstore.keys import Namespace, chain
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.units import format_size, parse_size
+from kvtier.tools.benchutil import raw_stream_gbps
 
-CHUNK = 4 << 20
 GRACE_S = 0.5
-
-
-def _raw_sender(port: int, total: int) -> None:
-    buf = memoryview(bytearray(os.urandom(CHUNK)))
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sent = 0
-        while sent < total:
-            n = min(CHUNK, total - sent)
-            s.sendall(buf[:n])
-            sent += n
-
-
-def raw_stream_gbps(total: int) -> float:
-    """One loopback TCP stream of ``total`` bytes, sender in another process; GB/s seen by the receiver."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        proc = mp.get_context("spawn").Process(target=_raw_sender, args=(port, total))
-        proc.start()
-        conn, _ = listener.accept()
-        buf = memoryview(bytearray(CHUNK))
-        got = 0
-        with conn:
-            n = conn.recv_into(buf)
-            start = time.perf_counter()
-            got += n
-            while got < total:
-                n = conn.recv_into(buf)
-                if n == 0:
-                    break
-                got += n
-            elapsed = time.perf_counter() - start
-        proc.join()
-    return got / elapsed / 1e9
 
 
 def bench_size(client: Client, block_size: int, batch_bytes: int, rounds: int) -> dict[str, float]:

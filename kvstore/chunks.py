@@ -429,29 +429,21 @@ class ChunkEngine:
 
     def promote(self, tenant: str, items: Sequence[tuple[bytes, int]]) -> int:
         """Mark still-PENDING shards COMMITTED (their block was committed at its primary)."""
-        promoted = 0
         with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
-            for key, index in items:
-                skey = shard_key(tenant, key, index)
-                raw = txn.get(skey)
-                if raw is not None and raw[0] == PENDING:
-                    txn.put(skey, ShardRecord.unpack(raw)._replace(state=COMMITTED).pack())
-                    promoted += 1
-        return promoted
+            found = list(_shards_in_state(txn, tenant, items, PENDING))
+            for skey, raw in found:
+                txn.put(skey, bytes((COMMITTED,)) + raw[1:])
+        return len(found)
 
     def drop_shards(self, tenant: str, items: Sequence[tuple[bytes, int]], state: int = PENDING) -> int:
         """Remove shards still in ``state`` (default PENDING: a dead writer's); others are left alone."""
         now = self.clock()
-        dropped = 0
         with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
-            for key, index in items:
-                skey = shard_key(tenant, key, index)
-                raw = txn.get(skey)
-                if raw is not None and raw[0] == state:
-                    self._release(ShardRecord.unpack(raw), now)
-                    txn.delete(skey)
-                    dropped += 1
-        return dropped
+            found = list(_shards_in_state(txn, tenant, items, state))
+            for skey, raw in found:
+                self._release(ShardRecord.unpack(raw), now)
+                txn.delete(skey)
+        return len(found)
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -562,6 +554,17 @@ class ChunkEngine:
             self.env.sync(True)
             self.env.close()
             self.slabs.close()
+
+
+def _shards_in_state(
+    txn: lmdb.Transaction, tenant: str, items: Sequence[tuple[bytes, int]], state: int
+) -> Iterator[tuple[bytes, bytes]]:
+    """(LMDB key, record) of the shards among ``items`` whose state is ``state``."""
+    for key, index in items:
+        skey = shard_key(tenant, key, index)
+        raw = txn.get(skey)
+        if raw is not None and raw[0] == state:
+            yield skey, raw
 
 
 def _shard_alive(rec: ShardRecord, ttl_s: Callable[[str], float | None], now: float) -> bool:

@@ -42,6 +42,7 @@ from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.chunks import NO_HEADER, BlockCommit, ChunkEngine, Reservation, ShardWrite
 from kvtier.kvstore.codec import TOTAL_SHARDS
+from kvtier.kvstore.iov import IOV_MAX, consume
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
 from kvtier.kvstore.protocol import (
@@ -61,21 +62,13 @@ from kvtier.kvstore.wire import bad, field, unpack_array, unpack_headers, unpack
 log = logging.getLogger("kvtier.node")
 
 PRE_AUTH_LIMITS = Limits(max_meta_bytes=64 << 10, max_payload_bytes=0, max_batch=16)
-IOV_MAX = 1024
 
 
 def sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Send every byte of ``buffers`` on a blocking socket, resuming after partial ``sendmsg`` calls."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
-        sent = sock.sendmsg(views[:IOV_MAX])
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        consume(views, sock.sendmsg(views[:IOV_MAX]))
 
 
 class Reply:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.kvstore.iov import IOV_MAX, consume
 from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
@@ -37,7 +38,6 @@ from kvtier.kvstore.protocol import (
     encode_head,
 )
 
-IOV_MAX = 1024
 _SCRATCH = memoryview(bytearray(1 << 20))
 _request_ids = itertools.count(1)
 
@@ -313,14 +313,7 @@ class Exchange:
                 sent = conn.sock.sendmsg(conn.outgoing[:IOV_MAX])
             except BlockingIOError:
                 return
-            out = conn.outgoing
-            while sent:
-                if sent >= len(out[0]):
-                    sent -= len(out[0])
-                    out.pop(0)
-                else:
-                    out[0] = out[0][sent:]
-                    sent = 0
+            consume(conn.outgoing, sent)
 
     @staticmethod
     def _receive(conn: NodeConn) -> None:

@@ -48,6 +48,16 @@ def blocks(n: int) -> tuple[list[bytes], list[bytes]]:
     return [os.urandom(16) for _ in range(n)], [os.urandom(BLOCK) for _ in range(n)]
 
 
+def put_in_batches(client: Client, n: int, batch: int = 200) -> list[bytes]:
+    """Store ``n`` fresh blocks, oldest first; returns their keys."""
+    keys = []
+    for start in range(0, n, batch):
+        batch_keys, data = blocks(min(batch, n - start))
+        client.put(batch_keys, data)
+        keys += batch_keys
+    return keys
+
+
 def usage(client: Client) -> list[int]:
     return [info["used_bytes"] for info in client.node_info().values()]
 
@@ -82,9 +92,7 @@ def test_usage_never_exceeds_capacity_and_settles_between_watermarks(cluster: Lo
 def test_eviction_is_lru_and_takes_what_is_needed(cluster: LocalCluster) -> None:
     with Client(cluster.config) as client:
         fill = int(FILL * CAPACITY) // SLOT
-        old_keys, old_data = blocks(fill)
-        for i in range(0, fill, 200):
-            client.put(old_keys[i : i + 200], old_data[i : i + 200])
+        old_keys = put_in_batches(client, fill)
         hot = old_keys[:300]
         client.get(hot)  # recently used: must survive
         time.sleep(0.3)
@@ -136,10 +144,7 @@ def test_put_with_an_unknown_ttl_class_is_refused(cluster: LocalCluster) -> None
 
 def test_a_restarted_node_keeps_lru_order(cluster: LocalCluster) -> None:
     with Client(cluster.config) as client:
-        fill = int(FILL * CAPACITY) // SLOT
-        keys, data = blocks(fill)
-        for i in range(0, fill, 200):
-            client.put(keys[i : i + 200], data[i : i + 200])
+        keys = put_in_batches(client, int(FILL * CAPACITY) // SLOT)
         hot = keys[:300]
         client.get(hot)
         time.sleep(0.6)  # access times reach disk in batches
