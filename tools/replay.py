@@ -17,6 +17,7 @@ Semantics (one pass over the requests, in trace order; ``block_tokens`` tokens p
    A block evicted or expired and later stored again is a new store. A capacity under one block stores nothing.
 
 ``ideal_token_hit_ratio`` is the same trace with infinite capacity and no TTL (the trace's reuse ceiling).
+``--mode live`` replays the same semantics against a running cluster instead (``tools.replay_live``).
 """
 
 from __future__ import annotations
@@ -210,7 +211,13 @@ class UsageError(ValueError):
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the replay options on ``parser`` (or a subparser); values are validated by :func:`run_replay`."""
     parser.add_argument("trace", metavar="TRACE", help="trace file, Mooncake JSONL")
-    parser.add_argument("--mode", choices=("sim", "live"), default="sim", help="sim: simulate the store (default)")
+    parser.add_argument(
+        "--mode",
+        choices=("sim", "live"),
+        default="sim",
+        help="sim: the store's index and eviction policy in one process, no payloads (default); "
+        "live: drive the running cluster of kvbench --config with real payloads of --bytes-per-token",
+    )
     parser.add_argument(
         "--capacity-tokens", default="inf", metavar="N|inf", help="store capacity in tokens (default: inf)"
     )
@@ -299,15 +306,16 @@ def run_replay(args: argparse.Namespace) -> int:
     """Run the replay that ``args`` (from :func:`add_replay_arguments`) describes; returns the exit status.
 
     0 on success. 2, with one ``replay: error: ...`` line on stderr and no traceback, for a bad option value,
-    a missing or unreadable trace, an invalid trace line (its line number is named) or ``--mode live``.
+    a missing or unreadable trace, an invalid trace line (its line number is named), or ``--mode live``
+    without a reachable cluster (``kvbench --config PATH replay ...``) or with simulation-only options.
     Output goes to stdout: a table, or with ``--json`` one object (top level: ``token_hit_ratio``,
     ``block_hit_ratio``, ``ideal_token_hit_ratio``, ``evictions``, ``requests``, the other :class:`ReplayResult`
     fields and the settings; with ``--sweep``: ``{"sweep": [one such object per capacity], "csv", "plot"}``).
     """
     try:
-        if args.mode != "sim":
-            raise UsageError(f"--mode {args.mode} is not available yet; use --mode sim")
         options = _parse_args(args)
+        if args.mode == "live":
+            return _run_live(args, options)
         if args.sweep is not None:
             capacities = [_parse_capacity(part, "--sweep") for part in args.sweep.split(",") if part.strip()]
             if not capacities:
@@ -340,6 +348,48 @@ def run_replay(args: argparse.Namespace) -> int:
     else:
         _print_table(rows, args.trace, options)
         print(f"wrote {csv_path}" + (f" and {plot_path}" if plot_path else " (install matplotlib for a plot)"))
+    return 0
+
+
+def _run_live(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``--mode live``: the running cluster's own capacity, watermarks and TTLs decide (tools.replay_live)."""
+    from kvtier.kvstore import cluster as cluster_mod
+    from kvtier.kvstore.client import Client
+    from kvtier.kvstore.transport import AuthError
+    from kvtier.tools.replay_live import replay_live
+
+    config_path = getattr(args, "config", None)
+    if config_path is None:
+        raise UsageError("--mode live drives a running cluster: kvbench --config PATH replay TRACE --mode live")
+    simulated = [
+        name
+        for name, given in (
+            ("--sweep", args.sweep is not None),
+            ("--capacity-tokens", args.capacity_tokens.strip().lower() != "inf"),
+            ("--watermarks", args.watermarks is not None),
+            ("--ttl", bool(args.ttl)),
+        )
+        if given
+    ]
+    if simulated:
+        raise UsageError(f"{', '.join(simulated)}: --mode live uses the cluster's own capacity, watermarks and TTLs")
+    try:
+        config = cluster_mod.load(config_path)
+        requests = load_trace(args.trace)
+    except FileNotFoundError:
+        raise UsageError(f"trace file not found: {args.trace}") from None
+    except cluster_mod.ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        with Client(config) as client:
+            result = replay_live(requests, client, options["block_tokens"], options["bytes_per_token"])
+    except AuthError as exc:
+        raise UsageError(f"the cluster rejected the token in {config_path}: {exc}") from None
+    row = {**_row(args.trace, None, options, result), "mode": "live", "cluster": str(config_path)}
+    if args.json:
+        print(json.dumps(row))
+    else:
+        _print_table([row], args.trace, options)
     return 0
 
 
