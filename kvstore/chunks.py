@@ -50,7 +50,6 @@ PENDING, COMMITTED = 1, 2
 _SHARD = struct.Struct("<BBHIIIQd16s")
 # block length, created, last access, header digest, ns digest, parent key length; + parent key, ttl class
 _BLOCK = struct.Struct("<Qdd16s32sB")
-_CREATED = struct.Struct("<d")
 
 
 class ShardRecord(NamedTuple):
@@ -98,14 +97,6 @@ class BlockRecord(NamedTuple):
         block_len, created, last_access, header, ns, parent_len = _BLOCK.unpack_from(raw)
         rest = bytes(raw[_BLOCK.size :])
         return cls(block_len, created, last_access, header, ns, rest[:parent_len], rest[parent_len:].decode())
-
-
-def _block_alive(raw: bytes | memoryview, ttl_s: Callable[[str], float | None], now: float) -> bool:
-    """Whether a stored block record is within its TTL, without decoding all of it."""
-    created = _CREATED.unpack_from(raw, 8)[0]
-    parent_len = raw[_BLOCK.size - 1]
-    ttl = ttl_s(bytes(raw[_BLOCK.size + parent_len :]).decode())
-    return ttl is not None and now <= created + ttl
 
 
 @dataclass(frozen=True)
@@ -448,14 +439,21 @@ class ChunkEngine:
     # -- reads ----------------------------------------------------------------------------------------
 
     def live_blocks(self, tenant: str, keys: Sequence[bytes], ttl_s: Callable[[str], float | None]) -> list[bool]:
-        """Whether each key has a block record here that has not expired (metadata only)."""
+        """Whether each key is a block this node is primary for and that has not expired.
+
+        Answered from the in-memory LRU index, which mirrors the primary's block records (inserted at
+        commit, removed with the record, rebuilt from LMDB at start-up): ``match`` never touches disk.
+        """
         now = self.clock()
-        out = []
-        with self.env.begin(db=self.blocks_db, buffers=True) as txn:
-            for key in keys:
-                raw = txn.get(block_key(tenant, key))
-                out.append(raw is not None and _block_alive(raw, ttl_s, now))
-        return out
+        prefix = tenant_prefix(tenant)
+        return [self._record_alive(prefix + key, ttl_s, now) for key in keys]
+
+    def _record_alive(self, bkey: bytes, ttl_s: Callable[[str], float | None], now: float) -> bool:
+        entry = self.lru.get(bkey)
+        if entry is None:
+            return False
+        ttl = ttl_s(entry.ttl_class)
+        return ttl is not None and now <= entry.created + ttl
 
     def read(
         self,
@@ -484,8 +482,7 @@ class ChunkEngine:
                 if rec is None or rec.state != COMMITTED:
                     status = Status.MISSING
                 elif index == 0:
-                    block_raw = txn.get(block_key(tenant, key), db=self.blocks_db)
-                    if block_raw is None or not _block_alive(block_raw, ttl_s, now):
+                    if not self._record_alive(block_key(tenant, key), ttl_s, now):
                         status = Status.ABSENT
                 elif not _shard_alive(rec, ttl_s, now):
                     status = Status.MISSING

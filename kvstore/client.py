@@ -180,12 +180,14 @@ class Client:
         if not keys:
             return live
         primaries = self.placement.primaries(keys)
+        blob, klen = pack_keys(keys)
+        table = np.frombuffer(blob, dtype=np.uint8).reshape(len(keys), klen)
         exchange = Exchange(self.pool)
         asks = []
         for node_id in np.unique(primaries).tolist():
             positions = np.flatnonzero(primaries == node_id)
-            blob, klen = pack_keys([keys[i] for i in positions])
-            asks.append((positions, exchange.request(node_id, Op.MATCH, {"keys": blob, "klen": klen})))
+            meta = {"keys": table[positions].tobytes(), "klen": klen}
+            asks.append((positions, exchange.request(node_id, Op.MATCH, meta)))
         exchange.run(self.config.client.op_timeout_s)
         for positions, pending in asks:
             flags = self._flags(pending, "live", len(positions))

@@ -30,15 +30,21 @@ class Placement:
         """``out[b, i]`` is the node id holding shard ``i`` of ``keys[b]``; shape (len(keys), 12)."""
         if not keys:
             return np.empty((0, TOTAL_SHARDS), dtype=np.int64)
+        group, rotation = self._group_and_rotation(keys)
+        slots = (rotation[:, None] + np.arange(TOTAL_SHARDS)[None, :]) % TOTAL_SHARDS
+        return self.groups[group[:, None], slots]
+
+    def _group_and_rotation(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         h = key_prefixes(keys)
-        g = (h % np.uint64(len(self.groups))).astype(np.int64)
-        rot = ((h // np.uint64(len(self.groups))) % np.uint64(TOTAL_SHARDS)).astype(np.int64)
-        slots = (rot[:, None] + np.arange(TOTAL_SHARDS)[None, :]) % TOTAL_SHARDS
-        return self.groups[g[:, None], slots]
+        groups = np.uint64(len(self.groups))
+        return (h % groups).astype(np.int64), ((h // groups) % np.uint64(TOTAL_SHARDS)).astype(np.int64)
 
     def primaries(self, keys: Sequence[bytes]) -> np.ndarray:
         """Node id of each key's primary (the holder of data shard 0 and the block record)."""
-        return self.shard_nodes(keys)[:, 0]
+        if not keys:
+            return np.empty(0, dtype=np.int64)
+        group, rotation = self._group_and_rotation(keys)
+        return self.groups[group, rotation]
 
 
 def key_prefixes(keys: Sequence[bytes]) -> np.ndarray:
