@@ -201,8 +201,10 @@ class ChunkEngine:
 
         Per write: a Reservation, ``EXISTS`` (a committed shard is already stored; nothing to do, unless
         ``replace``: repair rewriting a corrupt one) or ``NO_SPACE`` (capacity or disk). Reserved bytes
-        count as used until recorded or cancelled.
+        count as used until recorded or cancelled. When the writes do not fit but enough deleted bytes are
+        only waiting out their grace time, it waits for them (at most ``grace_s``) rather than refuse.
         """
+        self._wait_for_freeing(sum(SIZE_CLASSES[size_class_for(w.length)] for w in writes))
         plan: list[int | Status] = []  # size class to reserve, or the verdict
         with self._lock:
             self.used_bytes -= self.slabs.reap(self.clock())
@@ -238,6 +240,18 @@ class ChunkEngine:
                     slot = slots[p].pop()
                     out.append(Reservation(w, p, slot, self.slabs.view(p, slot, w.length, for_write=True)))
         return out
+
+    def _wait_for_freeing(self, needed: int) -> None:
+        """Sleep until ``needed`` more bytes fit, while slots that would make room are in their grace."""
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                self.used_bytes -= self.slabs.reap(self.clock())
+                short = self.used_bytes + needed - self.capacity_bytes
+                if short <= 0 or self.freeing_bytes == 0:
+                    return
+                next_free = self.slabs.quarantine[0][0] - self.clock() if self.slabs.quarantine else 0.0
+            time.sleep(min(max(next_free, 0.001), deadline - time.monotonic(), 0.05))
 
     def record_pending(self, tenant: str, reservations: Sequence[Reservation], replace: bool = False) -> None:
         """The reserved slots hold their shards now: checksum them and record them PENDING.

@@ -335,6 +335,8 @@ class Client:
         and per block whether a node refused a shard for lack of space.
         """
         shards = self._encode(views)
+        block_lens = np.asarray([len(v) for v in views], dtype="<u8")
+        shard_lens = np.asarray([len(s[0]) for s in shards], dtype="<u4")  # all 12 shards of a block
         blob_meta = {"cls": ttl_class}
 
         # phase 1: shards PENDING on every node
@@ -343,12 +345,12 @@ class Client:
         for node_id in np.unique(shard_nodes[write]).tolist():
             entries = np.argwhere((shard_nodes == node_id) & write)
             meta = self._entry_meta(keys, entries, headers)
-            meta["lens"] = np.asarray([len(shards[b][i]) for b, i in entries], dtype="<u4").tobytes()
-            meta["blen"] = np.asarray([len(views[b]) for b, _ in entries], dtype="<u8").tobytes()
+            meta["lens"] = shard_lens[entries[:, 0]].tobytes()
+            meta["blen"] = block_lens[entries[:, 0]].tobytes()
             meta.update(blob_meta)
             if repair:
                 meta["replace"] = True
-            payload = [shards[b][i] for b, i in entries]
+            payload = [shards[b][i] for b, i in entries.tolist()]
             plans.append((entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
         exchange.run(self.config.client.op_timeout_s)
         ok = np.zeros(shard_nodes.shape, dtype=bool)
@@ -376,7 +378,7 @@ class Client:
             if not len(entries):
                 continue
             meta = self._entry_meta(keys, entries, headers)
-            meta["blen"] = np.asarray([len(views[b]) for b, _ in entries], dtype="<u8").tobytes()
+            meta["blen"] = block_lens[entries[:, 0]].tobytes()
             meta.update(blob_meta)
             if parents:
                 meta["ns"] = ns_digest
@@ -442,20 +444,20 @@ class Client:
         return int((ok & which).sum())
 
     def _encode(self, views: Sequence[memoryview]) -> list[list[memoryview]]:
-        """The 12 shards of every block: data shards are views of the block, except a padded tail."""
+        """The 12 shards of every block: data shards are views of the block, except a padded tail; the
+        parity of the whole batch lives in one buffer."""
+        sizes = [shard_size(len(view)) for view in views]
+        parity_pool = memoryview(bytearray(2 * sum(sizes)))
         out = []
-        for view in views:
-            layout = BlockLayout(len(view))
-            data = []
-            for i in range(DATA_SHARDS):
-                region = layout.region(view, i)
-                if len(region) < layout.shard:
-                    padded = bytearray(layout.shard)
-                    padded[: len(region)] = region
-                    region = memoryview(padded)
-                data.append(region)
-            parity_buf = memoryview(bytearray(2 * layout.shard))
-            parity = [parity_buf[: layout.shard], parity_buf[layout.shard :]]
+        for view, size in zip(views, sizes, strict=True):
+            length = len(view)
+            data = [view[i * size : (i + 1) * size] for i in range(DATA_SHARDS)]
+            for i in range(length // size, DATA_SHARDS):  # the zero-padded tail (rare: sizes rarely divide)
+                padded = bytearray(size)
+                padded[: len(data[i])] = data[i]
+                data[i] = memoryview(padded)
+            parity = [parity_pool[:size], parity_pool[size : 2 * size]]
+            parity_pool = parity_pool[2 * size :]
             self.codec.encode_parity(data, parity)
             out.append(data + parity)
         return out
@@ -472,10 +474,11 @@ class Client:
 
     @staticmethod
     def _entry_meta(keys: Sequence[bytes], entries: np.ndarray, headers: list[bytes] | None) -> dict[str, Any]:
-        blob, klen = pack_keys([keys[b] for b in entries[:, 0]])
+        rows = entries[:, 0].tolist()
+        blob, klen = pack_keys([keys[b] for b in rows])
         meta: dict[str, Any] = {"keys": blob, "klen": klen, "idx": entries[:, 1].astype(np.uint8).tobytes()}
         if headers is not None:
-            meta["hdr"] = b"".join(headers[b] for b in entries[:, 0])
+            meta["hdr"] = b"".join([headers[b] for b in rows])
         return meta
 
     @staticmethod

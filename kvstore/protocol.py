@@ -183,9 +183,14 @@ class FrameReader:
         frame = self.head
         if frame is None or self._sink is not None:
             raise RuntimeError("sink() is only allowed before any payload byte of a frame arrived")
-        views = [memoryview(b).cast("B") for b in buffers]
-        views = [v for v in views if len(v)]
-        if sum(len(v) for v in views) != frame.payload_len:
+        views = []
+        total = 0
+        for buffer in buffers:
+            view = buffer if isinstance(buffer, memoryview) and buffer.format == "B" else memoryview(buffer).cast("B")
+            if view.nbytes:
+                views.append(view)
+                total += view.nbytes
+        if total != frame.payload_len:
             raise ValueError("sink buffers do not add up to the payload length")
         self._sink = views
         self._sink_index = 0

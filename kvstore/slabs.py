@@ -75,6 +75,7 @@ class SlabFiles:
         self.quarantined_bytes = 0
         self.pins: dict[tuple[int, int], int] = {}  # slots whose bytes a reader is still sending
         self.maps: dict[tuple[int, int], mmap.mmap] = {}
+        self.map_views: dict[tuple[int, int], memoryview] = {}  # one view per map: slicing it is cheap
 
     @staticmethod
     def extent_slots(size_class: int) -> int:
@@ -128,14 +129,17 @@ class SlabFiles:
         per_extent = self.extent_slots(size_class)
         extent, index = divmod(slot, per_extent)
         size = SIZE_CLASSES[size_class]
-        mapped = self.maps.get((size_class, extent))
-        if mapped is None:
+        whole = self.map_views.get((size_class, extent))
+        if whole is None:
             mapped = mmap.mmap(self._fd(size_class), per_extent * size, offset=extent * per_extent * size)
             self.maps[(size_class, extent)] = mapped
+            whole = self.map_views[(size_class, extent)] = memoryview(mapped)
         if for_write and _POPULATE_WRITE and length >= POPULATE_MIN_BYTES:
             with contextlib.suppress(OSError):  # older kernels: the faults happen during the receive
-                mapped.madvise(_POPULATE_WRITE, index * size, -(-length // mmap.PAGESIZE) * mmap.PAGESIZE)
-        return memoryview(mapped)[index * size : index * size + length]
+                self.maps[(size_class, extent)].madvise(
+                    _POPULATE_WRITE, index * size, -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
+                )
+        return whole[index * size : index * size + length]
 
     def release(self, size_class: int, slot: int, after: float) -> None:
         """Make a slot reusable once the clock passes ``after``."""
@@ -175,6 +179,9 @@ class SlabFiles:
         return freed
 
     def close(self) -> None:
+        for view in self.map_views.values():
+            view.release()
+        self.map_views.clear()
         for mapped in self.maps.values():
             with contextlib.suppress(BufferError):  # a view still held by a dying connection thread
                 mapped.close()
