@@ -725,25 +725,29 @@ class AsyncClient:
         finally:
             self._idle.append(client)
 
-    async def put(self, keys, blocks, ttl_class: str = "chatbot", **kw: Any) -> list[bool]:
+    async def put(
+        self, keys: Sequence[bytes], blocks: Sequence[Buffer], ttl_class: str = "chatbot", **kw: Any
+    ) -> list[bool]:
         return await self._call("put", keys, blocks, ttl_class, **kw)
 
-    async def put_from(self, keys, buffers, ttl_class: str = "chatbot", **kw: Any) -> list[bool]:
+    async def put_from(
+        self, keys: Sequence[bytes], buffers: Sequence[Buffer], ttl_class: str = "chatbot", **kw: Any
+    ) -> list[bool]:
         return await self._call("put_from", keys, buffers, ttl_class, **kw)
 
-    async def get(self, keys, **kw: Any) -> list[bytearray | None]:
+    async def get(self, keys: Sequence[bytes], **kw: Any) -> list[bytearray | None]:
         return await self._call("get", keys, **kw)
 
-    async def get_into(self, keys, buffers, **kw: Any) -> list[bool]:
+    async def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer], **kw: Any) -> list[bool]:
         return await self._call("get_into", keys, buffers, **kw)
 
-    async def match(self, keys) -> int:
+    async def match(self, keys: Sequence[bytes]) -> int:
         return await self._call("match", keys)
 
-    async def exists(self, keys) -> list[bool]:
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return await self._call("exists", keys)
 
-    async def delete(self, keys) -> None:
+    async def delete(self, keys: Sequence[bytes]) -> None:
         return await self._call("delete", keys)
 
     async def close(self) -> None:
