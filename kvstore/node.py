@@ -40,6 +40,7 @@ import numpy as np
 
 from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore import logs
 from kvtier.kvstore.chunks import NO_HEADER, BlockCommit, ChunkEngine, Reservation, ShardWrite
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.iov import IOV_MAX, consume
@@ -491,9 +492,7 @@ def _close_with_error(conn: socket.socket, request_id: int, code: ErrorCode, mes
 
 def run_node(config_path: str, node_id: int) -> None:
     """Entry point of one node process: serve until SIGTERM/SIGINT, then close the engine cleanly."""
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s node-{node_id} %(levelname)s %(message)s", stream=sys.stderr
-    )
+    logs.configure(node=node_id)
     config = cluster_mod.load(config_path)
     if node_id not in config.nodes:
         raise cluster_mod.ConfigError(f"node {node_id} is not in {config_path}")
