@@ -74,13 +74,13 @@ class GCWorker:
         engine: ChunkEngine,
         node_id: int,
         config: ClusterConfig,
-        ttl_classes: dict[str, float],
+        ttl_classes: Callable[[], dict[str, float]],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
         self.node_id = node_id
         self.config = config
-        self.ttl_classes = ttl_classes  # shared with the node: TTL changes apply at the next cycle
+        self.ttl_classes = ttl_classes  # the node's current table: a TTL change applies at the next cycle
         self.clock = clock
         self.stats = GCStats()
         self._wake = threading.Event()
@@ -147,7 +147,7 @@ class GCWorker:
                 self.client.delete(keys)
 
     def _expire(self) -> None:
-        gone = expired(self.engine.lru, self.ttl_classes, self.clock())
+        gone = expired(self.engine.lru_entries(), self.ttl_classes(), self.clock())  # type: ignore[arg-type]
         if gone:
             self._remove(list(gone))  # type: ignore[arg-type]
             self.stats.expirations += len(gone)
@@ -161,12 +161,13 @@ class GCWorker:
         index total drops the moment a block is removed, whatever the peers are doing.
         """
         gc = self.config.gc
+        entries = self.engine.lru_entries()
         victims = plan_eviction(
-            self.engine.lru.total_bytes,
+            sum(entry.size_bytes for entry in entries),
             self.engine.capacity_bytes // self.group_size,
             gc.high_watermark,
             gc.low_watermark,
-            self.engine.lru.lru_sizes(),
+            ((entry.key, entry.size_bytes) for entry in entries),
         )
         if victims:
             self._remove(list(victims))  # type: ignore[arg-type]
@@ -178,7 +179,7 @@ class GCWorker:
             now = self.clock()
             victims = [
                 entry.key
-                for entry in self.engine.lru
+                for entry in self.engine.lru_entries()
                 if (ttl_class is None or entry.ttl_class == ttl_class)
                 and (older_than_s is None or now - entry.created > older_than_s)
             ]
@@ -192,16 +193,24 @@ class GCWorker:
     def _reclaim_zombies(self, now: float) -> None:
         """Dead writers' PENDING shards, and committed shards past their TTL that no primary removed
         (it could not reach this node when it evicted, or is itself gone)."""
-        stale, expired_shards = self.engine.scan_shards(now - self.config.gc.write_timeout_s, self.ttl_classes.get)
+        stale, expired_shards = self.engine.scan_shards(now - self.config.gc.write_timeout_s, self.ttl_classes().get)
+        ttl = self.ttl_classes()
+        cutoff = now - self.config.gc.write_timeout_s
         for tenant, items in _by_tenant(expired_shards).items():
-            self.stats.shards_expired += self.engine.drop_shards(tenant, items, state=COMMITTED)
+            self.stats.shards_expired += self.engine.drop_shards(
+                tenant, items, state=COMMITTED, still=lambda rec: now > rec.created + ttl.get(rec.ttl_class, 0.0)
+            )
         for tenant, items in _by_tenant(stale).items():
             with self.client.acting_for(tenant):
-                live = self.client.exists([key for key, _ in items])
-            committed = [item for item, ok in zip(items, live, strict=True) if ok]
-            abandoned = [item for item, ok in zip(items, live, strict=True) if not ok]
+                live = self.client.liveness([key for key, _ in items]).tolist()
+            # 1: committed at the primary (the writer died mid-commit); 0: never committed; -1: the primary
+            # is unreachable, so nobody can tell yet: keep the shard for the next scan
+            committed = [item for item, state in zip(items, live, strict=True) if state == 1]
+            abandoned = [item for item, state in zip(items, live, strict=True) if state == 0]
             self.stats.zombies_promoted += self.engine.promote(tenant, committed)
-            self.stats.zombies_dropped += self.engine.drop_shards(tenant, abandoned)
+            self.stats.zombies_dropped += self.engine.drop_shards(
+                tenant, abandoned, still=lambda rec: rec.created < cutoff
+            )
 
     # -- repair ---------------------------------------------------------------------------------------
 
@@ -232,22 +241,24 @@ class GCWorker:
         if not len(damaged):
             return 0
         keys = [keys[b] for b in damaged]
-        data = self.client.read_for_repair(keys)
+        decoded = self.client.read_for_repair(keys)
         moved = 0
         by_class: dict[str, list[int]] = {}
         for j, b in enumerate(damaged.tolist()):
-            if data[j] is not None:
+            if decoded[j] is not None:
                 by_class.setdefault(blocks[b][2], []).append(j)
         for ttl_class, rows in by_class.items():
+            found = [decoded[j] for j in rows]
             written = self.client.write_shards(
                 [keys[j] for j in rows],
-                [data[j] for j in rows],  # type: ignore[misc]
+                [data for data, _ in found],  # type: ignore[misc]
                 ttl_class,
                 missing[damaged[rows]],
+                [header for _, header in found],  # type: ignore[misc]
                 created=[blocks[damaged[j]][1] for j in rows],
             )
             self.stats.shards_repaired += written
-            moved += sum(len(data[j]) for j in rows)  # type: ignore[arg-type]
+            moved += sum(len(data) for data, _ in found)  # type: ignore[misc]
         self.stats.repair_bytes += moved
         return moved
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import crc32c
 import lmdb
 
-from kvtier.gc.policy import LruIndex
+from kvtier.gc.policy import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
 
@@ -133,7 +133,6 @@ class BlockCommit:
     created: float | None = None  # repair re-creates a record with the block's original creation time
 
 
-NO_HEADER = bytes(16)
 # The primary (data shard 0) keeps the block record; the holder of shard 1 keeps a copy, so a wiped
 # primary's blocks can be found and its record rebuilt by repair.
 RECORD_HOLDERS = (0, 1)
@@ -320,29 +319,37 @@ class ChunkEngine:
         """Mark shards COMMITTED (and write block records at the primary); MISSING if no shard is stored."""
         now = self.clock()
         statuses = []
-        with self._lock, self.env.begin(write=True) as txn:
-            for c in commits:
-                skey = shard_key(tenant, c.key, c.index)
-                raw = txn.get(skey, db=self.shards_db)
-                if raw is None:
-                    statuses.append(Status.MISSING)
-                    continue
-                if raw[0] != COMMITTED:  # the state is the record's first byte
-                    txn.put(skey, bytes((COMMITTED,)) + raw[1:], db=self.shards_db)
-                if c.index in RECORD_HOLDERS:
-                    rec = ShardRecord.unpack(raw)
-                    bkey = block_key(tenant, c.key)
-                    old = txn.get(bkey, db=self.blocks_db)
-                    if old is not None:
-                        created = BlockRecord.unpack(old).created
-                    else:
-                        created = c.created if c.created is not None else now
-                    block = BlockRecord(c.block_len, created, now, c.header, c.ns, c.parent, c.ttl_class)
-                    txn.put(bkey, block.pack(), db=self.blocks_db)
-                    if c.index == 0:
-                        self.lru.insert(bkey, SIZE_CLASSES[rec.size_class], now, c.ttl_class, created)
-                statuses.append(Status.OK)
+        indexed = []  # LRU entries to add once the transaction has committed (a failure rolls both back)
+        with self._lock:
+            with self.env.begin(write=True) as txn:
+                for c in commits:
+                    statuses.append(self._commit_one(txn, tenant, c, now, indexed))
+            for entry in indexed:
+                self.lru.insert(*entry)
         return statuses
+
+    def _commit_one(
+        self, txn: lmdb.Transaction, tenant: str, c: BlockCommit, now: float, indexed: list[tuple]
+    ) -> Status:
+        skey = shard_key(tenant, c.key, c.index)
+        raw = txn.get(skey, db=self.shards_db)
+        if raw is None:
+            return Status.MISSING
+        if raw[0] != COMMITTED:  # the state is the record's first byte
+            txn.put(skey, bytes((COMMITTED,)) + raw[1:], db=self.shards_db)
+        if c.index in RECORD_HOLDERS:
+            rec = ShardRecord.unpack(raw)
+            bkey = block_key(tenant, c.key)
+            old = txn.get(bkey, db=self.blocks_db)
+            if old is not None:
+                created = BlockRecord.unpack(old).created
+            else:
+                created = c.created if c.created is not None else now
+            block = BlockRecord(c.block_len, created, now, c.header, c.ns, c.parent, c.ttl_class)
+            txn.put(bkey, block.pack(), db=self.blocks_db)
+            if c.index == 0:
+                indexed.append((bkey, SIZE_CLASSES[rec.size_class], now, c.ttl_class, created))
+        return Status.OK
 
     def delete(self, tenant: str, keys: Sequence[bytes], indices: Sequence[int] = range(256)) -> int:
         """Remove block records, then the shards of ``keys``; returns how many shards were removed."""
@@ -395,6 +402,11 @@ class ChunkEngine:
                         txn.put(bkey, BlockRecord.unpack(raw)._replace(last_access=when).pack())
         return len(accessed)
 
+    def lru_entries(self) -> list[BlockEntry]:
+        """A snapshot of the primary blocks, least recently used first (readers touch the index meanwhile)."""
+        with self._lock:
+            return list(self.lru)
+
     def blocks_by_class(self) -> dict[str, int]:
         """How many blocks this node is primary for, per TTL class."""
         with self._lock:
@@ -440,13 +452,22 @@ class ChunkEngine:
                 txn.put(skey, bytes((COMMITTED,)) + raw[1:])
         return len(found)
 
-    def drop_shards(self, tenant: str, items: Sequence[tuple[bytes, int]], state: int = PENDING) -> int:
-        """Remove shards still in ``state`` (default PENDING: a dead writer's); others are left alone."""
+    def drop_shards(
+        self,
+        tenant: str,
+        items: Sequence[tuple[bytes, int]],
+        state: int = PENDING,
+        still: Callable[[ShardRecord], bool] | None = None,
+    ) -> int:
+        """Remove shards still in ``state`` (default PENDING: a dead writer's) and, if given, for which
+        ``still(record)`` holds when looked at again under the lock (a shard written since the caller
+        decided is left alone); others are left alone."""
         now = self.clock()
         with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
-            found = list(_shards_in_state(txn, tenant, items, state))
-            for skey, raw in found:
-                self._release(ShardRecord.unpack(raw), now)
+            found = [(skey, ShardRecord.unpack(raw)) for skey, raw in _shards_in_state(txn, tenant, items, state)]
+            found = [(skey, rec) for skey, rec in found if still is None or still(rec)]
+            for skey, rec in found:
+                self._release(rec, now)
                 txn.delete(skey)
         return len(found)
 
@@ -488,31 +509,30 @@ class ChunkEngine:
         statuses: list[Status] = []
         views: list[memoryview | None] = []
         records: list[ShardRecord | None] = []
-        with self.env.begin(buffers=True) as txn:
+        # Look up and pin under the lock that deletes and slot reuse take: a slot found here cannot be
+        # reused before it is unpinned, however long the checks and the send take.
+        with self._lock, self.env.begin(buffers=True) as txn:
             for key, index, header in wanted:
                 raw = txn.get(shard_key(tenant, key, index), db=self.shards_db)
                 rec = ShardRecord.unpack(raw) if raw is not None else None
                 status = Status.OK
-                if rec is None or rec.state != COMMITTED:
+                if index == 0 and not self._record_alive(block_key(tenant, key), ttl_s, now):
+                    status = Status.ABSENT  # no live record: the block is gone, whatever shards remain
+                elif rec is None or rec.state != COMMITTED or not _shard_alive(rec, ttl_s, now):
                     status = Status.MISSING
-                elif index == 0:
-                    if not self._record_alive(block_key(tenant, key), ttl_s, now):
-                        status = Status.ABSENT
-                elif not _shard_alive(rec, ttl_s, now):
-                    status = Status.MISSING
-                if status == Status.OK and header is not None and rec.header != header:
+                elif header is not None and rec.header != header:
                     status = Status.MISMATCH
-                view = None
-                if status == Status.OK and not probe:
-                    view = self.slabs.view(rec.size_class, rec.slot, rec.length)
-                    if crc32c.crc32c(view) != rec.crc:
-                        status, view = Status.CORRUPT, None
                 statuses.append(status)
-                views.append(view)
                 records.append(rec if status == Status.OK else None)
-        if not probe:
-            with self._lock:
+                ok = status == Status.OK and not probe
+                views.append(self.slabs.view(rec.size_class, rec.slot, rec.length) if ok else None)  # type: ignore[union-attr]
+            if not probe:
                 self.slabs.pin([(r.size_class, r.slot) for r in records if r is not None])
+        for i, view in enumerate(views):
+            if view is not None and crc32c.crc32c(view) != records[i].crc:  # type: ignore[union-attr]
+                statuses[i], views[i] = Status.CORRUPT, None
+                self.unpin([records[i]])
+                records[i] = None
         return statuses, views, records
 
     def unpin(self, records: Sequence[ShardRecord | None]) -> None:

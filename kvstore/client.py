@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ import numpy as np
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec, default_codec, shard_size
-from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, Namespace, TokenInput, chain, header_digests
+from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER, Namespace, TokenInput, chain, header_digests
 from kvtier.kvstore.placement import Placement
 from kvtier.kvstore.protocol import Frame, Op, Status
 from kvtier.kvstore.transport import ConnectionPool, Exchange, Pending
@@ -83,6 +84,8 @@ class _ReadState:
         self.absent = np.zeros(n, dtype=bool)
         self.mismatch = np.zeros(n, dtype=bool)
         self.ttl_class: list[str | None] = [None] * n
+        self.header: list[bytes] = [NO_HEADER] * n  # as stored: repair must write it back unchanged
+        self.primary_ok = np.zeros(n, dtype=bool)  # the primary answered OK: the block is live
         self.parity: dict[tuple[int, int], memoryview] = {}
         self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
 
@@ -96,11 +99,15 @@ class _ReadState:
             self.mismatch[entries[st == Status.MISMATCH, 0]] = True
             lost = entries[(st == Status.MISSING) | (st == Status.CORRUPT)]
             self.lost[lost[:, 0], lost[:, 1]] = True
-            names, ci = frame.meta.get("classes"), frame.meta.get("ci")
+            self.primary_ok[entries[(st == Status.OK) & (entries[:, 1] == 0), 0]] = True
+            names, ci, hdr = frame.meta.get("classes"), frame.meta.get("ci"), frame.meta.get("hdr")
             if isinstance(names, list) and isinstance(ci, bytes) and len(ci) == len(entries):
                 for (b, _), c in zip(entries.tolist(), ci, strict=True):
                     if c < len(names) and isinstance(names[c], str):
                         self.ttl_class[b] = names[c]
+            if isinstance(hdr, bytes) and len(hdr) == HEADER_DIGEST_BYTES * len(entries):
+                for j in np.flatnonzero(st == Status.OK).tolist():
+                    self.header[entries[j, 0]] = hdr[j * HEADER_DIGEST_BYTES : (j + 1) * HEADER_DIGEST_BYTES]
         landed = self.receiving.pop(frame.request_id, None)
         if landed is not None and len(landed):
             self.valid[landed[:, 0], landed[:, 1]] = True
@@ -176,7 +183,11 @@ class Client:
         return self._live(keys).tolist()
 
     def _live(self, keys: Sequence[bytes]) -> np.ndarray:
-        live = np.zeros(len(keys), dtype=bool)
+        return self.liveness(keys) == 1
+
+    def liveness(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Per key: 1 stored and live, 0 not (its primary said so), -1 unknown (primary unreachable)."""
+        live = np.full(len(keys), -1, dtype=np.int8)
         if not keys:
             return live
         primaries = self.placement.primaries(keys)
@@ -420,11 +431,16 @@ class Client:
                 present[ok[:, 0], ok[:, 1]] = True
         return present
 
-    def read_for_repair(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        """Whole blocks decoded from their shards, even where the primary lost its record."""
+    def read_for_repair(self, keys: Sequence[bytes]) -> list[tuple[bytearray, bytes] | None]:
+        """Whole blocks decoded from their shards, even where the primary lost its record, each with the
+        header digest its shards carry (a repair writes it back unchanged)."""
         buffers: list[memoryview | None] = [None] * len(keys)
-        found = self._read(keys, buffers, True, None, trust_primary=False, repair=False)
-        return [buf.obj if hit and buf is not None else None for hit, buf in zip(found, buffers, strict=True)]
+        state = _ReadState(len(keys), buffers, True, trust_primary=False)
+        found = self._read(keys, buffers, True, None, state=state, repair=False)
+        return [
+            (buf.obj, state.header[b]) if hit and buf is not None else None
+            for b, (hit, buf) in enumerate(zip(found, buffers, strict=True))
+        ]
 
     def write_shards(
         self,
@@ -432,15 +448,15 @@ class Client:
         blocks: Sequence[Buffer],
         ttl_class: str,
         which: np.ndarray,
+        headers: Sequence[bytes],
         created: Sequence[float] | None = None,
     ) -> int:
-        """Write only the shards ``which`` (n × 12) of whole ``blocks`` and commit them (repair).
-
-        A rewritten shard 0 or 1 re-creates the block record with ``created``. Returns shards written.
-        """
+        """Write only the shards ``which`` (n × 12) of whole ``blocks`` and commit them (repair), with the
+        blocks' stored header digests. A rewritten shard 0 or 1 re-creates the block record with
+        ``created``. Returns shards written."""
         views = [memoryview(b).cast("B") for b in blocks]
         shard_nodes = self.placement.shard_nodes(keys)
-        ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, created=created, repair=True)
+        ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True)
         return int((ok & which).sum())
 
     def _encode(self, views: Sequence[memoryview]) -> list[list[memoryview]]:
@@ -534,15 +550,16 @@ class Client:
         buffers: list[memoryview | None],
         allocate: bool,
         headers: list[bytes] | None,
-        trust_primary: bool = True,
+        state: _ReadState | None = None,
         repair: bool = True,
     ) -> list[bool]:
-        """The read procedure of docs/design.md §5. ``trust_primary=False`` (repair of a wiped primary)
-        reads a block from its shards even where the primary has no record."""
+        """The read procedure of docs/design.md §5. A ``state`` made with ``trust_primary=False`` (repair
+        of a wiped primary) reads a block from its shards even where the primary has no record."""
         if not keys:
             return []
         shard_nodes = self.placement.shard_nodes(keys)
-        state = _ReadState(len(keys), buffers, allocate, trust_primary)
+        if state is None:
+            state = _ReadState(len(keys), buffers, allocate, trust_primary=True)
         fanout = self.config.client.read_fanout
         self._read_round(keys, shard_nodes, headers, state, np.arange(TOTAL_SHARDS) < fanout, early=True)
         # second round: blocks still short of 10 shards ask every holder not asked yet
@@ -558,8 +575,9 @@ class Client:
     def _repair_on_read(
         self, keys: Sequence[bytes], shard_nodes: np.ndarray, state: _ReadState, found: list[bool]
     ) -> None:
-        """Rewrite the shards that nodes reported missing or corrupt, for the blocks this read decoded."""
-        lost = state.lost & np.asarray(found)[:, None]
+        """Rewrite the shards that nodes reported missing or corrupt, for the blocks this read decoded and
+        whose primary answered that they are live (never bring back a block the primary no longer has)."""
+        lost = state.lost & (np.asarray(found) & state.primary_ok)[:, None]
         by_class: dict[str, list[int]] = {}
         for b in np.flatnonzero(lost.any(axis=1)).tolist():
             if state.ttl_class[b] is not None and state.buffers[b] is not None:
@@ -571,6 +589,7 @@ class Client:
                 views,  # type: ignore[arg-type]
                 ttl_class,
                 lost[blocks],
+                [state.header[b] for b in blocks],
             )
 
     def _read_round(
@@ -708,6 +727,9 @@ class AsyncClient:
     """The same API for asyncio code: each call runs a pooled synchronous client in a worker thread.
 
     The data path releases the GIL in socket calls and in the codec, so concurrent calls overlap.
+    Cancelling a call waits for its thread to finish before the cancellation propagates: once the
+    awaiting coroutine is cancelled, nothing writes into its buffers any more, and a client returns to
+    the pool only when it is idle.
     """
 
     def __init__(self, config: cluster_mod.ClusterConfig, token: str | None = None, namespace: Namespace | None = None):
@@ -720,10 +742,15 @@ class AsyncClient:
         if client is None:
             client = self._factory()
             self._all.append(client)
+        call = functools.partial(getattr(client, name), *args, **kwargs)
+        running = asyncio.ensure_future(asyncio.to_thread(call))
+        running.add_done_callback(lambda _: self._idle.append(client))
         try:
-            return await asyncio.to_thread(getattr(client, name), *args, **kwargs)
-        finally:
-            self._idle.append(client)
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await running  # the thread cannot be stopped: let it finish before we give up its buffers
+            raise
 
     async def put(
         self, keys: Sequence[bytes], blocks: Sequence[Buffer], ttl_class: str = "chatbot", **kw: Any

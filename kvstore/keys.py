@@ -26,6 +26,7 @@ import xxhash
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 HEADER_DIGEST_BYTES = 16
+NO_HEADER = bytes(HEADER_DIGEST_BYTES)  # stored when the writer gave no tokens: readers then skip the check
 
 TokenInput = Sequence[int] | np.ndarray | bytes | bytearray | memoryview
 

@@ -41,9 +41,10 @@ import numpy as np
 from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import logs
-from kvtier.kvstore.chunks import NO_HEADER, BlockCommit, ChunkEngine, Reservation, ShardWrite
+from kvtier.kvstore.chunks import BlockCommit, ChunkEngine, Reservation, ShardWrite
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.iov import IOV_MAX, consume
+from kvtier.kvstore.keys import NO_HEADER
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
 from kvtier.kvstore.protocol import (
@@ -63,6 +64,7 @@ from kvtier.kvstore.wire import bad, field, unpack_array, unpack_headers, unpack
 log = logging.getLogger("kvtier.node")
 
 PRE_AUTH_LIMITS = Limits(max_meta_bytes=64 << 10, max_payload_bytes=0, max_batch=16)
+PRE_AUTH_TIMEOUT_S = 10.0
 
 
 def sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
@@ -237,8 +239,10 @@ class StorageNode:
             return Reply({"st": bytes([Status.BAD_CLASS]) * len(keys)})
         ns = frame.meta.get("ns") or b""
         parents = frame.meta.get("parents") or [b""] * len(keys)
-        if not isinstance(ns, bytes) or not isinstance(parents, list) or len(parents) != len(keys):
-            raise bad("fields 'ns' and 'parents' must be bytes and a list of one parent per key")
+        if not isinstance(ns, bytes) or len(ns) > 32 or not isinstance(parents, list) or len(parents) != len(keys):
+            raise bad("fields 'ns' and 'parents' must be bytes (at most 32) and a list of one parent per key")
+        if not all(isinstance(p, bytes) and len(p) <= 255 for p in parents):
+            raise bad("each parent must be a key of at most 255 bytes")
         created = unpack_array(frame.meta, "created", "<f8", len(keys)) if "created" in frame.meta else None
         commits = [
             BlockCommit(
@@ -282,6 +286,7 @@ class StorageNode:
             "blen": np.asarray([r.block_len if r else 0 for r in records], dtype="<u8").tobytes(),
             "classes": names,
             "ci": bytes(names.index(r.ttl_class) if r else 255 for r in records),
+            "hdr": b"".join(r.header if r else NO_HEADER for r in records),
         }
         return Reply(meta, [v for v in views if v is not None], on_sent=lambda: self.engine.unpin(records))
 
@@ -368,8 +373,8 @@ class StorageNode:
                 isinstance(k, str) and isinstance(v, int | float) and v > 0 for k, v in classes.items()
             ):
                 raise bad("ttl_set needs classes = {name: positive seconds}")
-            self.ttl_classes.clear()
-            self.ttl_classes.update({k: float(v) for k, v in classes.items()})
+            # one assignment, so a concurrent GC cycle sees the old table or the new one, never a mix
+            self.ttl_classes = {k: float(v) for k, v in classes.items()}
             return Reply({"ttl": self.ttl_classes})
         if action == "gc":
             if self.gc is None:
@@ -395,6 +400,7 @@ class NodeServer:
                     return
                 raise
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a vanished client host is noticed
             threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
 
     def stop(self) -> None:
@@ -457,6 +463,12 @@ class NodeServer:
             frame = reader.next_frame()
             if frame is not None:
                 return frame
+            # A peer may sit idle between requests for as long as it likes, but not mid-frame (a PUT's
+            # reserved slots would be held) nor before it authenticates.
+            if state.session is None:
+                conn.settimeout(PRE_AUTH_TIMEOUT_S)
+            else:
+                conn.settimeout(self.node.config.gc.write_timeout_s if reader.in_frame else None)
             if reader.needs_sink and state.session is not None:
                 assert reader.head is not None
                 state.request_id = reader.head.request_id
@@ -505,7 +517,7 @@ def run_node(config_path: str, node_id: int) -> None:
     )
     node = StorageNode(config, node_id, engine)
     server = NodeServer(node, node_cfg.host, node_cfg.port)
-    node.gc = GCWorker(engine, node_id, config, node.ttl_classes)
+    node.gc = GCWorker(engine, node_id, config, lambda: node.ttl_classes)
     engine.on_high_watermark = node.gc.wake
 
     def flush() -> None:

@@ -174,6 +174,11 @@ class FrameReader:
         return self._frame if self._state == self._PAYLOAD else None
 
     @property
+    def in_frame(self) -> bool:
+        """Some bytes of a frame have arrived and the rest have not."""
+        return self._ready is None and (self._state != self._HEADER or self._filled > 0)
+
+    @property
     def needs_sink(self) -> bool:
         """A frame's payload is about to arrive and nobody has said where it goes yet."""
         return self.head is not None and self._sink is None

@@ -166,7 +166,9 @@ def _handshake(sock: socket.socket, token: str, limits: Limits, timeout_s: float
             raise ConnectionResetError("node closed the connection during HELLO")
         reader.advance(n)
     if frame.opcode == Op.ERROR:
-        raise ProtocolError(ErrorCode(frame.meta.get("code", ErrorCode.INTERNAL)), frame.meta.get("message", ""))
+        code = frame.meta.get("code")
+        known = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+        raise ProtocolError(known, str(frame.meta.get("message", "")))
     return frame.meta
 
 
@@ -193,14 +195,20 @@ class Exchange:
         """
         pending = Pending(node_id, next(_request_ids), sink, on_reply)
         self.pendings.append(pending)
-        conn = self.pool.get(node_id)
+        try:
+            conn = self.pool.get(node_id)
+        except BaseException:
+            self.abandon()
+            raise
         if conn is None:
             pending.error = "down"
             return pending
         size = sum(len(p) for p in payload)
         if self.pool.act_as is not None:
             meta = {**meta, "tenant": self.pool.act_as}
-        pending.wire = [memoryview(encode_head(opcode, pending.request_id, meta, size))]
+        head = encode_head(opcode, pending.request_id, meta, size)
+        self._check_limits(meta, len(head), size)
+        pending.wire = [memoryview(head)]
         pending.wire.extend(memoryview(p).cast("B") for p in payload if len(p))
         conn.outgoing.extend(pending.wire)
         conn.inflight[pending.request_id] = pending
@@ -233,6 +241,38 @@ class Exchange:
 
     def run(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
         """Drive every queued request until all are done, ``until()`` holds, or ``timeout_s`` passes."""
+        try:
+            self._run(timeout_s, until)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _check_limits(self, meta: dict[str, Any], head_bytes: int, payload_bytes: int) -> None:
+        """Refuse, before sending, a request the nodes would reject for its size (they would close the
+        connection): the caller must split the call."""
+        limits = self.pool.limits
+        entries = len(meta.get("keys", b"")) // max(1, int(meta.get("klen", 16)))
+        too_big = (
+            entries > limits.max_batch
+            or head_bytes > limits.max_meta_bytes
+            or payload_bytes > limits.max_payload_bytes
+        )
+        if too_big:
+            self.abandon()
+            raise ValueError(
+                f"a request of {entries} entries and {payload_bytes} payload bytes for one node exceeds the "
+                f"cluster's limits (max_batch {limits.max_batch}, max_payload_bytes {limits.max_payload_bytes}): "
+                "split the call"
+            )
+
+    def abandon(self) -> None:
+        """Give up on every unfinished request of this exchange after an error: their connections are
+        closed, so no queued request is sent later and no reply lands in memory the caller owns."""
+        for pending in self.pendings:
+            if not pending.done:
+                self.pool.conns[pending.node_id].close("abandoned")
+
+    def _run(self, timeout_s: float, until: Callable[[], bool] | None) -> None:
         deadline = time.monotonic() + timeout_s
         with selectors.DefaultSelector() as selector:
             registered: dict[int, tuple[socket.socket, int]] = {}

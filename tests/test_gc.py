@@ -221,7 +221,7 @@ def test_ttls_of_days_expire_on_an_injected_clock(tmp_path) -> None:
     path = cluster_mod.write_default(tmp_path, capacity_bytes=CAPACITY)
     config = cluster_mod.load(path)
     engine = ChunkEngine(tmp_path / "engine", CAPACITY, clock=clock.now)
-    worker = GCWorker(engine, 0, config, dict(config.ttl_classes), clock=clock.now)
+    worker = GCWorker(engine, 0, config, lambda: config.ttl_classes, clock=clock.now)
     for key, ttl_class in ((b"a" * 16, "agent"), (b"c" * 16, "chatbot")):
         engine.put_pending("default", [ShardWrite(key, 0, 8, 80, ttl_class, bytes(16))], [memoryview(b"x" * 8)])
         engine.commit("default", [BlockCommit(key, 0, 80, ttl_class, bytes(16), bytes(32), b"")])

@@ -390,7 +390,7 @@ def test_cli_sweep_writes_csv_and_plot(trace_file: Path, tmp_path: Path, capsys:
         (["{trace}", "--ttl", "7d"], "use CLASS=DURATION"),
         (["{trace}", "--capacity-tokens", "lots"], "--capacity-tokens 'lots'"),
         (["{trace}", "--watermarks", "0.5,0.9"], "need 0 < LOW <= HIGH <= 1"),
-        (["{trace}", "--mode", "live"], "--mode live is not available yet"),
+        (["{trace}", "--mode", "live"], "--mode live drives a running cluster"),
         (["{trace}", "--ttl", "agent=1h"], "TTL class 'chatbot'"),
     ],
 )

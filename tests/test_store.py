@@ -298,3 +298,55 @@ def test_a_node_whose_disk_fills_refuses_cleanly_and_the_cluster_keeps_serving(m
         survivors = [k for k, s in zip(keys, stored, strict=True) if s]
         assert [bytes(b) for b in client.get(survivors)] == [b for b, s in zip(blocks, stored, strict=True) if s]
         local.kill(victim)
+
+
+def test_a_cancelled_async_read_leaves_the_buffer_alone_afterwards(store: LocalCluster) -> None:
+    import asyncio
+
+    from kvtier.kvstore.client import connect_async
+
+    keys, blocks = rand_keys(32), rand_blocks(32, 1 << 20)
+
+    async def scenario() -> None:
+        async with await connect_async(store.config_path) as c:
+            await c.put(keys, blocks)
+            buffers = [bytearray(1 << 20) for _ in keys]
+            task = asyncio.ensure_future(c.get_into(keys, buffers))
+            await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for b in buffers:
+                b[:] = bytes(len(b))  # the caller reuses its buffers at once
+            assert await c.exists(keys[:2]) == [True, True]  # the pooled client is usable and idle
+            assert all(not any(b) for b in buffers)
+
+    asyncio.run(scenario())
+
+
+def test_a_shard_repaired_on_read_keeps_the_blocks_header(client: Client, store: LocalCluster) -> None:
+    ns = Namespace("m", "bf16", 4, "L")
+    tokens = list(range(300, 308))
+    keys = chain(ns, tokens)
+    blocks = rand_blocks(2, 30_000)
+    client.put(keys, blocks, tokens=tokens, namespace=ns)
+    holder = int(Placement(store.config.groups).shard_nodes(keys[:1])[0, 4])
+    exchange = Exchange(client.pool)
+    exchange.request(holder, Op.DELETE, {"keys": keys[0], "klen": len(keys[0])})  # shard 4 of block 0 is lost
+    exchange.run(10)
+    assert not client.probe(keys[:1])[0, 4]
+    before = client.stats["header_mismatches"]
+    assert [bytes(b) for b in client.get(keys, tokens=tokens, namespace=ns)] == blocks  # repairs shard 4
+    assert client.probe(keys[:1])[0, 4]
+    assert [bytes(b) for b in client.get(keys, tokens=tokens, namespace=ns)] == blocks
+    assert client.stats["header_mismatches"] == before
+
+
+def test_a_call_too_large_for_the_limits_is_refused_before_sending(store: LocalCluster) -> None:
+    from dataclasses import replace
+
+    config = replace(store.config, limits=replace(store.config.limits, max_batch=8))
+    with Client(config) as small:
+        with pytest.raises(ValueError, match="split the call"):
+            small.match(rand_keys(200))  # ~17 keys per primary
+        assert small.match(rand_keys(3)) == 0  # the client is still usable
