@@ -253,9 +253,7 @@ class Exchange:
         limits = self.pool.limits
         entries = len(meta.get("keys", b"")) // max(1, int(meta.get("klen", 16)))
         too_big = (
-            entries > limits.max_batch
-            or head_bytes > limits.max_meta_bytes
-            or payload_bytes > limits.max_payload_bytes
+            entries > limits.max_batch or head_bytes > limits.max_meta_bytes or payload_bytes > limits.max_payload_bytes
         )
         if too_big:
             self.abandon()
