@@ -68,6 +68,45 @@ class ReplayResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_counts(
+        cls,
+        *,
+        requests: int,
+        input_tokens: int,
+        hit_tokens: int,
+        ideal_hit_tokens: int,
+        total_blocks: int,
+        hit_blocks: int,
+        written: int,
+        block_bytes: int,
+        evictions: int,
+        expirations: int,
+        capacity_blocks: int | None,
+        max_blocks_stored: int,
+        blocks_stored_at_end: int,
+    ) -> ReplayResult:
+        """The result from raw counts (ratios and bytes derived here, once for every replay mode)."""
+        return cls(
+            requests=requests,
+            token_hit_ratio=hit_tokens / input_tokens if input_tokens else 0.0,
+            block_hit_ratio=hit_blocks / total_blocks if total_blocks else 0.0,
+            ideal_token_hit_ratio=ideal_hit_tokens / input_tokens if input_tokens else 0.0,
+            evictions=evictions,
+            expirations=expirations,
+            blocks_written=written,
+            blocks_read=hit_blocks,
+            bytes_written=written * block_bytes,
+            bytes_read=hit_blocks * block_bytes,
+            input_tokens=input_tokens,
+            hit_tokens=hit_tokens,
+            ideal_hit_tokens=ideal_hit_tokens,
+            total_blocks=total_blocks,
+            capacity_blocks=capacity_blocks,
+            max_blocks_stored=max_blocks_stored,
+            blocks_stored_at_end=blocks_stored_at_end,
+        )
+
 
 def replay(
     requests: Iterable[Request | Mapping[str, Any]],
@@ -180,21 +219,17 @@ def replay(
                 evictions += len(victims)
 
     block_bytes = block_tokens * bytes_per_token
-    return ReplayResult(
+    return ReplayResult.from_counts(
         requests=n,
-        token_hit_ratio=hit_tokens / input_tokens if input_tokens else 0.0,
-        block_hit_ratio=hit_blocks / total_blocks if total_blocks else 0.0,
-        ideal_token_hit_ratio=ideal_hit_tokens / input_tokens if input_tokens else 0.0,
-        evictions=evictions,
-        expirations=expirations,
-        blocks_written=written,
-        blocks_read=hit_blocks,
-        bytes_written=written * block_bytes,
-        bytes_read=hit_blocks * block_bytes,
         input_tokens=input_tokens,
         hit_tokens=hit_tokens,
         ideal_hit_tokens=ideal_hit_tokens,
         total_blocks=total_blocks,
+        hit_blocks=hit_blocks,
+        written=written,
+        block_bytes=block_bytes,
+        evictions=evictions,
+        expirations=expirations,
         capacity_blocks=cap,
         max_blocks_stored=max_stored,
         blocks_stored_at_end=len(index),

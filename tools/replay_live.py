@@ -67,21 +67,17 @@ def replay_live(
         if n % 500 == 0:
             max_stored = max(max_stored, _gc_totals(client)[2])
     evictions1, expirations1, blocks_at_end = _gc_totals(client)
-    return ReplayResult(
+    return ReplayResult.from_counts(
         requests=len(requests),
-        token_hit_ratio=hit_tokens / input_tokens if input_tokens else 0.0,
-        block_hit_ratio=hit_blocks / total_blocks if total_blocks else 0.0,
-        ideal_token_hit_ratio=ideal.token_hit_ratio,
-        evictions=evictions1 - evictions0,
-        expirations=expirations1 - expirations0,
-        blocks_written=written,
-        blocks_read=hit_blocks,
-        bytes_written=written * block_bytes,
-        bytes_read=hit_blocks * block_bytes,
         input_tokens=input_tokens,
         hit_tokens=hit_tokens,
         ideal_hit_tokens=ideal.hit_tokens,
         total_blocks=total_blocks,
+        hit_blocks=hit_blocks,
+        written=written,
+        block_bytes=block_bytes,
+        evictions=evictions1 - evictions0,
+        expirations=expirations1 - expirations0,
         capacity_blocks=None,
         max_blocks_stored=max(max_stored, blocks_at_end),
         blocks_stored_at_end=blocks_at_end,
