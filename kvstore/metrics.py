@@ -35,6 +35,7 @@ import math
 import re
 import socket
 import threading
+from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from http import HTTPStatus
@@ -119,7 +120,7 @@ def _label_text(names: Sequence[str], values: Sequence[str]) -> str:
     return "{" + ",".join(f'{n}="{_escape_label_value(v)}"' for n, v in zip(names, values, strict=True)) + "}"
 
 
-class _Metric:
+class _Metric(ABC):
     """Shared machinery: name/label validation, the per-metric lock, label-key lookup.
 
     Subclasses keep their series in ``self._series`` (label-value tuple -> state), read and written only
@@ -186,8 +187,9 @@ class _Metric:
         out.append(f"# TYPE {self.name} {self.type_name}\n")
         self._render_samples(out)
 
+    @abstractmethod
     def _render_samples(self, out: list[str]) -> None:
-        raise NotImplementedError
+        """Append this metric's sample lines."""
 
     def _snapshot(self) -> list[tuple[LabelKey, Any]]:
         with self._lock:

@@ -69,6 +69,7 @@ import sys
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,8 +155,8 @@ class ProgressView:
     def finish(self, label: str) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - most stores have nothing to release
+        """Release the connection (nothing to do by default)."""
 
 
 class RichProgress(ProgressView):
@@ -215,7 +216,7 @@ class JsonLinesProgress(ProgressView):
 # --- sessions: one store connection per worker thread ---------------------------------------------------------
 
 
-class Session:
+class Session(ABC):
     """One worker's connection to a store. ``attach`` is called once, serially, before any timed call."""
 
     poison_destination = True  # get writes into ``dst``: clear it before each get so stale bytes cannot pass
@@ -224,11 +225,13 @@ class Session:
     def attach(self, src: bytearray, dst: bytearray, spec: Spec) -> None:
         self.src, self.dst, self.spec = src, dst, spec
 
+    @abstractmethod
     def put(self, keys: list[bytes]) -> None:
-        raise NotImplementedError
+        """Store the blocks of ``src`` under ``keys``."""
 
+    @abstractmethod
     def get(self, keys: list[bytes]) -> list[bool]:
-        raise NotImplementedError
+        """Read ``keys`` into ``dst``; per key whether it was found."""
 
     def verify(self, keys: list[bytes]) -> int:
         """Index of the first block whose bytes differ from what was put, or -1."""
@@ -236,8 +239,9 @@ class Session:
             return -1
         return _first_mismatch(memoryview(self.dst), memoryview(self.src), self.spec.block_size)
 
+    @abstractmethod
     def delete(self, keys: list[bytes]) -> None:
-        raise NotImplementedError
+        """Remove ``keys`` (best effort)."""
 
     def close(self) -> None:
         pass
