@@ -155,8 +155,8 @@ class ProgressView:
     def finish(self, label: str) -> None:
         pass
 
-    def close(self) -> None:  # noqa: B027 - most stores have nothing to release
-        """Release the connection (nothing to do by default)."""
+    def close(self) -> None:
+        pass
 
 
 class RichProgress(ProgressView):
@@ -243,8 +243,8 @@ class Session(ABC):
     def delete(self, keys: list[bytes]) -> None:
         """Remove ``keys`` (best effort)."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - most stores have nothing to release
+        """Release the connection (nothing to do by default)."""
 
 
 def _first_mismatch(got: memoryview, want: memoryview, block_size: int) -> int:
