@@ -148,6 +148,7 @@ class Client:
             config.client.connect_timeout_s,
             config.client.retry_down_after_s,
         )
+        self._parity = bytearray()  # parity of the current put; a call's sends finish before it returns
         self.stats = {"header_mismatches": 0, "degraded_reads": 0, "misses": 0, "hits": 0, "shards_repaired": 0}
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -347,7 +348,7 @@ class Client:
         """
         shards = self._encode(views)
         block_lens = np.asarray([len(v) for v in views], dtype="<u8")
-        shard_lens = np.asarray([len(s[0]) for s in shards], dtype="<u4")  # all 12 shards of a block
+        shard_lens = np.asarray([shard_size(len(v)) for v in views], dtype="<u4")  # all 12 shards of a block
         blob_meta = {"cls": ttl_class}
 
         # phase 1: shards PENDING on every node
@@ -361,7 +362,7 @@ class Client:
             meta.update(blob_meta)
             if repair:
                 meta["replace"] = True
-            payload = [shards[b][i] for b, i in entries.tolist()]
+            payload = [segment for b, i in entries.tolist() for segment in shards[b][i]]
             plans.append((entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
         exchange.run(self.config.client.op_timeout_s)
         ok = np.zeros(shard_nodes.shape, dtype=bool)
@@ -459,23 +460,34 @@ class Client:
         ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True)
         return int((ok & which).sum())
 
-    def _encode(self, views: Sequence[memoryview]) -> list[list[memoryview]]:
-        """The 12 shards of every block: data shards are views of the block, except a padded tail; the
-        parity of the whole batch lives in one buffer."""
+    def _encode(self, views: Sequence[memoryview]) -> list[list[list[memoryview]]]:
+        """The 12 shards of every block, each as the buffer segments to send, all views: data shards are
+        slices of the block; the zero padding of a short last shard is a shared zero buffer; the parity
+        of the whole batch lives in one buffer reused across calls (no fresh pages to fault in)."""
         sizes = [shard_size(len(view)) for view in views]
-        parity_pool = memoryview(bytearray(2 * sum(sizes)))
+        if len(self._parity) < 2 * sum(sizes):
+            self._parity = bytearray(2 * sum(sizes))
+        parity_pool = memoryview(self._parity)
         out = []
         for view, size in zip(views, sizes, strict=True):
-            length = len(view)
-            data = [view[i * size : (i + 1) * size] for i in range(DATA_SHARDS)]
-            for i in range(length // size, DATA_SHARDS):  # the zero-padded tail (rare: sizes rarely divide)
-                padded = bytearray(size)
-                padded[: len(data[i])] = data[i]
-                data[i] = memoryview(padded)
             parity = [parity_pool[:size], parity_pool[size : 2 * size]]
             parity_pool = parity_pool[2 * size :]
-            self.codec.encode_parity(data, parity)
-            out.append(data + parity)
+            data = [view[i * size : (i + 1) * size] for i in range(DATA_SHARDS)]
+            full = len(data[-1])  # bytes of the last shard that the block holds (the rest is zero padding)
+            if full == size:
+                self.codec.encode_parity(data, parity)
+                out.append([[d] for d in data] + [[p] for p in parity])
+            elif len(view) >= (DATA_SHARDS - 1) * size:
+                # two passes over byte ranges: [0, full) where every shard has data, [full, size) where the
+                # last shard is zeros: ISA-L reads only real bytes and the shared zero buffer, nothing copied
+                zeros = _zeros(size - full)
+                self.codec.encode_parity([d[:full] for d in data], [p[:full] for p in parity])
+                self.codec.encode_parity([d[full:] for d in data[:-1]] + [zeros], [p[full:] for p in parity])
+                out.append([[d] for d in data[:-1]] + [[data[-1], zeros]] + [[p] for p in parity])
+            else:  # a tiny block whose last shards are empty: pad copies cost nothing here
+                padded = [bytes(d).ljust(size, b"\0") for d in data]
+                self.codec.encode_parity(padded, parity)
+                out.append([[memoryview(d)] for d in padded] + [[p] for p in parity])
         return out
 
     def _abort(self, keys: Sequence[bytes], shard_nodes: np.ndarray, which: np.ndarray) -> None:
@@ -706,6 +718,17 @@ class Client:
         for i, scratch in tails.items():
             region = layout.region(buf, i)
             region[:] = scratch[: len(region)]
+
+
+def _zeros(n: int) -> memoryview:
+    """``n`` zero bytes, read-only and shared (never written: they stand for shard padding)."""
+    global _ZEROS
+    if len(_ZEROS) < n:
+        _ZEROS = memoryview(bytes(n))
+    return _ZEROS[:n]
+
+
+_ZEROS = memoryview(bytes(1 << 16))
 
 
 def _scratch(n: int) -> memoryview:

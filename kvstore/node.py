@@ -390,6 +390,7 @@ class NodeServer:
         self.node = node
         self.listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.stopping = threading.Event()
+        self.slots = threading.BoundedSemaphore(node.config.limits.max_connections)
 
     def serve_forever(self) -> None:
         while not self.stopping.is_set():
@@ -399,6 +400,11 @@ class NodeServer:
                 if self.stopping.is_set():
                     return
                 raise
+            if not self.slots.acquire(blocking=False):
+                with contextlib.suppress(OSError):
+                    conn.sendall(encode_error(0, ErrorCode.BUSY, "too many connections to this node; retry later"))
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a vanished client host is noticed
             threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
@@ -410,6 +416,12 @@ class NodeServer:
         self.listener.close()
 
     def _serve_connection(self, conn: socket.socket) -> None:
+        try:
+            self._serve_connection_slot(conn)
+        finally:
+            self.slots.release()
+
+    def _serve_connection_slot(self, conn: socket.socket) -> None:
         state = _Conversation()
         with conn:
             try:

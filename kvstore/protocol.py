@@ -78,6 +78,7 @@ class ErrorCode(enum.IntEnum):
     BAD_REQUEST = 5
     FORBIDDEN = 6
     INTERNAL = 7
+    BUSY = 8  # the node serves as many connections as it allows; try again later
 
 
 class ProtocolError(Exception):
@@ -95,6 +96,7 @@ class Limits:
     max_meta_bytes: int = 8 << 20
     max_payload_bytes: int = 2 << 30
     max_batch: int = 65536
+    max_connections: int = 1024  # per node: each has a thread; more are refused with ERROR(BUSY)
 
 
 @dataclass

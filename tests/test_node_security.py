@@ -13,6 +13,7 @@ import random
 import secrets
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -643,3 +644,19 @@ def test_admin_node_info_answers_with_the_node_state(local: LocalCluster, admin_
     assert reply.meta["node_id"] == TARGET
     assert reply.meta["pid"] == local.procs[TARGET].pid
     assert reply.meta["capacity_bytes"] == 256 << 20
+
+
+def test_connections_beyond_the_limit_are_refused_busy_and_the_node_recovers(make_cluster) -> None:
+    local = make_cluster(capacity_bytes=64 << 20, extra_toml="[limits]\nmax_connections = 2")
+    node = local.config.nodes[0]
+    held = [socket.create_connection((node.host, node.port), timeout=SOCKET_TIMEOUT_S) for _ in range(2)]
+    time.sleep(0.2)
+    with socket.create_connection((node.host, node.port), timeout=SOCKET_TIMEOUT_S) as extra:
+        reply = FrameReader().feed(extra.recv(4096))
+        assert reply and reply[0].opcode == Op.ERROR and reply[0].meta["code"] == ErrorCode.BUSY
+    for sock in held:
+        sock.close()
+    time.sleep(0.2)
+    with connect(local.config_path) as client:
+        keys = [os.urandom(16)]
+        assert client.put(keys, [os.urandom(4096)]) == [True]
