@@ -39,6 +39,7 @@ from kvtier.kvstore.protocol import (
 )
 
 _SCRATCH = memoryview(bytearray(1 << 20))
+MAX_BACKOFF_S = 30.0
 _request_ids = itertools.count(1)
 
 
@@ -82,6 +83,7 @@ class NodeConn:
     outgoing: list[memoryview] = field(default_factory=list)
     inflight: dict[int, Pending] = field(default_factory=dict)
     down_until: float = 0.0
+    timeouts: int = 0  # connection attempts that timed out in a row
 
     def close(self, error: str) -> None:
         if self.sock is not None:
@@ -116,8 +118,9 @@ class ConnectionPool:
     def get(self, node_id: int, retry_now: bool = False) -> NodeConn | None:
         """An open, authenticated connection, or None while the node is down.
 
-        A node that refused a connection is not tried again for ``retry_down_after_s`` unless
-        ``retry_now``.
+        A node that could not be reached is not tried again for ``retry_down_after_s`` unless
+        ``retry_now``. A refused connection is cheap to retry; a connect that *timed out* (a host that
+        drops packets) is not, so that wait doubles with each timeout up to ``MAX_BACKOFF_S``.
         """
         conn = self.conns[node_id]
         if conn.sock is not None:
@@ -126,27 +129,31 @@ class ConnectionPool:
             return None
         try:
             sock = socket.create_connection(conn.address, timeout=self.connect_timeout_s)
-        except OSError:
-            conn.down_until = time.monotonic() + self.retry_down_after_s
-            return None
+        except OSError as exc:
+            return self._down(conn, timed_out=isinstance(exc, TimeoutError))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             reply = _handshake(sock, self.token, self.limits, self.connect_timeout_s)
-        except OSError:
+        except OSError as exc:
             sock.close()
-            conn.down_until = time.monotonic() + self.retry_down_after_s
-            return None
+            return self._down(conn, timed_out=isinstance(exc, TimeoutError))
         except ProtocolError as exc:
             sock.close()
             if exc.code in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_REQUIRED):
                 raise AuthError(f"node {node_id} at {conn.address[0]}:{conn.address[1]}: {exc}") from None
-            conn.down_until = time.monotonic() + self.retry_down_after_s
-            return None
+            return self._down(conn, timed_out=False)
         sock.setblocking(False)
         conn.sock = sock
         conn.reader = FrameReader(self.limits)
+        conn.timeouts = 0
         self.hello[node_id] = reply
         return conn
+
+    def _down(self, conn: NodeConn, timed_out: bool) -> None:
+        conn.timeouts = conn.timeouts + 1 if timed_out else 0
+        backoff = min(MAX_BACKOFF_S, self.retry_down_after_s * 2 ** max(0, conn.timeouts - 1))
+        conn.down_until = time.monotonic() + backoff
+        return None
 
     def close(self) -> None:
         for conn in self.conns.values():

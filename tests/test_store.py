@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -350,3 +351,36 @@ def test_a_call_too_large_for_the_limits_is_refused_before_sending(store: LocalC
         with pytest.raises(ValueError, match="split the call"):
             small.match(rand_keys(200))  # ~17 keys per primary
         assert small.match(rand_keys(3)) == 0  # the client is still usable
+
+
+def test_a_node_whose_connects_time_out_is_retried_ever_less_often(store: LocalCluster) -> None:
+    import socket
+    from dataclasses import replace
+
+    # a listener that never accepts, with its queue full: further connects time out (SYNs are dropped)
+    black_hole = socket.create_server(("127.0.0.1", 0), backlog=0)
+    queued = [socket.socket() for _ in range(4)]
+    for s in queued:
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(black_hole.getsockname())
+    try:
+        nodes = dict(store.config.nodes)
+        nodes[0] = replace(nodes[0], port=black_hole.getsockname()[1])
+        client_config = replace(store.config.client, connect_timeout_s=0.3, retry_down_after_s=0.5)
+        with Client(replace(store.config, nodes=nodes, client=client_config)) as client:
+            keys, blocks = rand_keys(4), rand_blocks(4, 4096)
+            conn = client.pool.conns[0]
+            client.get(keys)
+            assert conn.timeouts == 1
+            start = time.monotonic()
+            client.get(keys)  # within the back-off: no second connect attempt, no wait
+            assert time.monotonic() - start < 0.25 and conn.timeouts == 1
+            time.sleep(0.6)
+            client.get(keys)
+            assert conn.timeouts == 2 and conn.down_until - time.monotonic() > 0.8  # 0.5 s, doubled
+            assert any(client.put(keys, blocks))  # the other nodes keep serving
+    finally:
+        for s in queued:
+            s.close()
+        black_hole.close()
