@@ -22,6 +22,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/codec_bench.py
 	$(PY) benchmarks/store_bench.py
+	$(PY) benchmarks/gc_bench.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
