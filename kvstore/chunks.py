@@ -3,19 +3,21 @@
 Layout of a node's data dir::
 
     slabs/slab-<class bytes>.dat   slot n of a class lives at offset n * class bytes
-    meta/                          LMDB: shard records, block records (primary only), node settings
+    meta/                          LMDB: shard records, block records (primary + shard-1 copy), settings
 
 Contract (every method is safe to call from several threads):
 
-- ``put_pending``  writes shard bytes into a free slot, then records them PENDING. A shard already
-  COMMITTED under the same (tenant, key, index) is left as it is (``EXISTS``); a PENDING one is replaced.
-  Refuses with ``NO_SPACE`` when the slot would take usage past ``capacity_bytes`` or the disk is full.
-- ``commit``       flips PENDING shards to COMMITTED and, for blocks this node is primary for, writes the
-  block record that ``match`` and reads consult. A block without a record is invisible.
-- ``read``         returns committed, unexpired shards whose crc32c verifies; anything else is an erasure
-  (``MISSING``/``CORRUPT``/``MISMATCH``), never wrong bytes.
-- ``delete``       removes block records first, then shards; freed slots are reused only after
-  ``grace_s``, so a read that already found a slot never sees it overwritten.
+- ``reserve``         sets aside a slot per announced shard (the node receives the payload straight into
+  it). A shard already COMMITTED under the same (tenant, key, index) is left as it is (``EXISTS``).
+  ``NO_SPACE`` when the slot would take usage past ``capacity_bytes`` (after waiting out slots in their
+  grace time) or the disk is full. ``cancel`` gives reservations back.
+- ``record_pending``  checksums the received shards and records them PENDING (replacing a PENDING one).
+- ``commit``          flips PENDING shards to COMMITTED and, at the primary (and shard 1's holder), writes
+  the block record that ``match`` and reads consult. A block without a record is invisible.
+- ``read``            returns committed, unexpired shards whose crc32c verifies, pinned until ``unpin``;
+  anything else is an erasure (``MISSING``/``CORRUPT``/``MISMATCH``/``ABSENT``), never wrong bytes.
+- ``delete``          removes block records first, then shards; a freed slot is reused only after
+  ``grace_s`` and once no reader pins it.
 
 Every record is scoped by tenant: the tenant is a prefix of the LMDB key and comes from the connection's
 authentication, never from a request. Slots are allocated in memory (free lists rebuilt from LMDB at
