@@ -275,18 +275,31 @@ class StorageNode:
         statuses, views, records = self.engine.read(tenant, wanted, self.ttl_s, probe=probe)
         if probe:
             return Reply({"st": bytes(statuses)})
-        self.metrics.lookups(statuses)
+        status_bytes = bytes(statuses)
+        self.metrics.lookups(status_bytes)
         read_primary = [k for k, i, st in zip(keys, idx.tolist(), statuses, strict=True) if i == 0 and st == 0]
         if read_primary:
             self.engine.touch(tenant, read_primary)
-        names = sorted({r.ttl_class for r in records if r is not None})
+        lens, block_lens, class_of, headers = [], [], [], []
+        classes: dict[str, int] = {}
+        for r in records:
+            if r is None:
+                lens.append(0)
+                block_lens.append(0)
+                class_of.append(255)
+                headers.append(NO_HEADER)
+            else:
+                lens.append(r.length)
+                block_lens.append(r.block_len)
+                class_of.append(classes.setdefault(r.ttl_class, len(classes)))
+                headers.append(r.header)
         meta = {
-            "st": bytes(statuses),
-            "lens": np.asarray([r.length if r else 0 for r in records], dtype="<u4").tobytes(),
-            "blen": np.asarray([r.block_len if r else 0 for r in records], dtype="<u8").tobytes(),
-            "classes": names,
-            "ci": bytes(names.index(r.ttl_class) if r else 255 for r in records),
-            "hdr": b"".join(r.header if r else NO_HEADER for r in records),
+            "st": status_bytes,
+            "lens": np.asarray(lens, dtype="<u4").tobytes(),
+            "blen": np.asarray(block_lens, dtype="<u8").tobytes(),
+            "classes": list(classes),
+            "ci": bytes(class_of),
+            "hdr": b"".join(headers),
         }
         return Reply(meta, [v for v in views if v is not None], on_sent=lambda: self.engine.unpin(records))
 

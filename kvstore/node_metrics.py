@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.kvstore.metrics import Metrics
@@ -68,11 +67,11 @@ class NodeMetrics:
         if bytes_out:
             self._bytes.inc(bytes_out, direction="out")
 
-    def lookups(self, statuses: Sequence[int]) -> None:
+    def lookups(self, statuses: bytes) -> None:
+        """Count a GET reply's per-shard statuses (one byte each) by result."""
         counts: dict[str, int] = {}
-        for status in statuses:
-            result = _LOOKUP_RESULTS.get(Status(status))
-            if result is not None:
-                counts[result] = counts.get(result, 0) + 1
+        for status, result in _LOOKUP_RESULTS.items():
+            counts[result] = counts.get(result, 0) + statuses.count(status)
         for result, count in counts.items():
-            self._lookups.inc(count, result=result)
+            if count:
+                self._lookups.inc(count, result=result)
