@@ -225,9 +225,9 @@ class StorageNode:
         if session.receiving is None or session.receiving[0] != frame.request_id:
             raise bad("PUT_SHARDS without shards")
         slots = session.receiving[1]
-        session.receiving = None
         reserved = [s for s in slots if isinstance(s, Reservation)]
         self.engine.record_pending(self.tenant(session, frame.meta), reserved, replace=bool(frame.meta.get("replace")))
+        session.receiving = None  # recorded: from here on the slots belong to shard records, not to us
         return Reply({"st": bytes(Status.OK if isinstance(s, Reservation) else s for s in slots)})
 
     def commit(self, session: Session, frame: Frame) -> Reply:
