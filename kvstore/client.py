@@ -349,17 +349,16 @@ class Client:
         shards = self._encode(views)
         block_lens = np.asarray([len(v) for v in views], dtype="<u8")
         shard_lens = np.asarray([shard_size(len(v)) for v in views], dtype="<u4")  # all 12 shards of a block
-        blob_meta = {"cls": ttl_class}
+
+        def block_meta(entries: np.ndarray) -> dict[str, Any]:
+            return {"blen": block_lens[entries[:, 0]].tobytes(), "cls": ttl_class}
 
         # phase 1: shards PENDING on every node
         exchange = Exchange(self.pool)
         plans = []
-        for node_id in np.unique(shard_nodes[write]).tolist():
-            entries = np.argwhere((shard_nodes == node_id) & write)
-            meta = self._entry_meta(keys, entries, headers)
+        for node_id, entries in _by_node(shard_nodes, write):
+            meta = {**self._entry_meta(keys, entries, headers), **block_meta(entries)}
             meta["lens"] = shard_lens[entries[:, 0]].tobytes()
-            meta["blen"] = block_lens[entries[:, 0]].tobytes()
-            meta.update(blob_meta)
             if repair:
                 meta["replace"] = True
             payload = [segment for b, i in entries.tolist() for segment in shards[b][i]]
@@ -385,18 +384,14 @@ class Client:
         # phase 2: COMMIT where enough shards are durable; the primary's record makes the block visible
         exchange = Exchange(self.pool)
         commits = []
-        for node_id in np.unique(shard_nodes).tolist():
-            entries = np.argwhere((shard_nodes == node_id) & ok & write & committable[:, None])
-            if not len(entries):
-                continue
-            meta = self._entry_meta(keys, entries, headers)
-            meta["blen"] = block_lens[entries[:, 0]].tobytes()
-            meta.update(blob_meta)
+        for node_id, entries in _by_node(shard_nodes, ok & write & committable[:, None]):
+            meta = {**self._entry_meta(keys, entries, headers), **block_meta(entries)}
+            pairs = entries.tolist()
             if parents:
                 meta["ns"] = ns_digest
-                meta["parents"] = [parents[keys[b]] if i in (0, 1) else b"" for b, i in entries]
+                meta["parents"] = [parents[keys[b]] if i in (0, 1) else b"" for b, i in pairs]
             if created is not None:
-                meta["created"] = np.asarray([created[b] for b, _ in entries], dtype="<f8").tobytes()
+                meta["created"] = np.asarray([created[b] for b, _ in pairs], dtype="<f8").tobytes()
             commits.append((entries, exchange.request(node_id, Op.COMMIT, meta)))
         exchange.run(self.config.client.op_timeout_s)
         stored = np.zeros(len(keys), dtype=bool)
@@ -420,8 +415,7 @@ class Client:
         present = np.zeros(shard_nodes.shape, dtype=bool)
         exchange = Exchange(self.pool)
         asks = []
-        for node_id in np.unique(shard_nodes).tolist():
-            entries = np.argwhere(shard_nodes == node_id)
+        for node_id, entries in _by_node(shard_nodes, np.ones(shard_nodes.shape, dtype=bool)):
             meta = {**self._entry_meta(keys, entries, None), "probe": True}
             asks.append((entries, exchange.request(node_id, Op.GET_SHARDS, meta)))
         exchange.run(self.config.client.op_timeout_s)
@@ -495,8 +489,7 @@ class Client:
         if not which.any():
             return
         exchange = Exchange(self.pool)
-        for node_id in np.unique(shard_nodes[which]).tolist():
-            entries = np.argwhere((shard_nodes == node_id) & which)
+        for node_id, entries in _by_node(shard_nodes, which):
             exchange.request(node_id, Op.ABORT, self._entry_meta(keys, entries, None))
         exchange.run(self.config.client.op_timeout_s)
 
@@ -615,8 +608,7 @@ class Client:
     ) -> None:
         wanted = np.broadcast_to(wanted, shard_nodes.shape)
         exchange = Exchange(self.pool)
-        for node_id in np.unique(shard_nodes[wanted]).tolist():
-            entries = np.argwhere((shard_nodes == node_id) & wanted)
+        for node_id, entries in _by_node(shard_nodes, wanted):
             state.asked[entries[:, 0], entries[:, 1]] = True
             meta = self._entry_meta(keys, entries, headers)
             exchange.request(
@@ -718,6 +710,12 @@ class Client:
         for i, scratch in tails.items():
             region = layout.region(buf, i)
             region[:] = scratch[: len(region)]
+
+
+def _by_node(shard_nodes: np.ndarray, selected: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Per node holding any selected shard: its (block, shard index) entries, one request's worth."""
+    for node_id in np.unique(shard_nodes[selected]).tolist():
+        yield node_id, np.argwhere((shard_nodes == node_id) & selected)
 
 
 def _zeros(n: int) -> memoryview:
