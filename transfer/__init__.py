@@ -1,1 +1,33 @@
-"""Transfer tiers: host shared-memory staging pool, fetcher process, swap-in to HBM, SWA StateBlocks."""
+"""Transfer tiers: host shared-memory staging pool, fetcher process, swap-in to HBM, SWA StateBlocks.
+
+API for engines (the contracts in full are in each class's docstring and in ``docs/transfer.md``)::
+
+    from kvtier.transfer import FetchClient, FetcherError
+
+    fc = FetchClient("/run/kvtier/fetcher.sock", token)      # token: the cluster or a tenant token
+    with fc.fetch(keys, block_bytes, headers=None, priority=0) as blocks:   # one Block per key
+        for b in blocks:
+            b.status     # HIT (host pool), FETCHED (store → slot), MISS, FULL (no free slot), ERROR
+            b.ok         # HIT or FETCHED: b.slot / b.generation name the slot, pinned until release
+            b.array()    # numpy uint8 view of the slot's bytes (no copy); b.tensor(): torch view (torch optional)
+            b.valid()    # the slot still holds this block (False once reused after a fetcher crash)
+    # leaving the ``with`` releases the pins (or call fc.release(blocks))
+    fc.prefetch(keys, block_bytes)          # same path at low priority, nothing pinned; answered when done
+    out = fc.alloc(n, block_bytes)          # slots for swap-out: write into out[i].array() ...
+    fc.put(keys, out, ttl_class="chatbot")  # ... then the fetcher stores them from the slots (no copy)
+    fc.stats()                              # pool usage, hit ratio, in-flight
+    AsyncFetchClient: the same calls as coroutines; several requests in flight on one connection.
+
+Contracts in one paragraph: a miss is an answer, never an exception. A slot handed out as ``ok`` is pinned
+for this connection until released, so the fetcher never reuses it; a connection that closes (the engine
+died) releases its pins. If the fetcher dies, every outstanding call raises :class:`FetcherError` and the
+next call reconnects; views already handed out stay mapped, and ``Block.valid()`` says whether their slot
+still holds the block (a reused slot has a new generation: a miss, never another block's bytes).
+
+StateBlocks (SWA state, never stored in the cluster)::
+
+    host = StateBlockHost(pool_name, capacity_bytes, block_bytes, listen=("10.0.1.5", 0),
+                          directory=("10.0.0.2", 7400), token=token, host_id="gpu-3")
+    host.put(key, state_bytes)              # into this host's shm pool (LRU) and registered in the directory
+    host.get_into(key, out) -> bool         # local pool, else directory lookup + TCP pull; False: a miss
+"""
