@@ -1,0 +1,165 @@
+"""Host staging pool: slot states, LRU eviction around pins, generations as seqlocks, takeover after a crash."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier.transfer import staging
+from kvtier.transfer.staging import PoolError, SlotMap, SlotState, StagingPool
+
+SLOT = 4096
+TENANT = 7
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    name = f"kvt-test-{secrets.token_hex(6)}"
+    yield name
+    staging.unlink(name)
+
+
+def fill(pool: StagingPool, i: int, pins: int = 0) -> tuple[int, int]:
+    reserved = pool.reserve(owner_pid=1)
+    assert reserved is not None
+    slot, gen = reserved
+    pool.view(slot)[:8] = i.to_bytes(8, "little")
+    pool.publish(slot, TENANT, key(i), SLOT, None, pins)
+    return slot, gen
+
+
+def run_child(code: str) -> subprocess.Popen[str]:
+    """A real second process running ``code``; it prints 'ready' once its setup is done."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", line
+    return proc
+
+
+def test_a_published_block_is_found_by_key_and_tenant_only(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    slot, _ = fill(pool, 1)
+    assert pool.lookup(TENANT, key(1)) == slot
+    assert pool.lookup(TENANT + 1, key(1)) is None
+    assert pool.lookup(TENANT, key(1), length=SLOT - 1) is None
+    assert pool.lookup(TENANT, key(1), hdr=b"x" * 16) is None
+    pool.close()
+
+
+def test_eviction_takes_the_least_recently_used_ready_slot_and_never_a_pinned_one(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 3 * SLOT, SLOT)
+    pinned, pinned_gen = fill(pool, 0, pins=1)
+    oldest, _ = fill(pool, 1)
+    newer, newer_gen = fill(pool, 2)
+    assert pool.pin(newer, newer_gen) and pool.unpin(newer, newer_gen)  # touched: now the most recent
+    reserved = pool.reserve(owner_pid=1)
+    assert reserved is not None and reserved[0] == oldest
+    assert pool.lookup(TENANT, key(1)) is None
+    assert pool.reserve(owner_pid=1) is not None  # takes `newer`
+    assert pool.reserve(owner_pid=1) is None  # only the pinned slot and two FILLING ones are left
+    assert pool.valid(pinned, pinned_gen) and pool.state[pinned] == SlotState.PINNED
+    pool.close()
+
+
+def test_a_reader_holding_a_reused_slot_sees_a_miss_in_another_process(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 1 * SLOT, SLOT)
+    slot, gen = fill(pool, 1)
+    reader = run_child(
+        f"""
+        from kvtier.transfer.staging import SlotMap
+        m = SlotMap.open({shm_name!r})
+        print("ready", flush=True)
+        input()
+        view = m.view({slot}, 8)
+        print(int.from_bytes(view, "little"), m.valid({slot}, {gen}), flush=True)
+        """
+    )
+    pool.reserve(owner_pid=1)  # evicts block 1: the slot is being refilled under a new generation
+    pool.view(slot)[:8] = (99).to_bytes(8, "little")
+    out, _ = reader.communicate("go\n", timeout=30)
+    assert out.split() == ["99", "False"]  # it read the slot's new bytes, and knows they are not block 1's
+    pool.close()
+
+
+def test_readers_see_the_writers_bytes_without_copies(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 2 * SLOT, SLOT)
+    slot, gen = fill(pool, 5)
+    reader = SlotMap.open(shm_name)
+    assert int.from_bytes(reader.view(slot, 8), "little") == 5 and reader.valid(slot, gen)
+    pool.view(slot)[:8] = (6).to_bytes(8, "little")
+    assert int.from_bytes(reader.view(slot, 8), "little") == 6
+    assert reader.stats().ready == 1 and reader.stats().writer_pid == pool.writer_pid
+    reader.close()
+    pool.close()
+
+
+def test_a_second_writer_is_refused_while_the_first_lives(shm_name: str) -> None:
+    writer = run_child(
+        f"""
+        from kvtier.transfer.staging import StagingPool
+        pool = StagingPool.own({shm_name!r}, {4 * SLOT}, {SLOT})
+        print("ready", flush=True)
+        input()
+        """
+    )
+    with pytest.raises(PoolError, match="owned by a running process"):
+        StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    writer.communicate("bye\n", timeout=30)
+
+
+def test_a_dead_writers_filling_and_pinned_slots_are_reclaimed_and_its_cache_kept(shm_name: str) -> None:
+    writer = run_child(
+        f"""
+        from kvtier.transfer.staging import StagingPool
+        pool = StagingPool.own({shm_name!r}, {4 * SLOT}, {SLOT})
+        for i, pins in ((1, 0), (2, 1)):
+            slot, gen = pool.reserve(owner_pid=1)
+            pool.publish(slot, {TENANT}, i.to_bytes(16, "little"), {SLOT}, None, pins)
+        pool.reserve(owner_pid=1)
+        print("ready", flush=True)
+        input()
+        """
+    )
+    before = SlotMap.open(shm_name)
+    filling = int((before.state == SlotState.FILLING).nonzero()[0][0])
+    filling_gen = int(before.gen[filling])
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    assert pool.reclaimed == 2
+    stats = pool.stats()
+    assert (stats.filling, stats.pinned, stats.ready, stats.free) == (0, 0, 2, 2)
+    assert not before.valid(filling, filling_gen)
+    assert pool.lookup(TENANT, key(1)) is not None and pool.lookup(TENANT, key(2)) is not None
+    before.close()
+    pool.close()
+
+
+def test_an_existing_segment_of_another_geometry_is_refused_with_one_line(shm_name: str) -> None:
+    StagingPool.own(shm_name, 4 * SLOT, SLOT).close()
+    with pytest.raises(PoolError, match="exists with 4 slots of 4096 B"):
+        StagingPool.own(shm_name, 8 * SLOT, SLOT)
+
+
+def test_a_superseded_pinned_copy_is_freed_at_its_last_unpin(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    old, old_gen = fill(pool, 1, pins=1)
+    new, _ = fill(pool, 1)
+    assert pool.lookup(TENANT, key(1)) == new
+    assert pool.valid(old, old_gen)  # the pinned reader keeps its bytes
+    pool.unpin(old, old_gen)
+    assert pool.state[old] == SlotState.FREE and not pool.valid(old, old_gen)
+    pool.close()

@@ -1,0 +1,455 @@
+"""Host staging pool: one POSIX shared-memory segment cut into fixed-size slots, with its slot table inside.
+
+Layout of ``/dev/shm/NAME`` (all little-endian; every column 64-byte aligned, slot data 4 KiB aligned)::
+
+    header   magic, version, slot_bytes, slot stride, slots, data offset, epoch, writer pid, LRU clock,
+             hit / miss counters
+    columns  gen u64 · lru u64 · tenant u64 · state u32 · pins u32 · owner u32 · length u32 · klen u32 · key 32 B ·
+             hdr 16 B
+    data     slot i at data_offset + i × stride
+
+One process, the **writer** (the fetcher, or a StateBlock host), owns the table: it alone changes states, keys
+and generations, holding an exclusive ``flock`` on the segment for its whole life. The kernel drops that lock
+when the writer dies, however it dies, so a restarted writer knows it may take over and reclaim what the dead
+one left (``StagingPool.own``). Any number of **readers** (engines, ``kvtier-fetcher status``) map the same
+segment (:class:`SlotMap`) and read slot bytes in place, without copies and without locks: a slot's generation
+is a seqlock. It changes before a slot's bytes are reused, so ``gen before == gen after == expected`` around a
+read proves the bytes read were that block's (``SlotMap.valid``).
+
+Slot states (see docs/transfer.md for the transition table and failure cases):
+
+    FREE     holds nothing                                  → FILLING (reserve)
+    FILLING  being written (by the fetcher, or an engine)   → READY (done) · FREE (failed, owner gone)
+    READY    holds a block, cached under its key, evictable → PINNED (pin) · FILLING (evicted and reused)
+    PINNED   READY and pinned by ≥ 1 reader: never evicted  → READY (last unpin)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+MAGIC = b"KVTSTAGE"
+VERSION = 1
+KEY_BYTES = 32  # keys of 16 or 32 bytes, zero-padded
+HDR_BYTES = 16
+PAGE = 4096
+_HEADER = struct.Struct("<8sIIQQQQ16sQQQQ")  # magic version writer_pid slot_bytes stride slots data_off epoch clock..
+_HEADER_BYTES = PAGE
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_COLUMNS = (
+    ("gen", np.uint64, 1),
+    ("lru", np.uint64, 1),
+    ("tenant", np.uint64, 1),
+    ("state", np.uint32, 1),
+    ("pins", np.uint32, 1),
+    ("owner", np.uint32, 1),
+    ("length", np.uint32, 1),
+    ("klen", np.uint32, 1),
+    ("key", np.uint8, KEY_BYTES),
+    ("hdr", np.uint8, HDR_BYTES),
+)
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    FILLING = 1
+    READY = 2
+    PINNED = 3
+
+
+class PoolError(Exception):
+    """The segment cannot be created, opened or taken over; the message says why and what to do."""
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _geometry(slot_bytes: int, slots: int) -> tuple[int, int, dict[str, int]]:
+    """(stride, data offset, column offsets) for a pool of ``slots`` slots of ``slot_bytes``."""
+    offsets = {}
+    at = _HEADER_BYTES
+    for name, dtype, width in _COLUMNS:
+        offsets[name] = at
+        at = _align(at + slots * np.dtype(dtype).itemsize * width, 64)
+    return _align(slot_bytes, PAGE), _align(at, PAGE), offsets
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise PoolError(f"bad shared-memory name {name!r}: use letters, digits, '.', '_' or '-'")
+    return name
+
+
+def segment_path(name: str) -> Path:
+    return SHM_DIR / check_name(name)
+
+
+def unlink(name: str) -> None:
+    """Remove the segment's name (mappings that exist stay valid until unmapped)."""
+    with contextlib.suppress(FileNotFoundError):
+        segment_path(name).unlink()
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    slots: int
+    slot_bytes: int
+    free: int
+    filling: int
+    ready: int
+    pinned: int
+    used_bytes: int  # bytes of blocks held in READY and PINNED slots
+    hits: int
+    misses: int
+    evictions: int
+    writer_pid: int
+
+    @property
+    def hit_ratio(self) -> float:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = dict(self.__dict__)
+        out["hit_ratio"] = self.hit_ratio
+        out["capacity_bytes"] = self.slots * self.slot_bytes
+        return out
+
+
+class SlotMap:
+    """A mapping of the segment: slot bytes and the table, read-only in spirit (readers never change states).
+
+    ``view(slot)`` is the slot's memory, writable so that an engine can fill slots it was given for a put.
+    """
+
+    def __init__(self, name: str, fd: int, mapping: mmap.mmap) -> None:
+        self.name = name
+        self._fd = fd
+        self._mmap = mapping
+        self.buffer = memoryview(mapping)
+        magic, version, _pid, slot_bytes, stride, slots, data_offset, epoch, *_ = _HEADER.unpack_from(mapping, 0)
+        if magic != MAGIC or version != VERSION:
+            raise PoolError(f"/dev/shm/{name} is not a kvtier staging pool (version {VERSION})")
+        self.slot_bytes, self.stride, self.slots, self.data_offset = slot_bytes, stride, slots, data_offset
+        self.epoch: bytes = epoch
+        _, expected_offset, offsets = _geometry(slot_bytes, slots)
+        if expected_offset != data_offset or len(mapping) < data_offset + slots * stride:
+            raise PoolError(f"/dev/shm/{name} is truncated or inconsistent; remove it and start the fetcher again")
+        cols = {}
+        for col, dtype, width in _COLUMNS:
+            shape = (slots, width) if width > 1 else (slots,)
+            cols[col] = np.ndarray(shape, dtype=dtype, buffer=mapping, offset=offsets[col])
+        self.gen, self.lru, self.tenant = cols["gen"], cols["lru"], cols["tenant"]
+        self.state, self.pins, self.owner, self.length = cols["state"], cols["pins"], cols["owner"], cols["length"]
+        self.klen = cols["klen"]
+        self.keys, self.hdrs = cols["key"], cols["hdr"]
+        self._counters = np.ndarray((4,), dtype=np.uint64, buffer=mapping, offset=_HEADER.size - 32)
+
+    @classmethod
+    def open(cls, name: str) -> SlotMap:
+        """Map an existing segment (readers). Raises PoolError if there is none."""
+        try:
+            fd = os.open(segment_path(name), os.O_RDWR)
+        except FileNotFoundError:
+            raise PoolError(f"no staging pool /dev/shm/{name}: is the fetcher running with --shm {name}?") from None
+        try:
+            return cls(name, fd, mmap.mmap(fd, os.fstat(fd).st_size))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def view(self, slot: int, length: int | None = None) -> memoryview:
+        """The slot's bytes (``length`` of them; default the whole slot). No copy; writable."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.slots - 1}")
+        start = self.data_offset + slot * self.stride
+        return self.buffer[start : start + (self.slot_bytes if length is None else length)]
+
+    def valid(self, slot: int, generation: int) -> bool:
+        """Whether ``slot`` still holds the block it held at ``generation`` (or is still being filled under it).
+
+        Read it after using a slot's bytes: True proves nothing overwrote them meanwhile.
+        """
+        return 0 <= slot < self.slots and int(self.gen[slot]) == generation and self.state[slot] != SlotState.FREE
+
+    @property
+    def writer_pid(self) -> int:
+        return struct.unpack_from("<I", self._mmap, 12)[0]
+
+    def stats(self) -> PoolStats:
+        counts = np.bincount(self.state, minlength=4)
+        held = (self.state == SlotState.READY) | (self.state == SlotState.PINNED)
+        return PoolStats(
+            slots=self.slots,
+            slot_bytes=self.slot_bytes,
+            free=int(counts[SlotState.FREE]),
+            filling=int(counts[SlotState.FILLING]),
+            ready=int(counts[SlotState.READY]),
+            pinned=int(counts[SlotState.PINNED]),
+            used_bytes=int(self.length[held].sum(dtype=np.uint64)),
+            hits=int(self._counters[2]),
+            misses=int(self._counters[3]),
+            evictions=int(self._counters[1]),
+            writer_pid=self.writer_pid,
+        )
+
+    def close(self) -> None:
+        """Unmap, once no view handed out is alive any more (until then the mapping stays, harmlessly)."""
+        del self.gen, self.lru, self.tenant, self.state, self.pins, self.owner, self.length, self.klen
+        del self.keys, self.hdrs, self._counters
+        with contextlib.suppress(BufferError):
+            self.buffer.release()
+            self._mmap.close()
+        os.close(self._fd)
+
+
+class StagingPool(SlotMap):
+    """The writer's side: reserve, fill, pin, evict. One writer per segment (an exclusive ``flock``).
+
+    Thread-safe (one internal lock); every method is O(1) except ``own``'s rebuild. Keys are scoped by a
+    64-bit tenant id: a lookup never returns another tenant's block.
+    """
+
+    def __init__(self, name: str, fd: int, mapping: mmap.mmap) -> None:
+        super().__init__(name, fd, mapping)
+        self._lock = threading.RLock()
+        self._index: dict[tuple[int, bytes], int] = {}  # (tenant, key) -> READY/PINNED slot
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # READY, oldest first
+        self._free: list[int] = []
+        self._detached: set[int] = set()  # superseded by a newer copy of their key: freed at last unpin
+        self._reclaimed = self._rebuild()
+
+    @classmethod
+    def own(cls, name: str, capacity_bytes: int, slot_bytes: int) -> StagingPool:
+        """Create the segment, or take over the one a dead writer left (its READY blocks stay cached).
+
+        Raises PoolError if a live writer holds it, or if the existing one has another geometry.
+        """
+        if slot_bytes <= 0 or capacity_bytes < slot_bytes:
+            raise PoolError(f"capacity {capacity_bytes} B must hold at least one slot of {slot_bytes} B")
+        slots = capacity_bytes // _align(slot_bytes, PAGE) or 1
+        stride, data_offset, _ = _geometry(slot_bytes, slots)
+        path = segment_path(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise PoolError(f"/dev/shm/{name} is owned by a running process (another fetcher?)") from None
+                raise
+            size = os.fstat(fd).st_size
+            if size == 0:
+                os.ftruncate(fd, data_offset + slots * stride)
+                mapping = mmap.mmap(fd, data_offset + slots * stride)
+                _HEADER.pack_into(
+                    mapping,
+                    0,
+                    MAGIC,
+                    VERSION,
+                    0,
+                    slot_bytes,
+                    stride,
+                    slots,
+                    data_offset,
+                    secrets.token_bytes(16),
+                    0,
+                    0,
+                    0,
+                    0,
+                )
+            else:
+                mapping = mmap.mmap(fd, size)
+                existing = _HEADER.unpack_from(mapping, 0)
+                if existing[0] == MAGIC and (existing[3], existing[5]) != (slot_bytes, slots):
+                    mapping.close()
+                    raise PoolError(
+                        f"/dev/shm/{name} exists with {existing[5]} slots of {existing[3]} B, not {slots} of "
+                        f"{slot_bytes} B: use the same --size/slot size, or remove it first"
+                    )
+            struct.pack_into("<I", mapping, 12, os.getpid())
+            return cls(name, fd, mapping)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @property
+    def reclaimed(self) -> int:
+        """Slots the previous (dead) writer left FILLING or PINNED, given back by ``own``."""
+        return self._reclaimed
+
+    def _rebuild(self) -> int:
+        reclaimed = 0
+        for slot in np.argsort(self.lru, kind="stable").tolist():
+            state = self.state[slot]
+            if state == SlotState.FILLING:
+                self._to_free(slot)
+                reclaimed += 1
+                continue
+            if state == SlotState.PINNED:  # its pinners' sessions died with the old writer
+                self.pins[slot] = 0
+                self.state[slot] = SlotState.READY
+                reclaimed += 1
+            if self.state[slot] == SlotState.READY:
+                self._index[(int(self.tenant[slot]), self._key(slot))] = slot
+                self._evictable[slot] = None
+            else:
+                self._free.append(slot)
+        return reclaimed
+
+    def _key(self, slot: int) -> bytes:
+        return bytes(self.keys[slot, : self.klen[slot]])
+
+    @staticmethod
+    def _checked(key: bytes) -> bytes:
+        if len(key) not in (16, 32):
+            raise ValueError(f"keys are 16 or 32 bytes, got {len(key)}")
+        return key
+
+    def _tick(self, slot: int) -> None:
+        self._counters[0] += np.uint64(1)
+        self.lru[slot] = self._counters[0]
+
+    def _to_free(self, slot: int) -> None:
+        self.gen[slot] += np.uint64(1)  # holders of the old generation now see a miss
+        self.state[slot] = SlotState.FREE
+        self.pins[slot] = 0
+        self.owner[slot] = 0
+        self.length[slot] = 0
+        self._free.append(slot)
+
+    # -- lookups ----------------------------------------------------------------------------------------
+
+    def lookup(self, tenant: int, key: bytes, hdr: bytes | None = None, length: int | None = None) -> int | None:
+        """The READY/PINNED slot holding ``key`` for ``tenant`` (and, when given, that header and length)."""
+        with self._lock:
+            slot = self._index.get((tenant, self._checked(key)))
+            if slot is None:
+                return None
+            if length is not None and self.length[slot] != length:
+                return None
+            if hdr is not None and bytes(self.hdrs[slot]) != hdr:
+                return None
+            return slot
+
+    def count(self, hits: int, misses: int) -> None:
+        """Add to the pool's hit/miss counters (what ``stats().hit_ratio`` reports)."""
+        self._counters[2] += np.uint64(hits)
+        self._counters[3] += np.uint64(misses)
+
+    # -- transitions ------------------------------------------------------------------------------------
+
+    def reserve(self, owner_pid: int) -> tuple[int, int] | None:
+        """A slot to fill, as (slot, generation): a free one, else the least recently used READY one
+        (evicted: its old generation becomes a miss). None when every slot is FILLING or PINNED."""
+        with self._lock:
+            if self._free:
+                slot = self._free.pop()
+            elif self._evictable:
+                slot, _ = self._evictable.popitem(last=False)
+                self._counters[1] += np.uint64(1)
+                self._index.pop((int(self.tenant[slot]), self._key(slot)), None)
+            else:
+                return None
+            self.gen[slot] += np.uint64(1)
+            self.state[slot] = SlotState.FILLING
+            self.owner[slot] = owner_pid
+            self.length[slot] = 0
+            return slot, int(self.gen[slot])
+
+    def publish(self, slot: int, tenant: int, key: bytes, length: int, hdr: bytes | None, pins: int) -> None:
+        """FILLING → READY (``pins`` = 0) or PINNED: the slot now holds ``key``'s block of ``length`` bytes.
+
+        A READY copy of the same key is superseded (freed now, or at its last unpin if pinned).
+        """
+        key = self._checked(key)
+        with self._lock:
+            if self.state[slot] != SlotState.FILLING:
+                raise ValueError(f"slot {slot} is {SlotState(self.state[slot]).name}, not FILLING")
+            old = self._index.get((tenant, key))
+            if old is not None and old != slot:
+                self._detach(old)
+            self.tenant[slot] = tenant
+            self.keys[slot] = np.frombuffer(key.ljust(KEY_BYTES, b"\0"), dtype=np.uint8)
+            self.klen[slot] = len(key)
+            self.hdrs[slot] = np.frombuffer(hdr or bytes(HDR_BYTES), dtype=np.uint8)
+            self.length[slot] = length
+            self.pins[slot] = pins
+            self.state[slot] = SlotState.PINNED if pins else SlotState.READY
+            self._index[(tenant, key)] = slot
+            self._tick(slot)
+            if not pins:
+                self._evictable[slot] = None
+
+    def _detach(self, slot: int) -> None:
+        self._index.pop((int(self.tenant[slot]), self._key(slot)), None)
+        if self.state[slot] == SlotState.READY:
+            self._evictable.pop(slot, None)
+            self._to_free(slot)
+        else:
+            self._detached.add(slot)
+
+    def abandon(self, slot: int, generation: int) -> bool:
+        """FILLING → FREE (the fill failed or its owner went away). False if ``generation`` is stale."""
+        with self._lock:
+            if int(self.gen[slot]) != generation or self.state[slot] != SlotState.FILLING:
+                return False
+            self._to_free(slot)
+            return True
+
+    def pin(self, slot: int, generation: int) -> bool:
+        """Pin a READY/PINNED slot at ``generation`` (so it is never evicted); False if it no longer holds it."""
+        with self._lock:
+            if int(self.gen[slot]) != generation or self.state[slot] not in (SlotState.READY, SlotState.PINNED):
+                return False
+            self._evictable.pop(slot, None)
+            self.pins[slot] += np.uint32(1)
+            self.state[slot] = SlotState.PINNED
+            self._tick(slot)
+            return True
+
+    def unpin(self, slot: int, generation: int) -> bool:
+        """Drop one pin; the last one makes the slot READY (evictable, most recently used) again."""
+        with self._lock:
+            if int(self.gen[slot]) != generation or self.state[slot] != SlotState.PINNED:
+                return False
+            self.pins[slot] -= np.uint32(1)
+            if self.pins[slot] == 0:
+                if slot in self._detached:
+                    self._detached.discard(slot)
+                    self._to_free(slot)
+                else:
+                    self.state[slot] = SlotState.READY
+                    self._evictable[slot] = None
+            return True
+
+    def drop(self, tenant: int, key: bytes) -> bool:
+        """Forget ``key`` (freed now, or at its last unpin). False if the pool does not hold it."""
+        with self._lock:
+            slot = self._index.get((tenant, self._checked(key)))
+            if slot is None:
+                return False
+            self._detach(slot)
+            return True
+
+    def cached(self) -> list[tuple[int, bytes, int, int]]:
+        """(tenant, key, slot, generation) of every READY/PINNED slot, least recently used first."""
+        with self._lock:
+            slots = sorted(self._index.values(), key=lambda s: int(self.lru[s]))
+            return [(int(self.tenant[s]), self._key(s), s, int(self.gen[s])) for s in slots]
