@@ -1,0 +1,55 @@
+"""``kvtier-engine``: write checkpoints, check or refresh the numeric baseline.
+
+Errors a user can cause print one line (``kvtier-engine: ...``) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvtier.engine.checkpoint import PRESETS, make_checkpoint
+
+
+def _make_checkpoint(args: argparse.Namespace) -> None:
+    out = make_checkpoint(
+        args.out,
+        preset=args.preset,
+        seed=args.seed,
+        layer_types=args.layer_types,
+        sliding_window=args.sliding_window,
+        family=args.family,
+        tie_word_embeddings=args.tie_word_embeddings,
+    )
+    print(f"wrote {args.preset} checkpoint ({args.family}, seed {args.seed}) to {out}")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="kvtier-engine", description=__doc__.splitlines()[0])
+    sub = top.add_subparsers(dest="command", required=True)
+
+    mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint in Hugging Face format")
+    mk.add_argument("out", help="new directory")
+    mk.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--layer-types", default="sliding,full", help="comma list of full/sliding, repeated per layer")
+    mk.add_argument("--sliding-window", type=int, default=128)
+    mk.add_argument("--family", choices=["qwen2", "llama", "mistral"], default="qwen2")
+    mk.add_argument("--tie-word-embeddings", action="store_true")
+    mk.set_defaults(run=_make_checkpoint)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, OSError) as e:  # UnsupportedModelError is a ValueError
+        print(f"kvtier-engine: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The engine's model gives transformers' logits on the same checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.engine.checkpoint import load, make_checkpoint, model_id
+from kvtier.engine.config import UnsupportedModelError
+from kvtier.engine.dense import forward_logits
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)  # two busy cores: more threads only spin
+
+
+def prompt(n: int, vocab: int = 512, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return hf(tokens[None]).logits[0]
+
+
+@pytest.mark.parametrize(
+    ("family", "layer_types", "tied", "length"),
+    [
+        ("qwen2", "sliding,full", False, 3000),  # hybrid: per-layer windows
+        ("mistral", "sliding", False, 1500),  # every layer slides
+        ("llama", "full", True, 1000),  # no window, tied embeddings
+    ],
+)
+def test_logits_equal_transformers(tmp_path: Path, family: str, layer_types: str, tied: bool, length: int) -> None:
+    path = make_checkpoint(
+        tmp_path / family, "tiny", seed=0, layer_types=layer_types, family=family, tie_word_embeddings=tied
+    )
+    tokens = prompt(length)
+    ours = forward_logits(load(path), tokens, chunk_tokens=512)
+    assert (ours - reference_logits(path, tokens)).abs().max().item() <= TOLERANCE
+
+
+def test_transformers_4_config_loads_like_5(tmp_path: Path) -> None:
+    path = make_checkpoint(tmp_path / "v5", "tiny", seed=0)
+    v5 = forward_logits(load(path), prompt(300))
+    config = json.loads((path / "config.json").read_text())
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert torch.equal(forward_logits(load(path), prompt(300)), v5)
+
+
+def test_seeded_checkpoints_are_reproducible_and_named_by_content(tmp_path: Path) -> None:
+    a, b, c = (make_checkpoint(tmp_path / n, "tiny", seed=s) for n, s in (("a", 0), ("b", 0), ("c", 1)))
+    assert model_id(a) == model_id(b) != model_id(c)
+
+
+def test_unsupported_family_is_one_clear_line(tmp_path: Path) -> None:
+    path = make_checkpoint(tmp_path / "ck", "tiny", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not supported"):
+        load(path)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", "make-checkpoint", "--preset", "nope", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_make_checkpoint_cli_writes_a_loadable_directory(tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", "make-checkpoint", "--preset", "tiny", "--seed", "0", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert model_id(out) == model_id(make_checkpoint(tmp_path / "api", "tiny", seed=0))
+    again = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", "make-checkpoint", str(out)], capture_output=True, text=True
+    )
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "not empty" in again.stderr
