@@ -439,6 +439,13 @@ class StagingPool(SlotMap):
                     self._evictable[slot] = None
             return True
 
+    def touch(self, slot: int) -> None:
+        """Mark a READY slot most recently used."""
+        with self._lock:
+            if slot in self._evictable:
+                self._evictable.move_to_end(slot)
+                self._tick(slot)
+
     def drop(self, tenant: int, key: bytes) -> bool:
         """Forget ``key`` (freed now, or at its last unpin). False if the pool does not hold it."""
         with self._lock:

@@ -1,0 +1,469 @@
+"""Engines' side of the fetcher: :class:`FetchClient` (blocking) and :class:`AsyncFetchClient` (asyncio).
+
+Both speak :mod:`~kvtier.transfer.fetch_protocol` over the fetcher's Unix socket and map its shared-memory
+pool, so the blocks they return are views of slot memory: numpy (``Block.array``) or torch
+(``Block.tensor``, when torch is importable), never copies.
+
+Contract:
+
+- ``fetch`` answers every key: HIT / FETCHED blocks name a slot that is **pinned for this connection** until
+  ``release`` (or leaving the ``with`` block, or the connection closing); MISS, FULL and ERROR are answers
+  too, never exceptions.
+- :class:`FetcherError` is raised when the fetcher cannot be reached, refuses the request, or dies while the
+  request is outstanding. The next call reconnects. Blocks handed out earlier stay mapped; their pins died
+  with the fetcher, and ``Block.valid()`` is False once a slot has been reused (a miss, never other bytes).
+- A wrong token raises :class:`~kvtier.kvstore.transport.AuthError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Op, ProtocolError, encode_head
+from kvtier.kvstore.sockio import recv_frame
+from kvtier.kvstore.transport import AuthError
+from kvtier.transfer import fetch_protocol as fp
+from kvtier.transfer.fetch_protocol import OK_STATUSES, BlockStatus, FetchOp
+from kvtier.transfer.staging import PoolError, SlotMap
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+_ids = itertools.count(1)
+
+
+class FetcherError(Exception):
+    """The fetcher is unreachable, refused the request, or died while it was outstanding."""
+
+
+@dataclass(eq=False)
+class Block:
+    """One key's answer. ``ok`` blocks name a slot of the host pool (``slot``, ``generation``)."""
+
+    key: bytes
+    status: BlockStatus
+    slot: int = -1
+    generation: int = 0
+    length: int = 0
+    error: str = ""
+    pinned: bool = False  # this connection holds a pin (or, for ALLOCATED, the slot itself)
+    _map: SlotMap | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """The slot holds this block (HIT, FETCHED) or is this caller's to fill (ALLOCATED)."""
+        return self.status in OK_STATUSES or self.status == BlockStatus.ALLOCATED
+
+    def view(self) -> memoryview:
+        """The block's bytes in the slot (writable: ALLOCATED slots are filled through it)."""
+        if not self.ok or self._map is None:
+            raise ValueError(f"block {self.key.hex()} has no slot ({self.status.name})")
+        return self._map.view(self.slot, self.length)
+
+    def array(self) -> np.ndarray:
+        """numpy uint8 view of the block's bytes (no copy)."""
+        return np.frombuffer(self.view(), dtype=np.uint8)
+
+    def tensor(self) -> torch.Tensor:
+        """torch uint8 view of the block's bytes (no copy); needs torch."""
+        import torch
+
+        return torch.frombuffer(self.view(), dtype=torch.uint8)
+
+    def valid(self) -> bool:
+        """The slot still holds this block. Check it after reading the bytes of a block no longer pinned."""
+        return self.ok and self._map is not None and self._map.valid(self.slot, self.generation)
+
+
+class Blocks(list[Block]):
+    """The answers of one call, in key order; a context manager that releases their pins on exit."""
+
+    def __init__(self, blocks: list[Block], release: Callable[[Blocks], Any]) -> None:
+        super().__init__(blocks)
+        self._release = release
+
+    def __enter__(self) -> Blocks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        result = self._release(self)
+        if asyncio.iscoroutine(result):
+            result.close()
+            raise TypeError("use `async with` for blocks of an AsyncFetchClient")
+
+    async def __aenter__(self) -> Blocks:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._release(self)
+
+    @property
+    def hits(self) -> int:
+        return sum(b.ok for b in self)
+
+
+@dataclass
+class _Call(Generic[T]):
+    """One request and how to turn its reply into the caller's result (shared by both clients)."""
+
+    opcode: FetchOp
+    meta: dict[str, Any]
+    finish: Callable[[dict[str, Any]], T]
+
+
+class _Protocol:
+    """What both clients share: requests, replies to blocks, and the shared-memory mapping."""
+
+    def __init__(self, socket_path: str | Path, token: str, timeout_s: float) -> None:
+        self.socket_path = str(socket_path)
+        self.token = token
+        self.timeout_s = timeout_s
+        self.map: SlotMap | None = None
+        self.epoch: bytes = b""
+        self.hash_algo = ""
+        self.tenant = ""
+
+    def _hello_meta(self) -> dict[str, Any]:
+        import os
+
+        return {"token": self.token, "pid": os.getpid()}
+
+    def _on_hello(self, frame: Frame) -> None:
+        if frame.opcode == Op.ERROR:
+            code = frame.meta.get("code")
+            message = f"fetcher at {self.socket_path}: {frame.meta.get('message', '')}"
+            if code in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_REQUIRED):
+                raise AuthError(message)
+            raise FetcherError(message)
+        meta = frame.meta
+        if self.map is None or meta["epoch"] != self.epoch or meta["shm"] != self.map.name:
+            try:
+                self.map = SlotMap.open(meta["shm"])
+            except PoolError as exc:
+                raise FetcherError(str(exc)) from None
+            self.epoch = meta["epoch"]
+        self.hash_algo, self.tenant = meta["hash"], meta["tenant"]
+
+    def _lost(self, why: object) -> FetcherError:
+        return FetcherError(
+            f"fetcher at {self.socket_path} went away ({why}): the blocks of this call failed and its pins are "
+            "gone; the next call reconnects"
+        )
+
+    @staticmethod
+    def _check(frame: Frame) -> dict[str, Any]:
+        if frame.opcode == Op.ERROR:
+            raise FetcherError(f"fetcher refused the request: {frame.meta.get('message', '')}")
+        return frame.meta
+
+    def _slot_blocks(self, keys: Sequence[bytes], length: int, meta: dict[str, Any], pinned: bool) -> Blocks:
+        status, slots, gens, errors = fp.parse_slots(meta, len(keys))
+        blocks = []
+        for i, key in enumerate(keys):
+            st = BlockStatus(int(status[i]))
+            ok = st in OK_STATUSES or st == BlockStatus.ALLOCATED
+            blocks.append(
+                Block(
+                    key,
+                    st,
+                    int(slots[i]) if ok else -1,
+                    int(gens[i]) if ok else 0,
+                    length if ok else 0,
+                    errors.get(i, ""),
+                    ok and pinned,
+                    self.map if ok else None,
+                )
+            )
+        return Blocks(blocks, self.release)  # type: ignore[attr-defined]
+
+    # -- calls (each public method of both clients is one of these) --------------------------------------
+
+    def _fetch_call(
+        self, keys: Sequence[bytes], length: int, headers: Sequence[bytes] | None, priority: int, pin: bool
+    ) -> _Call[Blocks]:
+        op = FetchOp.FETCH if pin else FetchOp.PREFETCH
+        meta = fp.fetch_meta(keys, length, headers, priority)
+        return _Call(op, meta, lambda reply: self._slot_blocks(keys, length, reply, pin))
+
+    def _release_call(self, blocks: Sequence[Block]) -> _Call[int]:
+        held = [b for b in blocks if b.pinned]
+        for block in held:
+            block.pinned = False
+        meta = fp.release_meta([b.slot for b in held], [b.generation for b in held])
+        return _Call(FetchOp.RELEASE, meta, lambda reply: int(reply.get("released", 0)))
+
+    def _alloc_call(self, n: int, length: int) -> _Call[Blocks]:
+        return _Call(
+            FetchOp.ALLOC,
+            fp.alloc_meta(n, length),
+            lambda reply: self._slot_blocks([b""] * n, length, reply, True),
+        )
+
+    def _put_call(
+        self, keys: Sequence[bytes], blocks: Sequence[Block], ttl_class: str, headers: Sequence[bytes] | None
+    ) -> _Call[list[bool]]:
+        if len(keys) != len(blocks) or any(b.status != BlockStatus.ALLOCATED or not b.pinned for b in blocks):
+            raise ValueError("put needs one ALLOCATED, unreleased block per key (from alloc)")
+        length = blocks[0].length if blocks else 1
+        if any(b.length != length for b in blocks):
+            raise ValueError("blocks of one put must have one length")
+        meta = fp.put_meta(keys, length, [b.slot for b in blocks], [b.generation for b in blocks], ttl_class, headers)
+
+        def finish(reply: dict[str, Any]) -> list[bool]:
+            status, _, _, errors = fp.parse_slots(reply, len(keys))
+            for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+                block.key, block.pinned, block.error = key, False, errors.get(i, "")
+                block.status = BlockStatus(int(status[i]))
+            return [int(s) == BlockStatus.STORED for s in status]
+
+        return _Call(FetchOp.PUT, meta, finish)
+
+    def _stats_call(self) -> _Call[dict[str, Any]]:
+        return _Call(FetchOp.STATS, {}, dict)
+
+
+class FetchClient(_Protocol):
+    """Blocking client: one request at a time on one connection (use one per thread). See the module docstring."""
+
+    def __init__(self, socket_path: str | Path, token: str, timeout_s: float = 60.0) -> None:
+        super().__init__(socket_path, token, timeout_s)
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader()
+        self._connect()
+
+    def _connect(self) -> socket.socket:
+        if self._sock is not None:
+            return self._sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+            sock.sendall(encode_head(FetchOp.HELLO, 0, self._hello_meta()))
+            self._reader = FrameReader()
+            frame = recv_frame(sock, self._reader)
+        except (OSError, ProtocolError) as exc:
+            sock.close()
+            raise FetcherError(
+                f"cannot reach the fetcher at {self.socket_path} ({exc}): is kvtier-fetcher running?"
+            ) from None
+        if frame is None:
+            sock.close()
+            raise FetcherError(f"the fetcher at {self.socket_path} closed the connection during HELLO")
+        try:
+            self._on_hello(frame)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        return sock
+
+    def _run(self, call: _Call[T]) -> T:
+        sock = self._connect()
+        request_id = next(_ids)
+        try:
+            sock.sendall(encode_head(call.opcode, request_id, call.meta))
+            while True:
+                frame = recv_frame(sock, self._reader)
+                if frame is None:
+                    raise ConnectionResetError("connection closed")
+                if frame.request_id == request_id or frame.opcode == Op.ERROR:
+                    break
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise self._lost(exc) from None
+        if frame.opcode == Op.ERROR:
+            self.close()
+        return call.finish(self._check(frame))
+
+    def fetch(
+        self, keys: Sequence[bytes], block_bytes: int, *, headers: Sequence[bytes] | None = None, priority: int = 0
+    ) -> Blocks:
+        """Every key's block into the host pool (pinned for this connection); see :class:`Block`.
+
+        ``headers``: the store's header digests (``kvstore.keys.header_digests``) so that a key collision is a
+        MISS; ``priority``: lower is served first.
+        """
+        return self._run(self._fetch_call(keys, block_bytes, headers, priority, pin=True))
+
+    def prefetch(
+        self, keys: Sequence[bytes], block_bytes: int, *, headers: Sequence[bytes] | None = None, priority: int = 0
+    ) -> Blocks:
+        """Bring blocks into the pool behind every fetch, pinning nothing; answered when done."""
+        return self._run(self._fetch_call(keys, block_bytes, headers, priority, pin=False))
+
+    def release(self, blocks: Sequence[Block]) -> int:
+        """Drop this connection's pins on ``blocks`` (and give back ALLOCATED slots not put); how many."""
+        call = self._release_call(blocks)
+        return self._run(call) if self._sock is not None else 0
+
+    def alloc(self, n: int, block_bytes: int) -> Blocks:
+        """``n`` slots to write blocks of ``block_bytes`` into (ALLOCATED; FULL when the pool has none free)."""
+        return self._run(self._alloc_call(n, block_bytes))
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Block],
+        ttl_class: str = "chatbot",
+        *,
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Store ALLOCATED slots under ``keys`` (the store reads the slot memory: no copy); per key whether it is
+        committed. Stored blocks stay in the pool as hits; the slots are no longer this caller's."""
+        return self._run(self._put_call(keys, blocks, ttl_class, headers))
+
+    def stats(self) -> dict[str, Any]:
+        """Pool usage, hit ratio, blocks in flight, and the fetcher's counters."""
+        return self._run(self._stats_call())
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> FetchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Replies(asyncio.Protocol):
+    def __init__(self, owner: AsyncFetchClient) -> None:
+        self.owner = owner
+        self.reader = FrameReader()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except ProtocolError as exc:
+            self.owner._fail(exc)
+            return
+        for frame in frames:
+            self.owner._arrived(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner._fail(exc or "connection closed")
+
+
+class AsyncFetchClient(_Protocol):
+    """asyncio client: the same calls as coroutines, any number in flight on one connection.
+
+    Create it with ``await AsyncFetchClient.connect(path, token)``.
+    """
+
+    def __init__(self, socket_path: str | Path, token: str, timeout_s: float = 60.0) -> None:
+        super().__init__(socket_path, token, timeout_s)
+        self._transport: asyncio.Transport | None = None
+        self._waiting: dict[int, asyncio.Future[Frame]] = {}
+
+    @classmethod
+    async def connect(cls, socket_path: str | Path, token: str, timeout_s: float = 60.0) -> AsyncFetchClient:
+        client = cls(socket_path, token, timeout_s)
+        await client._open()
+        return client
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        hello = loop.create_future()
+        self._waiting[0] = hello
+        try:
+            transport, _ = await loop.create_unix_connection(lambda: _Replies(self), self.socket_path)
+        except OSError as exc:
+            self._waiting.pop(0, None)
+            raise FetcherError(
+                f"cannot reach the fetcher at {self.socket_path} ({exc}): is kvtier-fetcher running?"
+            ) from None
+        transport.write(encode_head(FetchOp.HELLO, 0, self._hello_meta()))
+        try:
+            frame = await asyncio.wait_for(hello, self.timeout_s)
+            self._on_hello(frame)
+        except BaseException:
+            transport.close()
+            raise
+        self._transport = transport  # type: ignore[assignment]
+
+    def _arrived(self, frame: Frame) -> None:
+        future = self._waiting.pop(frame.request_id, None)
+        if future is None and frame.opcode == Op.ERROR and self._waiting:
+            future = self._waiting.pop(next(iter(self._waiting)))
+        if future is not None and not future.done():
+            future.set_result(frame)
+
+    def _fail(self, why: object) -> None:
+        self._transport = None
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(self._lost(why))
+
+    async def _run(self, call: _Call[T]) -> T:
+        if self._transport is None:
+            await self._open()
+        assert self._transport is not None
+        request_id = next(_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        self._transport.write(encode_head(call.opcode, request_id, call.meta))
+        try:
+            frame = await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            self._waiting.pop(request_id, None)
+            raise FetcherError(f"fetcher at {self.socket_path} did not answer in {self.timeout_s:g} s") from None
+        return call.finish(self._check(frame))
+
+    async def fetch(
+        self, keys: Sequence[bytes], block_bytes: int, *, headers: Sequence[bytes] | None = None, priority: int = 0
+    ) -> Blocks:
+        """See :meth:`FetchClient.fetch`."""
+        return await self._run(self._fetch_call(keys, block_bytes, headers, priority, pin=True))
+
+    async def prefetch(
+        self, keys: Sequence[bytes], block_bytes: int, *, headers: Sequence[bytes] | None = None, priority: int = 0
+    ) -> Blocks:
+        """See :meth:`FetchClient.prefetch`."""
+        return await self._run(self._fetch_call(keys, block_bytes, headers, priority, pin=False))
+
+    async def release(self, blocks: Sequence[Block]) -> int:
+        """See :meth:`FetchClient.release`."""
+        call = self._release_call(blocks)
+        return await self._run(call) if self._transport is not None else 0
+
+    async def alloc(self, n: int, block_bytes: int) -> Blocks:
+        """See :meth:`FetchClient.alloc`."""
+        return await self._run(self._alloc_call(n, block_bytes))
+
+    async def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Block],
+        ttl_class: str = "chatbot",
+        *,
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """See :meth:`FetchClient.put`."""
+        return await self._run(self._put_call(keys, blocks, ttl_class, headers))
+
+    async def stats(self) -> dict[str, Any]:
+        """See :meth:`FetchClient.stats`."""
+        return await self._run(self._stats_call())
+
+    async def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    async def __aenter__(self) -> AsyncFetchClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

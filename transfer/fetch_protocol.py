@@ -1,0 +1,189 @@
+"""The fetcher's Unix-socket protocol, sans-IO: request and reply metadata to and from dicts. No sockets here.
+
+Frames are the store's (:mod:`kvtier.kvstore.protocol`: header + msgpack metadata; no payload here, because
+block bytes never cross the socket: they sit in the shared-memory slots the replies name). Batches travel
+as packed arrays (:mod:`kvtier.kvstore.wire`), so a 1,200-key fetch is a few numpy calls to encode.
+
+    HELLO     token, pid                                 → shm, epoch, slots, slot_bytes, hash, fetcher pid
+    FETCH     keys, klen, length, [hdr], prio            → st u8[n], slot u32[n], gen u64[n], [errors]
+    PREFETCH  same as FETCH; nothing is pinned           → same
+    RELEASE   slot u32[n], gen u64[n]                    → released
+    ALLOC     n, length                                  → st (ALLOCATED / FULL), slot, gen: FILLING slots
+    PUT       keys, klen, length, slot, gen, ttl, [hdr]  → st (STORED / ERROR), [errors]
+    STATS                                                → pool and fetcher counters
+
+A request the fetcher cannot parse is answered with an ERROR frame and the connection closed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.kvstore import wire
+from kvtier.kvstore.keys import HEADER_DIGEST_BYTES
+from kvtier.kvstore.protocol import Op
+
+MAX_PRIORITY = 1 << 16
+
+
+class FetchOp(enum.IntEnum):
+    HELLO = Op.HELLO  # the store's HELLO: the first frame of every connection
+    FETCH = 32
+    PREFETCH = 33
+    RELEASE = 34
+    ALLOC = 35
+    PUT = 36
+    STATS = 37
+
+
+class BlockStatus(enum.IntEnum):
+    """Per-block answer. HIT and FETCHED name a slot; the others do not."""
+
+    HIT = 0  # already in the host pool: no storage node was asked
+    FETCHED = 1  # read from the store straight into the slot
+    MISS = 2  # the store does not hold it (or holds another block under that key: header mismatch)
+    FULL = 3  # no slot could be had: every slot is pinned or being filled
+    ERROR = 4  # the store could not be asked (see the reply's errors)
+    STORED = 5  # PUT: committed to the store and cached in the pool
+    ALLOCATED = 6  # ALLOC: a FILLING slot the caller may write, then PUT
+
+
+OK_STATUSES = (BlockStatus.HIT, BlockStatus.FETCHED)
+
+
+@dataclass
+class FetchRequest:
+    keys: list[bytes]
+    length: int
+    headers: list[bytes | None]
+    priority: int
+
+
+@dataclass
+class PutRequest:
+    keys: list[bytes]
+    length: int
+    slots: np.ndarray
+    gens: np.ndarray
+    ttl_class: str
+    headers: list[bytes | None]
+
+
+def _headers_meta(headers: Sequence[bytes] | None, n: int) -> dict[str, bytes]:
+    if headers is None:
+        return {}
+    if len(headers) != n or any(len(h) != HEADER_DIGEST_BYTES for h in headers):
+        raise ValueError(f"headers= needs one {HEADER_DIGEST_BYTES}-byte digest per key")
+    return {"hdr": b"".join(headers)}
+
+
+def fetch_meta(keys: Sequence[bytes], length: int, headers: Sequence[bytes] | None, priority: int) -> dict[str, Any]:
+    """Metadata of a FETCH/PREFETCH; raises ValueError for arguments the fetcher would refuse."""
+    if length <= 0:
+        raise ValueError(f"block length must be positive, got {length}")
+    if not 0 <= priority < MAX_PRIORITY:
+        raise ValueError(f"priority must be in 0..{MAX_PRIORITY - 1} (lower is served first), got {priority}")
+    blob, klen = wire.pack_keys(keys)
+    return {"keys": blob, "klen": klen, "length": length, "prio": priority, **_headers_meta(headers, len(keys))}
+
+
+def _length(meta: dict[str, Any], slot_bytes: int) -> int:
+    length = wire.field(meta, "length", int)
+    if not 0 < length <= slot_bytes:
+        raise wire.bad(f"block length {length} does not fit a slot of {slot_bytes} bytes")
+    return length
+
+
+def parse_fetch(meta: dict[str, Any], slot_bytes: int, max_batch: int) -> FetchRequest:
+    keys = wire.unpack_keys(meta, max_batch)
+    priority = wire.field(meta, "prio", int)
+    if not 0 <= priority < MAX_PRIORITY:
+        raise wire.bad(f"priority {priority} out of range")
+    headers: list[bytes | None] = wire.unpack_headers(meta, len(keys))
+    return FetchRequest(keys, _length(meta, slot_bytes), headers, priority)
+
+
+def slots_meta(status: np.ndarray, slots: np.ndarray, gens: np.ndarray, errors: dict[int, str]) -> dict[str, Any]:
+    """Reply to FETCH, PREFETCH and ALLOC. ``errors``: block index → message (for ERROR blocks)."""
+    meta: dict[str, Any] = {
+        "st": status.astype(np.uint8).tobytes(),
+        "slot": slots.astype("<u4").tobytes(),
+        "gen": gens.astype("<u8").tobytes(),
+    }
+    if errors:
+        meta["errors"] = {str(i): message for i, message in errors.items()}
+    return meta
+
+
+def parse_slots(meta: dict[str, Any], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
+    """(status, slot, generation, errors) of a FETCH/PREFETCH/ALLOC reply for ``n`` blocks."""
+    errors = {int(i): str(m) for i, m in (meta.get("errors") or {}).items()}
+    return (
+        wire.unpack_array(meta, "st", "u1", n),
+        wire.unpack_array(meta, "slot", "<u4", n),
+        wire.unpack_array(meta, "gen", "<u8", n),
+        errors,
+    )
+
+
+def release_meta(slots: Sequence[int], gens: Sequence[int]) -> dict[str, Any]:
+    return {"slot": np.asarray(slots, "<u4").tobytes(), "gen": np.asarray(gens, "<u8").tobytes()}
+
+
+def parse_release(meta: dict[str, Any], max_batch: int) -> tuple[np.ndarray, np.ndarray]:
+    n = len(wire.field(meta, "slot", bytes)) // 4
+    if n > max_batch:
+        raise wire.bad(f"batch of {n} slots exceeds the limit of {max_batch}")
+    return wire.unpack_array(meta, "slot", "<u4", n), wire.unpack_array(meta, "gen", "<u8", n)
+
+
+def alloc_meta(n: int, length: int) -> dict[str, Any]:
+    if n < 0 or length <= 0:
+        raise ValueError(f"alloc needs n >= 0 and a positive length, got {n}, {length}")
+    return {"n": n, "length": length}
+
+
+def parse_alloc(meta: dict[str, Any], slot_bytes: int, max_batch: int) -> tuple[int, int]:
+    n = wire.field(meta, "n", int)
+    if not 0 <= n <= max_batch:
+        raise wire.bad(f"alloc of {n} slots is outside 0..{max_batch}")
+    return n, _length(meta, slot_bytes)
+
+
+def put_meta(
+    keys: Sequence[bytes],
+    length: int,
+    slots: Sequence[int],
+    gens: Sequence[int],
+    ttl_class: str,
+    headers: Sequence[bytes] | None,
+) -> dict[str, Any]:
+    if not len(keys) == len(slots) == len(gens):
+        raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
+    blob, klen = wire.pack_keys(keys)
+    return {
+        "keys": blob,
+        "klen": klen,
+        "length": length,
+        "ttl": ttl_class,
+        **release_meta(slots, gens),
+        **_headers_meta(headers, len(keys)),
+    }
+
+
+def parse_put(meta: dict[str, Any], slot_bytes: int, max_batch: int) -> PutRequest:
+    keys = wire.unpack_keys(meta, max_batch)
+    n = len(keys)
+    return PutRequest(
+        keys,
+        _length(meta, slot_bytes),
+        wire.unpack_array(meta, "slot", "<u4", n),
+        wire.unpack_array(meta, "gen", "<u8", n),
+        wire.field(meta, "ttl", str),
+        list(wire.unpack_headers(meta, n)),
+    )

@@ -1,0 +1,605 @@
+"""``kvtier-fetcher``: one process per engine host that reads blocks from the store into the host staging pool.
+
+    kvtier-fetcher --config cluster.toml --shm NAME --size 8GiB --slot-size 1MiB --socket PATH
+    kvtier-fetcher status --config cluster.toml --socket PATH [--json]
+
+It owns the pool (:class:`~kvtier.transfer.staging.StagingPool`, the single writer of its slot table) and one
+store client per worker thread and tenant. Engines talk to it over a Unix socket (mode 0600, peers of another
+uid refused, then the cluster or a tenant token in HELLO; :mod:`~kvtier.transfer.fetch_protocol`).
+
+How a FETCH is answered, per block:
+
+1. In the pool for this tenant (same length, same header digest when one is given): pinned, answered HIT at once.
+2. Already being read for another request: waits for that read (one store read per block however many ask).
+3. Otherwise a slot is reserved (a free one, else the least recently used unpinned one) and the block joins this
+   request's store read: one ``get_into`` for all of them, straight into the slots, by a worker thread, in
+   priority order (PREFETCH after FETCH). FETCHED, MISS or ERROR when it returns; FULL if no slot could be had.
+
+The reply goes out when every block of the request has its answer. Pins belong to the connection: RELEASE drops
+them, and so does the connection closing (an engine that dies loses nothing and leaks nothing). All table
+changes happen on the main thread; workers only fill slot bytes and call the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import queue
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore import logs
+from kvtier.kvstore.client import CapacityError, Client
+from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Op, ProtocolError, encode_error, encode_head
+from kvtier.kvstore.units import format_size, parse_size
+from kvtier.transfer import fetch_protocol as fp
+from kvtier.transfer import staging
+from kvtier.transfer.fetch_protocol import BlockStatus, FetchOp
+from kvtier.transfer.staging import PoolError, StagingPool
+
+log = logging.getLogger("kvtier.fetcher")
+PREFETCH_PENALTY = fp.MAX_PRIORITY  # a prefetch waits behind every fetch
+_PEERCRED = struct.Struct("3i")
+
+
+def tenant_id(tenant: str) -> int:
+    """The 64-bit id that scopes a tenant's blocks in the pool's table."""
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(eq=False)
+class Session:
+    """One engine connection: what it has pinned and what it is filling."""
+
+    sock: socket.socket
+    pid: int
+    reader: FrameReader = field(default_factory=FrameReader)
+    tenant: str | None = None
+    out: bytearray = field(default_factory=bytearray)
+    pins: collections.Counter[tuple[int, int]] = field(default_factory=collections.Counter)
+    allocs: set[tuple[int, int]] = field(default_factory=set)
+    closed: bool = False
+
+
+@dataclass(eq=False)
+class Answer:
+    """A request waiting for its blocks; replied to when ``remaining`` reaches zero."""
+
+    session: Session
+    request_id: int
+    pin: bool
+    status: np.ndarray
+    slots: np.ndarray
+    gens: np.ndarray
+    remaining: int
+    errors: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, session: Session, request_id: int, n: int, pin: bool) -> Answer:
+        return cls(
+            session, request_id, pin, np.full(n, BlockStatus.ERROR, np.uint8), np.zeros(n, "<u4"), np.zeros(n, "<u8"), n
+        )
+
+
+@dataclass(eq=False)
+class Flight:
+    """One block being read from (or written to) the store through a slot."""
+
+    key: bytes
+    hdr: bytes | None  # header digest the store checks (None: no check)
+    slot: int
+    gen: int
+    waiters: list[tuple[Answer, int]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Job:
+    """One store call for a batch of flights, run by a worker."""
+
+    put: bool
+    tenant: str
+    length: int
+    flights: list[Flight]
+    ttl_class: str = ""
+    result: list[bool] | None = None
+    error: str | None = None
+
+    @property
+    def headers(self) -> list[bytes] | None:
+        """A request carries header digests for all its blocks or for none."""
+        if self.flights[0].hdr is None:
+            return None
+        return [f.hdr for f in self.flights if f.hdr is not None]
+
+
+class Fetcher:
+    """The server: a selectors loop on the main thread, store calls on ``workers`` threads."""
+
+    def __init__(
+        self, config: cluster_mod.ClusterConfig, pool: StagingPool, socket_path: Path, workers: int = 2
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.socket_path = socket_path
+        self.selector = selectors.DefaultSelector()
+        self.flights: dict[tuple[int, bytes, bytes | None, int], Flight] = {}
+        self.jobs: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
+        self.done: collections.deque[Job] = collections.deque()
+        self.seq = itertools.count()
+        self.counters = collections.Counter[str]()
+        self.sessions: set[Session] = set()
+        self.stopping = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.listener = self._listen(socket_path)
+        self.selector.register(self.listener, selectors.EVENT_READ, "listen")
+        self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self.workers = [threading.Thread(target=self._work, daemon=True) for _ in range(workers)]
+        for worker in self.workers:
+            worker.start()
+
+    @staticmethod
+    def _listen(path: Path) -> socket.socket:
+        if path.exists():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink()  # left by a fetcher that died
+            else:
+                raise PoolError(f"{path} is served by a running fetcher; stop it or choose another --socket")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is created 0600: same uid only
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        sock.listen(128)
+        sock.setblocking(False)
+        return sock
+
+    # -- loop -------------------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while not self.stopping:
+            for key, events in self.selector.select(timeout=0.5):
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "wake":
+                    with contextlib.suppress(BlockingIOError):
+                        while self._wake_r.recv(4096):
+                            pass
+                    self._complete()
+                else:
+                    session: Session = key.data
+                    if events & selectors.EVENT_READ:
+                        self._receive(session)
+                    if events & selectors.EVENT_WRITE and not session.closed:
+                        self._flush(session)
+
+    def stop(self) -> None:
+        self.stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def close(self) -> None:
+        for session in list(self.sessions):
+            self._close(session)
+        for _ in self.workers:
+            self.jobs.put((-1, -1, None))
+        self.selector.close()
+        self.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            if uid not in (os.getuid(), 0):
+                log.warning("refused a connection from uid %d (pid %d)", uid, pid)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            session = Session(sock, pid, FrameReader(self.config.limits))
+            self.sessions.add(session)
+            self.selector.register(sock, selectors.EVENT_READ, session)
+
+    def _receive(self, session: Session) -> None:
+        try:
+            while not session.closed:
+                n = session.sock.recv_into(session.reader.writable()[0])
+                if n == 0:
+                    self._close(session)
+                    return
+                session.reader.advance(n)
+                while (frame := session.reader.next_frame()) is not None:
+                    self._handle(session, frame)
+        except BlockingIOError:
+            return
+        except ProtocolError as exc:
+            self._refuse(session, 0, exc.code, str(exc))
+        except OSError:
+            self._close(session)
+        except Exception as exc:  # a bug must cost one connection, never the fetcher
+            log.exception("request failed")
+            self._refuse(session, 0, ErrorCode.INTERNAL, f"internal error: {exc}")
+
+    def _send(self, session: Session, data: bytes) -> None:
+        if session.closed:
+            return
+        session.out += data
+        self._flush(session)
+
+    def _flush(self, session: Session) -> None:
+        try:
+            sent = session.sock.send(session.out)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._close(session)
+            return
+        del session.out[:sent]
+        self.selector.modify(
+            session.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if session.out else 0), session
+        )
+
+    def _refuse(self, session: Session, request_id: int, code: ErrorCode, message: str) -> None:
+        with contextlib.suppress(OSError):
+            session.sock.setblocking(True)
+            session.sock.settimeout(1.0)
+            session.sock.sendall(bytes(session.out) + encode_error(request_id, code, message))
+        self._close(session)
+
+    def _close(self, session: Session) -> None:
+        """The connection is gone: its pins are dropped and the slots it was filling freed."""
+        if session.closed:
+            return
+        session.closed = True
+        self.sessions.discard(session)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(session.sock)
+        session.sock.close()
+        for (slot, gen), count in session.pins.items():
+            for _ in range(count):
+                self.pool.unpin(slot, gen)
+        for slot, gen in session.allocs:
+            self.pool.abandon(slot, gen)
+        session.pins.clear()
+        session.allocs.clear()
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def _handle(self, session: Session, frame: Frame) -> None:
+        if session.tenant is None:
+            self._hello(session, frame)
+            return
+        handlers = {
+            FetchOp.FETCH: self._fetch,
+            FetchOp.PREFETCH: self._fetch,
+            FetchOp.RELEASE: self._release,
+            FetchOp.ALLOC: self._alloc,
+            FetchOp.PUT: self._put,
+            FetchOp.STATS: self._stats,
+        }
+        handler = handlers.get(frame.opcode)
+        if handler is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown opcode {frame.opcode}")
+        handler(session, frame)
+
+    def _reply(self, session: Session, frame: Frame, meta: dict[str, Any]) -> None:
+        self._send(session, encode_head(frame.opcode | Op.REPLY, frame.request_id, meta))
+
+    def _hello(self, session: Session, frame: Frame) -> None:
+        if frame.opcode != FetchOp.HELLO:
+            raise ProtocolError(ErrorCode.AUTH_REQUIRED, "the first frame must be HELLO with a token")
+        token = frame.meta.get("token")
+        tenant = self.config.tenant_for_token(token) if isinstance(token, str) else None
+        if tenant is None:
+            log.warning("refused pid %d: unknown token", session.pid)
+            raise ProtocolError(ErrorCode.AUTH_FAILED, "authentication failed: unknown token")
+        session.tenant = tenant
+        pool = self.pool
+        self._reply(
+            session,
+            frame,
+            {
+                "shm": pool.name,
+                "epoch": pool.epoch,
+                "slots": pool.slots,
+                "slot_bytes": pool.slot_bytes,
+                "hash": self.config.hash_algo,
+                "pid": os.getpid(),
+                "tenant": tenant,
+            },
+        )
+
+    def _fetch(self, session: Session, frame: Frame) -> None:
+        request = fp.parse_fetch(frame.meta, self.pool.slot_bytes, self.config.limits.max_batch)
+        assert session.tenant is not None
+        tid = tenant_id(session.tenant)
+        pin = frame.opcode == FetchOp.FETCH
+        answer = Answer.of(session, frame.request_id, len(request.keys), pin)
+        new: list[Flight] = []
+        hits = 0
+        for i, (key, hdr) in enumerate(zip(request.keys, request.headers, strict=True)):
+            slot = self.pool.lookup(tid, key, hdr, request.length)
+            if slot is not None:
+                gen = int(self.pool.gen[slot])
+                if pin:
+                    self.pool.pin(slot, gen)
+                    session.pins[(slot, gen)] += 1
+                else:
+                    self.pool.touch(slot)
+                self._settle(answer, i, BlockStatus.HIT, slot, gen)
+                hits += 1
+                continue
+            flight = self.flights.get((tid, key, hdr, request.length))
+            if flight is None:
+                reserved = self.pool.reserve(os.getpid())
+                if reserved is None:
+                    self._settle(answer, i, BlockStatus.FULL)
+                    continue
+                flight = Flight(key, hdr, *reserved)
+                self.flights[(tid, key, hdr, request.length)] = flight
+                new.append(flight)
+            flight.waiters.append((answer, i))
+        self.pool.count(hits, len(request.keys) - hits)
+        self.counters["blocks_hit"] += hits
+        self.counters["requests"] += 1
+        if new:
+            job = Job(False, session.tenant, request.length, new)
+            priority = request.priority + (0 if pin else PREFETCH_PENALTY)
+            self.jobs.put((priority, next(self.seq), job))
+        if answer.remaining == 0:
+            self._answer(answer, frame.opcode)
+
+    def _settle(self, answer: Answer, i: int, status: BlockStatus, slot: int = 0, gen: int = 0) -> None:
+        answer.status[i], answer.slots[i], answer.gens[i] = status, slot, gen
+        answer.remaining -= 1
+
+    def _answer(self, answer: Answer, opcode: int) -> None:
+        meta = fp.slots_meta(answer.status, answer.slots, answer.gens, answer.errors)
+        self._send(answer.session, encode_head(opcode | Op.REPLY, answer.request_id, meta))
+
+    def _release(self, session: Session, frame: Frame) -> None:
+        slots, gens = fp.parse_release(frame.meta, self.config.limits.max_batch)
+        released = 0
+        for slot, gen in zip(slots.tolist(), gens.tolist(), strict=True):
+            if session.pins[(slot, gen)] > 0:
+                session.pins[(slot, gen)] -= 1
+                if not session.pins[(slot, gen)]:
+                    del session.pins[(slot, gen)]
+                released += self.pool.unpin(slot, gen)
+            elif (slot, gen) in session.allocs:
+                session.allocs.discard((slot, gen))
+                released += self.pool.abandon(slot, gen)
+        self._reply(session, frame, {"released": released})
+
+    def _alloc(self, session: Session, frame: Frame) -> None:
+        n, _length = fp.parse_alloc(frame.meta, self.pool.slot_bytes, self.config.limits.max_batch)
+        status = np.full(n, BlockStatus.FULL, np.uint8)
+        slots, gens = np.zeros(n, "<u4"), np.zeros(n, "<u8")
+        for i in range(n):
+            reserved = self.pool.reserve(session.pid)
+            if reserved is None:
+                break
+            status[i], (slots[i], gens[i]) = BlockStatus.ALLOCATED, reserved
+            session.allocs.add(reserved)
+        self._reply(session, frame, fp.slots_meta(status, slots, gens, {}))
+
+    def _put(self, session: Session, frame: Frame) -> None:
+        request = fp.parse_put(frame.meta, self.pool.slot_bytes, self.config.limits.max_batch)
+        if request.ttl_class not in self.config.ttl_classes:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown TTL class {request.ttl_class!r}")
+        answer = Answer.of(session, frame.request_id, len(request.keys), False)
+        flights = []
+        rows = zip(request.keys, request.headers, request.slots.tolist(), request.gens.tolist(), strict=True)
+        for i, (key, hdr, slot, gen) in enumerate(rows):
+            if (slot, gen) not in session.allocs:
+                answer.errors[i] = f"slot {slot} generation {gen} was not allocated to this connection (or is stale)"
+                self._settle(answer, i, BlockStatus.ERROR, slot, gen)
+                continue
+            session.allocs.discard((slot, gen))
+            flights.append(Flight(key, hdr, slot, gen, [(answer, i)]))
+        if flights:
+            assert session.tenant is not None
+            job = Job(True, session.tenant, request.length, flights, request.ttl_class)
+            self.jobs.put((0, next(self.seq), job))
+        if answer.remaining == 0:
+            self._answer(answer, frame.opcode)
+
+    def _stats(self, session: Session, frame: Frame) -> None:
+        self._reply(session, frame, self.stats())
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.pool.stats().as_dict(),
+            "in_flight": len(self.flights),
+            "queued_jobs": self.jobs.qsize(),
+            "sessions": len(self.sessions),
+            "pid": os.getpid(),
+            **self.counters,
+        }
+
+    # -- workers ----------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        clients: dict[str, Client] = {}
+        while True:
+            _, _, job = self.jobs.get()
+            if job is None:
+                break
+            try:
+                client = clients.get(job.tenant)
+                if client is None:
+                    client = clients[job.tenant] = Client(self.config, token=self.config.tenants[job.tenant])
+                keys = [f.key for f in job.flights]
+                views = [self.pool.view(f.slot, job.length) for f in job.flights]
+                if job.put:
+                    job.result = client.put(keys, views, job.ttl_class, headers=job.headers)
+                else:
+                    job.result = client.get_into(keys, views, headers=job.headers)
+            except CapacityError as exc:
+                job.result, job.error = exc.stored, str(exc)
+            except Exception as exc:  # any store failure becomes a per-block ERROR answer, never a crash
+                log.warning("store call failed: %s", exc)
+                job.error = f"{type(exc).__name__}: {exc}"
+            self.done.append(job)
+            with contextlib.suppress(BlockingIOError):
+                self._wake_w.send(b"x")
+        for client in clients.values():
+            client.close()
+
+    def _complete(self) -> None:
+        while self.done:
+            job = self.done.popleft()
+            for i, flight in enumerate(job.flights):
+                ok = job.result is not None and job.result[i]
+                if job.put:
+                    self._complete_put(job, flight, ok)
+                else:
+                    self._complete_get(job, flight, ok)
+
+    def _complete_get(self, job: Job, flight: Flight, ok: bool) -> None:
+        tid, length = tenant_id(job.tenant), job.length
+        self.flights.pop((tid, flight.key, flight.hdr, length), None)
+        live = [(a, i) for a, i in flight.waiters if not a.session.closed]
+        if ok:
+            pins = sum(1 for a, _ in live if a.pin)
+            self.pool.publish(flight.slot, tid, flight.key, length, flight.hdr, pins)
+            self.counters["blocks_fetched"] += 1
+            self.counters["bytes_fetched"] += length
+            status = BlockStatus.FETCHED
+        else:
+            self.pool.abandon(flight.slot, flight.gen)
+            status = BlockStatus.MISS if job.error is None else BlockStatus.ERROR
+            self.counters["blocks_missed" if job.error is None else "blocks_failed"] += 1
+        for answer, i in flight.waiters:
+            if ok and answer.pin and not answer.session.closed:
+                answer.session.pins[(flight.slot, flight.gen)] += 1
+            if status == BlockStatus.ERROR:
+                answer.errors[i] = job.error or ""
+            self._settle(answer, i, status, flight.slot if ok else 0, flight.gen if ok else 0)
+            if answer.remaining == 0:
+                self._answer(answer, FetchOp.FETCH if answer.pin else FetchOp.PREFETCH)
+
+    def _complete_put(self, job: Job, flight: Flight, ok: bool) -> None:
+        answer, i = flight.waiters[0]
+        if ok:
+            self.pool.publish(flight.slot, tenant_id(job.tenant), flight.key, job.length, flight.hdr, 0)
+            self.counters["blocks_put"] += 1
+            self._settle(answer, i, BlockStatus.STORED, flight.slot, flight.gen)
+        else:
+            self.pool.abandon(flight.slot, flight.gen)
+            answer.errors[i] = job.error or "the store did not commit the block (too few nodes took it)"
+            self._settle(answer, i, BlockStatus.ERROR, flight.slot, flight.gen)
+        if answer.remaining == 0:
+            self._answer(answer, FetchOp.PUT)
+
+
+# -- command line ---------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier-fetcher", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="cluster file (the store, and the tokens engines present)")
+    parser.add_argument("--socket", required=True, type=Path, help="Unix socket engines connect to")
+    parser.add_argument("--shm", help="shared-memory segment name (under /dev/shm)")
+    parser.add_argument("--size", default="1GiB", help="pool capacity, e.g. 8GiB")
+    parser.add_argument("--slot-size", default="1MiB", help="slot size: the largest block served")
+    parser.add_argument("--workers", type=int, default=2, help="threads calling the store")
+    parser.add_argument("--json", action="store_true", help="status: print JSON")
+    parser.add_argument("command", nargs="?", choices=["serve", "status"], default="serve")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = cluster_mod.load(args.config)
+        if args.command == "status":
+            return _status(args, config)
+        if not args.shm:
+            raise ValueError("--shm NAME is required to serve")
+        pool = StagingPool.own(args.shm, parse_size(args.size), parse_size(args.slot_size))
+    except (ValueError, PoolError, OSError) as exc:
+        print(f"kvtier-fetcher: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(component="fetcher", shm=args.shm)
+    try:
+        fetcher = Fetcher(config, pool, args.socket, max(1, args.workers))
+    except (PoolError, OSError) as exc:
+        print(f"kvtier-fetcher: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: fetcher.stop())
+    signal.signal(signal.SIGINT, lambda *_: fetcher.stop())
+    log.info(
+        "serving %s on %s (%d slots of %s; %d reclaimed)",
+        args.shm,
+        args.socket,
+        pool.slots,
+        format_size(pool.slot_bytes),
+        pool.reclaimed,
+    )
+    print("ready", flush=True)
+    fetcher.serve_forever()
+    fetcher.close()
+    pool.close()
+    staging.unlink(args.shm)  # a clean stop gives the memory back; after a crash the next fetcher takes it over
+    return 0
+
+
+def _status(args: argparse.Namespace, config: cluster_mod.ClusterConfig) -> int:
+    from kvtier.transfer.fetch_client import FetchClient, FetcherError
+
+    try:
+        with FetchClient(args.socket, config.token) as client:
+            stats = client.stats()
+    except FetcherError as exc:
+        print(f"kvtier-fetcher: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    used = stats["slots"] - stats["free"]
+    print(
+        f"pool      {used}/{stats['slots']} slots of {format_size(stats['slot_bytes'])} "
+        f"({format_size(stats['used_bytes'])} held): {stats['ready']} ready, {stats['pinned']} pinned, "
+        f"{stats['filling']} filling"
+    )
+    print(
+        f"hits      {stats['hits']} of {stats['hits'] + stats['misses']} blocks "
+        f"(hit ratio {stats['hit_ratio']:.1%}), {stats['evictions']} evictions"
+    )
+    print(
+        f"in flight {stats['in_flight']} blocks, {stats['queued_jobs']} store calls queued, "
+        f"{stats['sessions']} engine connections"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
