@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.tools import kvbench
 from kvtier.tools.benchutil import busy_seconds, latency_percentiles, raw_stream_gbps
+from kvtier.tools.kvbench.common import ProgressView, VerifyError
+from kvtier.tools.kvbench.phases import Session, Spec, Worker, run_putget
 
 TINY = ["--block-size", "4KiB", "--batch-bytes", "64KiB", "--duration", "1", "--max-bytes", "32MiB"]
 PHASE_KEYS = {"bytes", "blocks", "calls", "busy_s", "wall_s", "gbps", "blocks_per_s", "ratio_to_raw", "latency_ms"}
@@ -174,7 +175,7 @@ def test_replay_missing_trace(tmp_path: Path) -> None:
 # --- kvbench's own byte check, with stores that misbehave (in-process) ---
 
 
-class DictSession(kvbench.Session):
+class DictSession(Session):
     """A store in a dict; ``fault`` makes it lose or corrupt a block on read."""
 
     def __init__(self, fault: str | None = None) -> None:
@@ -207,11 +208,11 @@ class DictSession(kvbench.Session):
             self.data.pop(key, None)
 
 
-SPEC = kvbench.Spec(block_size=4096, blocks_per_call=8, concurrency=2, duration_s=0.05, max_bytes=4 << 20)
+SPEC = Spec(block_size=4096, blocks_per_call=8, concurrency=2, duration_s=0.05, max_bytes=4 << 20)
 
 
 def test_verification_accepts_a_correct_store() -> None:
-    result, workers = kvbench.run_putget("dict", [DictSession(), DictSession()], SPEC, kvbench.ProgressView())
+    result, workers = run_putget("dict", [DictSession(), DictSession()], SPEC, ProgressView())
     assert result["get"]["blocks"] == result["put"]["blocks"] > 0
     stored = {key for w in workers for batch in w.batches for key in batch}
     assert len(stored) == result["put"]["blocks"]  # fresh keys every batch
@@ -219,12 +220,12 @@ def test_verification_accepts_a_correct_store() -> None:
 
 @pytest.mark.parametrize(("fault", "message"), [("lose", "not found"), ("corrupt", "wrong bytes"), ("skip", "wrong")])
 def test_verification_catches_a_bad_store(fault: str, message: str) -> None:
-    with pytest.raises(kvbench.VerifyError, match=message):
-        kvbench.run_putget("dict", [DictSession(fault), DictSession(fault)], SPEC, kvbench.ProgressView())
+    with pytest.raises(VerifyError, match=message):
+        run_putget("dict", [DictSession(fault), DictSession(fault)], SPEC, ProgressView())
 
 
 def test_every_shard_of_a_block_carries_its_key() -> None:
-    worker = kvbench.Worker(0, DictSession(), kvbench.Spec(1 << 20, 2, 1, 1.0, 8 << 20))
+    worker = Worker(0, DictSession(), Spec(1 << 20, 2, 1, 1.0, 8 << 20))
     keys = [b"A" * 16, b"B" * 16]
     worker.stamp(keys)
     shard = -(-(1 << 20) // 10)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import itertools
 import json
@@ -10,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.replay import add_replay_arguments, replay, run_replay
+from kvtier.tools.kvbench import main as kvbench
+from kvtier.tools.replay import replay
 from kvtier.tools.traces import (
     Request,
     TraceError,
@@ -324,12 +324,6 @@ def test_read_trace_names_the_bad_line(tmp_path: Path) -> None:
 # --- CLI ---
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvbench replay")
-    add_replay_arguments(parser)
-    return parser.parse_args(argv)
-
-
 @pytest.fixture
 def trace_file(tmp_path: Path) -> Path:
     path = tmp_path / "trace.jsonl"
@@ -340,7 +334,7 @@ def trace_file(tmp_path: Path) -> Path:
 def test_cli_json_matches_the_library(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [str(trace_file), "--capacity-tokens", "200000", "--ttl", "chatbot=10m", "--ttl", "agent=5m", "--json"]
     argv += ["--watermarks", "0.9,0.8", "--bytes-per-token", "1KiB"]
-    assert run_replay(parse(argv)) == 0
+    assert kvbench(["replay", *argv]) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)
     expected = replay(
@@ -359,18 +353,18 @@ def test_cli_json_matches_the_library(trace_file: Path, capsys: pytest.CaptureFi
 
 
 def test_cli_infinite_capacity_and_table_output(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_replay(parse([str(trace_file), "--json"])) == 0
+    assert kvbench(["replay", str(trace_file), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["capacity_tokens"] is None
     assert data["token_hit_ratio"] == data["ideal_token_hit_ratio"]
-    assert run_replay(parse([str(trace_file), "--capacity-tokens", "100000"])) == 0
+    assert kvbench(["replay", str(trace_file), "--capacity-tokens", "100000"]) == 0
     assert "token hit ratio" in capsys.readouterr().out
 
 
 def test_cli_sweep_writes_csv_and_plot(trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep"
     argv = [str(trace_file), "--sweep", "51200,512000,inf", "--out", str(out), "--json"]
-    assert run_replay(parse(argv)) == 0
+    assert kvbench(["replay", *argv]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [row["capacity_tokens"] for row in data["sweep"]] == [51200, 512000, None]
     lines = (out / "sweep.csv").read_text().splitlines()
@@ -400,10 +394,10 @@ def test_cli_errors_are_one_line_and_exit_2(
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 512, "hash_ids": [1]}\n{"timestamp": 1,\n')
     paths = {"missing": tmp_path / "nope.jsonl", "bad": bad, "trace": trace_file}
-    assert run_replay(parse([a.format(**paths) for a in argv])) == 2
+    assert kvbench(["replay", *(a.format(**paths) for a in argv)]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1
-    assert err.startswith("replay: error: ")
+    assert err.startswith("kvbench: error: ")
     assert message in err
     assert "Traceback" not in err

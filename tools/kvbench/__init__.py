@@ -1,0 +1,63 @@
+"""``kvbench``: kvtier's benchmark tool. Put/get throughput and latency against a real cluster, optionally next to
+Redis and Mooncake Store on the same machine, every figure also as a ratio to one raw loopback TCP stream of the
+same bytes measured in the same run; and ``replay`` of request traces.
+
+    kvbench [--config PATH] putget [--block-size SIZE] [--concurrency N] [--duration S] [--batch-bytes SIZE]
+                                   [--max-bytes SIZE] [--fresh] [--vs-redis] [--vs-mooncake] [--degraded K]
+                                   [--json]
+    kvbench replay TRACE [replay options]          (see ``kvbench replay --help``)
+
+One module per subcommand (``tools/kvbench/putget.py``, ``replay.py``, ...), each with ``register``
+(``tools.cliutil.Subcommands``); this entry point lists them in :data:`SUBCOMMANDS` and maps their errors to
+exit statuses: 0 done; 1 a run that failed (``kvbench: ...``; a read that came back wrong or missing is
+``kvbench: DATA MISMATCH: ...``); 2 a usage error, one ``kvbench: error: ...`` line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from kvtier.tools.cliutil import Parser, Subcommands
+from kvtier.tools.kvbench import putget, replay
+from kvtier.tools.kvbench.common import PROG, BenchError, UsageError, VerifyError
+
+SUBCOMMANDS = (putget, replay)  # a new subcommand: its module, plus one entry here
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = Parser(add_help=False)
+    common.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    parser = Parser(prog=PROG, description="kvtier benchmarks: put/get against a cluster, and trace replay.")
+    parser.add_argument("--config", metavar="PATH", help="cluster file of a running cluster (default: a temporary one)")
+    commands = Subcommands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"), common)
+    for module in SUBCOMMANDS:
+        module.register(commands)
+    return parser
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # stop nodes and servers on the way out, as Ctrl-C does
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except VerifyError as exc:
+        print(f"{PROG}: DATA MISMATCH: {exc}", file=sys.stderr)
+        return 1
+    except BenchError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
