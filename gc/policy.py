@@ -19,13 +19,12 @@ replay: trace milliseconds). Injectable clocks (:class:`SystemClock`, :class:`Ma
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
-Key = bytes | int
-"""A block key: the 16-byte chain hash in the store, an int hash id in traces."""
+from kvtier.kvstore.lru import BlockEntry, Key, LruIndex
+
+__all__ = ["BlockEntry", "Clock", "Key", "LruIndex", "ManualClock", "SystemClock", "expired", "plan_eviction"]
 
 
 @runtime_checkable
@@ -59,94 +58,6 @@ class ManualClock:
             raise ValueError(f"a clock cannot go backwards (advance by {seconds})")
         self._now += seconds
         return self._now
-
-
-@dataclass(slots=True)
-class BlockEntry:
-    """One block's record as policy sees it. ``created`` is when it was (last) stored, ``last_access`` its last use."""
-
-    key: Key
-    size_bytes: int
-    last_access: float
-    ttl_class: str
-    created: float
-
-
-class LruIndex:
-    """Blocks by key, kept in least-recently-used-first order, with a running byte total.
-
-    ``insert``, ``touch``, ``remove``, ``get``, ``pop_lru`` and membership are O(1). Iteration yields entries least
-    recently used first. The index never reads a clock: every call that changes recency takes ``now`` explicitly.
-    Mutating the index while iterating it raises ``RuntimeError`` (as for any ``OrderedDict``); collect keys first,
-    as :func:`plan_eviction` and :func:`expired` do.
-    """
-
-    __slots__ = ("_entries", "_total_bytes")
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[Key, BlockEntry] = OrderedDict()
-        self._total_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def __iter__(self) -> Iterator[BlockEntry]:
-        """Entries, least recently used first."""
-        return iter(self._entries.values())
-
-    @property
-    def total_bytes(self) -> int:
-        """Sum of ``size_bytes`` over the blocks held now."""
-        return self._total_bytes
-
-    def get(self, key: Key) -> BlockEntry | None:
-        """The block's entry, or None if absent. Does not change recency."""
-        return self._entries.get(key)
-
-    def insert(self, key: Key, size_bytes: int, now: float, ttl_class: str, created: float | None = None) -> None:
-        """Store ``key`` as the most recently used block, accessed at ``now``, created at ``created`` (default ``now``).
-
-        Inserting a key that is already present replaces its record (size, class, created): that is a re-store,
-        e.g. after expiry. Raises ValueError for a negative size.
-        """
-        if size_bytes < 0:
-            raise ValueError(f"block size must not be negative, got {size_bytes}")
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._total_bytes -= old.size_bytes
-        self._entries[key] = BlockEntry(key, size_bytes, now, ttl_class, now if created is None else created)
-        self._total_bytes += size_bytes
-
-    def touch(self, key: Key, now: float) -> bool:
-        """Mark ``key`` used at ``now`` (most recent). Returns False, changing nothing, if the key is absent."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return False
-        entry.last_access = now
-        self._entries.move_to_end(key)
-        return True
-
-    def remove(self, key: Key) -> BlockEntry | None:
-        """Drop ``key``; returns its entry, or None if it was absent."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._total_bytes -= entry.size_bytes
-        return entry
-
-    def pop_lru(self) -> BlockEntry | None:
-        """Remove and return the least recently used block, or None if the index is empty."""
-        if not self._entries:
-            return None
-        _, entry = self._entries.popitem(last=False)
-        self._total_bytes -= entry.size_bytes
-        return entry
-
-    def lru_sizes(self) -> Iterator[tuple[Key, int]]:
-        """``(key, size_bytes)`` pairs least recently used first: the ``lru_iter`` :func:`plan_eviction` takes."""
-        return ((entry.key, entry.size_bytes) for entry in self._entries.values())
 
 
 def plan_eviction(

@@ -31,17 +31,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.gc.policy import expired, plan_eviction
-from kvtier.kvstore.chunks import COMMITTED
-
-if TYPE_CHECKING:
-    from kvtier.kvstore.chunks import ChunkEngine
-    from kvtier.kvstore.client import Client
-    from kvtier.kvstore.cluster import ClusterConfig
+from kvtier.kvstore.chunks import COMMITTED, ChunkEngine
+from kvtier.kvstore.client import Client
+from kvtier.kvstore.cluster import ClusterConfig
 
 log = logging.getLogger("kvtier.gc")
 
@@ -93,8 +89,6 @@ class GCWorker:
     @property
     def client(self) -> Client:
         if self._client is None:
-            from kvtier.kvstore.client import Client
-
             self._client = Client(self.config)  # the cluster token: admin, may act for any tenant
         return self._client
 

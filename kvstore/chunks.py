@@ -41,7 +41,7 @@ from typing import NamedTuple
 import crc32c
 import lmdb
 
-from kvtier.gc.policy import BlockEntry, LruIndex
+from kvtier.kvstore.lru import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
 

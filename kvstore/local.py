@@ -42,7 +42,7 @@ class LocalCluster:
             data_dir.mkdir(parents=True, exist_ok=True)
             with open(self.log_path(nid), "ab") as log:
                 self.procs[nid] = subprocess.Popen(
-                    [sys.executable, "-m", "kvtier.kvstore.node", str(self.config_path), str(nid)],
+                    [sys.executable, "-m", "kvtier.gc.nodeproc", str(self.config_path), str(nid)],
                     stdout=subprocess.PIPE,
                     stderr=log,
                     stdin=subprocess.DEVNULL,

@@ -3,8 +3,9 @@
 Each connection gets a thread running blocking ``recvmsg_into``/``sendmsg`` over the sans-IO
 :class:`~kvtier.kvstore.protocol.FrameReader`. A connection is one client's pipeline of batched
 requests, so per-connection threads cost nothing in parallelism, let LMDB and file I/O block without an
-event loop, and keep the payload path copy-free: PUT payloads land in a per-connection buffer that is
-reused, GET replies are read from the slab files into a reused buffer and sent with one ``sendmsg``.
+event loop, and keep the payload path copy-free: a PUT's payload is received (``recvmsg_into``) straight into
+the slab slots reserved for its shards, and a GET reply is sent with one ``sendmsg`` over views of the slab
+mappings (the slots stay pinned until it is sent). Frame I/O is shared with the client (``sockio``).
 (Measured in PERF.md, blocking sockets and ``asyncio.BufferedProtocol`` move bytes at the same speed.)
 
 Connection state machine:
@@ -24,26 +25,21 @@ Other connections never notice a closed one.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import logs
 from kvtier.kvstore.chunks import BlockCommit, ChunkEngine, Reservation, ShardWrite
 from kvtier.kvstore.codec import TOTAL_SHARDS
-from kvtier.kvstore.iov import IOV_MAX, consume
 from kvtier.kvstore.keys import NO_HEADER
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
@@ -59,6 +55,7 @@ from kvtier.kvstore.protocol import (
     encode_head,
 )
 from kvtier.kvstore.slabs import MAX_SHARD_BYTES
+from kvtier.kvstore.sockio import recv_frame, sendmsg_all
 from kvtier.kvstore.wire import bad, field, unpack_array, unpack_headers, unpack_keys
 
 log = logging.getLogger("kvtier.node")
@@ -67,11 +64,14 @@ PRE_AUTH_LIMITS = Limits(max_meta_bytes=64 << 10, max_payload_bytes=0, max_batch
 PRE_AUTH_TIMEOUT_S = 10.0
 
 
-def sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-    """Send every byte of ``buffers`` on a blocking socket, resuming after partial ``sendmsg`` calls."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while views:
-        consume(views, sock.sendmsg(views[:IOV_MAX]))
+class GCService(Protocol):
+    """What the node needs of the GC worker it is composed with (``kvtier.gc.worker.GCWorker``)."""
+
+    stats: Any  # ``failing``, ``last_error``, ``as_dict()``
+
+    def cycle(self, repair: bool = False) -> dict[str, float | int | str]: ...
+
+    def evict_matching(self, ttl_class: str | None, older_than_s: float | None, dry_run: bool) -> dict[str, int]: ...
 
 
 class Reply:
@@ -115,7 +115,7 @@ class StorageNode:
         self.engine = engine
         self.ttl_classes = dict(config.ttl_classes)  # replaced at run time by ADMIN ttl_set
         self.started = time.time()
-        self.gc: GCWorker | None = None
+        self.gc: GCService | None = None  # wired in by the process that composes the node (kvtier.gc.nodeproc)
         self.metrics = NodeMetrics(self)
         # set by ``kvctl drain`` (kept across restarts): no new shards, so the node can be replaced
         self.draining = engine.setting("draining") == b"1"
@@ -484,10 +484,7 @@ class NodeServer:
                 self.node.metrics.request(frame.opcode, elapsed, frame.payload_len, payload_len)
 
     def _next_frame(self, conn: socket.socket, reader: FrameReader, state: _Conversation) -> Frame | None:
-        while True:
-            frame = reader.next_frame()
-            if frame is not None:
-                return frame
+        def before_recv(reader: FrameReader) -> None:
             # A peer may sit idle between requests for as long as it likes, but not mid-frame (a PUT's
             # reserved slots would be held) nor before it authenticates.
             if state.session is None:
@@ -498,10 +495,8 @@ class NodeServer:
                 assert reader.head is not None
                 state.request_id = reader.head.request_id
                 reader.sink(self.node.payload_sink(state.session, reader.head))
-            n = conn.recvmsg_into(reader.writable()[:IOV_MAX])[0]
-            if n == 0:
-                return None
-            reader.advance(n)
+
+        return recv_frame(conn, reader, before_recv)
 
 
 class _Conversation:
@@ -527,9 +522,11 @@ def _close_with_error(conn: socket.socket, request_id: int, code: ErrorCode, mes
             drained += len(chunk)
 
 
-def run_node(config_path: str, node_id: int) -> None:
-    """Entry point of one node process: serve until SIGTERM/SIGINT, then close the engine cleanly."""
-    logs.configure(node=node_id)
+def open_node(config_path: str, node_id: int) -> tuple[StorageNode, NodeServer]:
+    """Load the cluster file, open the node's chunk engine and bind its listener (not serving yet).
+
+    Raises ``ConfigError`` when ``node_id`` is not in the file.
+    """
     config = cluster_mod.load(config_path)
     if node_id not in config.nodes:
         raise cluster_mod.ConfigError(f"node {node_id} is not in {config_path}")
@@ -541,16 +538,34 @@ def run_node(config_path: str, node_id: int) -> None:
         high_watermark=config.gc.high_watermark,
     )
     node = StorageNode(config, node_id, engine)
-    server = NodeServer(node, node_cfg.host, node_cfg.port)
-    node.gc = GCWorker(engine, node_id, config, lambda: node.ttl_classes)
-    engine.on_high_watermark = node.gc.wake
+    return node, NodeServer(node, node_cfg.host, node_cfg.port)
+
+
+def serve(node: StorageNode, server: NodeServer, workers: Sequence[Callable[[threading.Event], None]] = ()) -> None:
+    """Serve until SIGTERM/SIGINT, then close the engine cleanly.
+
+    Runs beside the connections: the flush loop (LMDB every second, batched access times every
+    ``gc.access_flush_s``), the metrics endpoint, and each of ``workers`` (called with the stop event).
+    Prints ``node <id> ready`` once it accepts connections (``kvstore.local`` waits for that line).
+    """
+    engine = node.engine
+    node_cfg = node.config.nodes[node.node_id]
+    access_every = max(0.05, node.config.gc.access_flush_s)
 
     def flush() -> None:
-        while not server.stopping.wait(1.0):
-            engine.sync()
+        next_sync = next_access = time.monotonic()
+        while not server.stopping.wait(min(1.0, access_every)):
+            now = time.monotonic()
+            if now >= next_access:
+                engine.flush_access()
+                next_access = now + access_every
+            if now >= next_sync:
+                engine.sync()
+                next_sync = now + 1.0
 
     threading.Thread(target=flush, daemon=True).start()
-    threading.Thread(target=node.gc.run, args=(server.stopping,), daemon=True).start()
+    for work in workers:
+        threading.Thread(target=work, args=(server.stopping,), daemon=True).start()
     if node_cfg.metrics_port:
         MetricsServer(node.metrics.registry, node_cfg.host, node_cfg.metrics_port, node.health).start()
 
@@ -559,21 +574,6 @@ def run_node(config_path: str, node_id: int) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"node {node_id} ready on {node_cfg.host}:{node_cfg.port}", flush=True)
+    print(f"node {node.node_id} ready on {node_cfg.host}:{node_cfg.port}", flush=True)
     server.serve_forever()
     engine.close()
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.kvstore.node", description="Run one storage node.")
-    parser.add_argument("config", help="cluster file")
-    parser.add_argument("node_id", type=int)
-    args = parser.parse_args(argv)
-    try:
-        run_node(args.config, args.node_id)
-    except cluster_mod.ConfigError as exc:
-        sys.exit(f"kvstore node: {exc}")
-
-
-if __name__ == "__main__":
-    main()

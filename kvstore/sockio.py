@@ -1,6 +1,13 @@
-"""Gather/scatter lists for ``sendmsg``/``recvmsg_into``: the kernel's limit, and resuming partial sends."""
+"""Socket I/O shared by the node (blocking sockets) and the client transport (non-blocking): gather/scatter
+lists for ``sendmsg``/``recvmsg_into``, resuming partial sends, and receiving one frame on a blocking socket
+through the sans-IO :class:`~kvtier.kvstore.protocol.FrameReader`."""
 
 from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+
+from kvtier.kvstore.protocol import Frame, FrameReader
 
 IOV_MAX = 1024  # buffers one sendmsg/recvmsg_into call may take (Linux UIO_MAXIOV)
 
@@ -14,3 +21,33 @@ def consume(views: list[memoryview], sent: int) -> None:
     del views[:whole]
     if sent:
         views[0] = views[0][sent:]
+
+
+def sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send every byte of ``buffers`` on a blocking socket, resuming after partial ``sendmsg`` calls."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        consume(views, sock.sendmsg(views[:IOV_MAX]))
+
+
+def recv_frame(
+    sock: socket.socket, reader: FrameReader, before_recv: Callable[[FrameReader], None] | None = None
+) -> Frame | None:
+    """The next whole frame from a blocking socket, or None when the peer closed it between frames.
+
+    ``before_recv(reader)`` runs before every receive: the node uses it to set timeouts and to point a
+    payload at its own buffers once the frame's head is parsed. Raises ``ConnectionResetError`` when the peer
+    closes mid-frame, and whatever the socket or the reader raise (timeouts, ``ProtocolError``).
+    """
+    while True:
+        frame = reader.next_frame()
+        if frame is not None:
+            return frame
+        if before_recv is not None:
+            before_recv(reader)
+        n = sock.recvmsg_into(reader.writable()[:IOV_MAX])[0]
+        if n == 0:
+            if reader.in_frame:
+                raise ConnectionResetError("the peer closed the connection mid-frame")
+            return None
+        reader.advance(n)

@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.kvstore.iov import IOV_MAX, consume
 from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
@@ -37,6 +36,7 @@ from kvtier.kvstore.protocol import (
     ProtocolError,
     encode_head,
 )
+from kvtier.kvstore.sockio import IOV_MAX, consume, recv_frame
 
 _SCRATCH = memoryview(bytearray(1 << 20))
 MAX_BACKOFF_S = 30.0
@@ -163,15 +163,9 @@ class ConnectionPool:
 def _handshake(sock: socket.socket, token: str, limits: Limits, timeout_s: float) -> dict[str, Any]:
     sock.settimeout(timeout_s)
     sock.sendall(encode_head(Op.HELLO, 0, {"token": token, "client": "kvtier"}))
-    reader = FrameReader(limits)
-    while True:
-        frame = reader.next_frame()
-        if frame is not None:
-            break
-        n = sock.recv_into(reader.writable()[0])
-        if n == 0:
-            raise ConnectionResetError("node closed the connection during HELLO")
-        reader.advance(n)
+    frame = recv_frame(sock, FrameReader(limits))
+    if frame is None:
+        raise ConnectionResetError("node closed the connection during HELLO")
     if frame.opcode == Op.ERROR:
         code = frame.meta.get("code")
         known = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL

@@ -1,0 +1,119 @@
+"""What every path of the client shares: the connection pool, placement, codec, counters, and the helpers
+that turn a batch into one request per node. The paths themselves live beside it: ``client_lookups``
+(metadata, delete, admin), ``client_writes`` (two-phase put), ``client_reads`` (get, repair on read),
+``client_repair`` (probes and reads for the GC's repair); ``client`` composes them into :class:`Client`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Self
+
+import numpy as np
+
+from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.codec import Codec, default_codec
+from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, Namespace, TokenInput, chain, header_digests
+from kvtier.kvstore.placement import Placement
+from kvtier.kvstore.transport import ConnectionPool, Pending
+from kvtier.kvstore.wire import pack_keys
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ClientCore:
+    """State and batching helpers shared by the client's paths. Not thread-safe: one per thread."""
+
+    def __init__(
+        self,
+        config: cluster_mod.ClusterConfig,
+        token: str | None = None,
+        namespace: Namespace | None = None,
+        codec: Codec | None = None,
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.codec = codec or default_codec()
+        self.placement = Placement(config.groups)
+        addresses = {nid: (n.host, n.port) for nid, n in config.nodes.items()}
+        self.pool = ConnectionPool(
+            addresses,
+            token or config.token,
+            config.limits,
+            config.client.connect_timeout_s,
+            config.client.retry_down_after_s,
+        )
+        self._parity = bytearray()  # parity of the current put; a call's sends finish before it returns
+        self.stats = {"header_mismatches": 0, "degraded_reads": 0, "misses": 0, "hits": 0, "shards_repaired": 0}
+
+    @contextlib.contextmanager
+    def acting_for(self, tenant: str) -> Iterator[None]:
+        """Within the block, act for ``tenant`` (the cluster token only: nodes refuse anyone else)."""
+        previous, self.pool.act_as = self.pool.act_as, tenant
+        try:
+            yield
+        finally:
+            self.pool.act_as = previous
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _headers(
+        self,
+        keys: Sequence[bytes],
+        tokens: TokenInput | None,
+        namespace: Namespace | None,
+        headers: Sequence[bytes] | None,
+    ) -> tuple[list[bytes] | None, dict[bytes, bytes], bytes]:
+        """Header digests for ``keys`` (given, or from the tokens they were chained from) and their parents."""
+        if headers is not None:
+            if tokens is not None:
+                raise ValueError("pass tokens= or headers=, not both")
+            if len(headers) != len(keys) or any(len(h) != HEADER_DIGEST_BYTES for h in headers):
+                raise ValueError(f"headers= needs one {HEADER_DIGEST_BYTES}-byte digest per key")
+            return list(headers), {}, b""
+        if tokens is None:
+            return None, {}, b""
+        ns = namespace or self.namespace
+        if ns is None:
+            raise ValueError("tokens= needs namespace= (or a client connected with a default namespace)")
+        full = chain(ns, tokens, self.config.hash_algo)
+        digests = dict(zip(full, header_digests(ns, tokens, full), strict=True))
+        parents = dict(zip(full, [ns.digest, *full[:-1]], strict=True))
+        missing = [k for k in keys if k not in digests]
+        if missing:
+            raise ValueError(f"{len(missing)} keys are not blocks of the given tokens in this namespace")
+        return [digests[k] for k in keys], parents, ns.digest
+
+    @staticmethod
+    def _entry_meta(keys: Sequence[bytes], entries: np.ndarray, headers: list[bytes] | None) -> dict[str, Any]:
+        rows = entries[:, 0].tolist()
+        blob, klen = pack_keys([keys[b] for b in rows])
+        meta: dict[str, Any] = {"keys": blob, "klen": klen, "idx": entries[:, 1].astype(np.uint8).tobytes()}
+        if headers is not None:
+            meta["hdr"] = b"".join([headers[b] for b in rows])
+        return meta
+
+    @staticmethod
+    def _flags(pending: Pending, name: str, n: int) -> np.ndarray | None:
+        """A reply's per-entry byte array ``name``, or None if the node failed or answered malformed."""
+        if not pending.ok:
+            return None
+        assert pending.frame is not None
+        raw = pending.frame.meta.get(name)
+        if not isinstance(raw, bytes) or len(raw) != n:
+            return None
+        return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _by_node(shard_nodes: np.ndarray, selected: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Per node holding any selected shard: its (block, shard index) entries, one request's worth."""
+    for node_id in np.unique(shard_nodes[selected]).tolist():
+        yield node_id, np.argwhere((shard_nodes == node_id) & selected)

@@ -1,0 +1,293 @@
+"""The read path: shards received straight into the caller's buffers, decoded around lost ones, and lost
+shards of live blocks rewritten before the call returns; see docs/design.md §5."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.kvstore.client_core import Buffer, _by_node
+from kvtier.kvstore.client_writes import Writes
+from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, shard_size
+from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER, Namespace, TokenInput
+from kvtier.kvstore.protocol import Frame, Op, Status
+from kvtier.kvstore.transport import Exchange
+
+
+class BlockLayout:
+    """How block ``b`` of length ``L`` maps onto its 10 data shards of ``S`` bytes (the tail is padded)."""
+
+    __slots__ = ("length", "shard")
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.shard = shard_size(length)
+
+    def region(self, buf: memoryview, index: int) -> memoryview:
+        """The part of the block that data shard ``index`` covers (shorter than S for the tail, maybe empty)."""
+        start = min(index * self.shard, self.length)
+        return buf[start : min(start + self.shard, self.length)]
+
+
+class ReadState:
+    """Book-keeping of one batched read: where each shard goes and which blocks can be decoded."""
+
+    def __init__(self, n: int, buffers: list[memoryview | None], allocate: bool, trust_primary: bool) -> None:
+        self.buffers = buffers
+        self.allocate = allocate
+        self.trust_primary = trust_primary
+        self.layouts: list[BlockLayout | None] = [BlockLayout(len(b)) if b is not None else None for b in buffers]
+        self.valid = np.zeros((n, TOTAL_SHARDS), dtype=bool)
+        self.asked = np.zeros((n, TOTAL_SHARDS), dtype=bool)
+        self.lost = np.zeros((n, TOTAL_SHARDS), dtype=bool)  # a node answered MISSING or CORRUPT: repairable
+        self.absent = np.zeros(n, dtype=bool)
+        self.mismatch = np.zeros(n, dtype=bool)
+        self.ttl_class: list[str | None] = [None] * n
+        self.header: list[bytes] = [NO_HEADER] * n  # as stored: repair must write it back unchanged
+        self.primary_ok = np.zeros(n, dtype=bool)  # the primary answered OK: the block is live
+        self.parity: dict[tuple[int, int], memoryview] = {}
+        self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
+
+    def arrived(self, frame: Frame, entries: np.ndarray) -> None:
+        """A GET reply for ``entries`` is complete: its shards are in place, its verdicts known."""
+        statuses = frame.meta.get("st")
+        if isinstance(statuses, bytes) and len(statuses) == len(entries):
+            st = np.frombuffer(statuses, dtype=np.uint8)
+            if self.trust_primary:
+                self.absent[entries[st == Status.ABSENT, 0]] = True
+            self.mismatch[entries[st == Status.MISMATCH, 0]] = True
+            lost = entries[(st == Status.MISSING) | (st == Status.CORRUPT)]
+            self.lost[lost[:, 0], lost[:, 1]] = True
+            self.primary_ok[entries[(st == Status.OK) & (entries[:, 1] == 0), 0]] = True
+            names, ci, hdr = frame.meta.get("classes"), frame.meta.get("ci"), frame.meta.get("hdr")
+            if isinstance(names, list) and isinstance(ci, bytes) and len(ci) == len(entries):
+                for (b, _), c in zip(entries.tolist(), ci, strict=True):
+                    if c < len(names) and isinstance(names[c], str):
+                        self.ttl_class[b] = names[c]
+            if isinstance(hdr, bytes) and len(hdr) == HEADER_DIGEST_BYTES * len(entries):
+                for j in np.flatnonzero(st == Status.OK).tolist():
+                    self.header[entries[j, 0]] = hdr[j * HEADER_DIGEST_BYTES : (j + 1) * HEADER_DIGEST_BYTES]
+        landed = self.receiving.pop(frame.request_id, None)
+        if landed is not None and len(landed):
+            self.valid[landed[:, 0], landed[:, 1]] = True
+
+    def layout_for(self, b: int, block_len: int) -> BlockLayout | None:
+        layout = self.layouts[b]
+        if layout is None and self.allocate:
+            self.buffers[b] = memoryview(bytearray(block_len))
+            layout = self.layouts[b] = BlockLayout(block_len)
+        if layout is None or layout.length != block_len:
+            return None
+        return layout
+
+    def decodable(self) -> bool:
+        have = self.valid.sum(axis=1)
+        return bool(np.all((have >= DATA_SHARDS) | self.absent | self.mismatch))
+
+
+class Reads(Writes):
+    """``get``/``get_into``; reading repairs what it found lost, hence the write path beneath it."""
+
+    def get(
+        self,
+        keys: Sequence[bytes],
+        *,
+        tokens: TokenInput | None = None,
+        namespace: Namespace | None = None,
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bytearray | None]:
+        """Read whole blocks; ``None`` for a miss. The returned buffers are the caller's to keep."""
+        buffers: list[memoryview | None] = [None] * len(keys)
+        found = self._read(keys, buffers, True, self._headers(keys, tokens, namespace, headers)[0])
+        return [buf.obj if hit and buf is not None else None for hit, buf in zip(found, buffers, strict=True)]
+
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        *,
+        tokens: TokenInput | None = None,
+        namespace: Namespace | None = None,
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Read blocks into caller-owned writable buffers, each exactly the block's length.
+
+        Returns per block whether it was read; a miss (including a stored block of another length) leaves
+        that buffer's contents unspecified.
+        """
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views: list[memoryview | None] = [memoryview(b).cast("B") for b in buffers]
+        if any(v.readonly for v in views if v is not None):
+            raise ValueError("get_into needs writable buffers")
+        return self._read(keys, views, False, self._headers(keys, tokens, namespace, headers)[0])
+
+    def _read(
+        self,
+        keys: Sequence[bytes],
+        buffers: list[memoryview | None],
+        allocate: bool,
+        headers: list[bytes] | None,
+        state: ReadState | None = None,
+        repair: bool = True,
+    ) -> list[bool]:
+        """The read procedure of docs/design.md §5. A ``state`` made with ``trust_primary=False`` (repair
+        of a wiped primary) reads a block from its shards even where the primary has no record."""
+        if not keys:
+            return []
+        shard_nodes = self.placement.shard_nodes(keys)
+        if state is None:
+            state = ReadState(len(keys), buffers, allocate, trust_primary=True)
+        fanout = self.config.client.read_fanout
+        self._read_round(keys, shard_nodes, headers, state, np.arange(TOTAL_SHARDS) < fanout, early=True)
+        # second round: blocks still short of 10 shards ask every holder not asked yet
+        short = (state.valid.sum(axis=1) < DATA_SHARDS) & ~state.absent & ~state.mismatch
+        if short.any():
+            wanted = ~state.asked & short[:, None]
+            self._read_round(keys, shard_nodes, headers, state, wanted, early=False)
+        found = self._assemble(state)
+        if repair:
+            self._repair_on_read(keys, shard_nodes, state, found)
+        return found
+
+    def _repair_on_read(
+        self, keys: Sequence[bytes], shard_nodes: np.ndarray, state: ReadState, found: list[bool]
+    ) -> None:
+        """Rewrite the shards that nodes reported missing or corrupt, for the blocks this read decoded and
+        whose primary answered that they are live (never bring back a block the primary no longer has)."""
+        lost = state.lost & (np.asarray(found) & state.primary_ok)[:, None]
+        by_class: dict[str, list[int]] = {}
+        for b in np.flatnonzero(lost.any(axis=1)).tolist():
+            if state.ttl_class[b] is not None and state.buffers[b] is not None:
+                by_class.setdefault(state.ttl_class[b], []).append(b)
+        for ttl_class, blocks in by_class.items():
+            views = [state.buffers[b] for b in blocks]
+            self.stats["shards_repaired"] += self.write_shards(
+                [keys[b] for b in blocks],
+                views,  # type: ignore[arg-type]
+                ttl_class,
+                lost[blocks],
+                [state.header[b] for b in blocks],
+            )
+
+    def _read_round(
+        self,
+        keys: Sequence[bytes],
+        shard_nodes: np.ndarray,
+        headers: list[bytes] | None,
+        state: ReadState,
+        wanted: np.ndarray,
+        early: bool,
+    ) -> None:
+        wanted = np.broadcast_to(wanted, shard_nodes.shape)
+        exchange = Exchange(self.pool)
+        for node_id, entries in _by_node(shard_nodes, wanted):
+            state.asked[entries[:, 0], entries[:, 1]] = True
+            meta = self._entry_meta(keys, entries, headers)
+            exchange.request(
+                node_id,
+                Op.GET_SHARDS,
+                meta,
+                sink=lambda frame, e=entries: self._sink(frame, e, state),
+                on_reply=lambda frame, e=entries: state.arrived(frame, e),
+            )
+        exchange.run(self.config.client.op_timeout_s, until=state.decodable if early else None)
+
+    def _sink(self, frame: Frame, entries: np.ndarray, state: ReadState) -> list[memoryview] | None:
+        """Where each OK shard of a GET reply goes: its place in the destination block, or scratch."""
+        meta = frame.meta
+        raw = [meta.get("st"), meta.get("lens"), meta.get("blen")]
+        n = len(entries)
+        if not all(isinstance(r, bytes) for r in raw) or [len(r) for r in raw] != [n, 4 * n, 8 * n]:
+            return None
+        statuses = np.frombuffer(raw[0], dtype=np.uint8)
+        ok = np.flatnonzero(statuses == Status.OK)
+        lens = np.frombuffer(raw[1], dtype="<u4").tolist()
+        blens = np.frombuffer(raw[2], dtype="<u8").tolist()
+        pairs = entries.tolist()
+        parity_bytes = sum(lens[j] for j in ok.tolist() if pairs[j][1] >= DATA_SHARDS)
+        parity_pool = memoryview(bytearray(parity_bytes))
+        sinks: list[memoryview] = []
+        landed: list[int] = []
+        for j in ok.tolist():
+            b, i = pairs[j]
+            length = lens[j]
+            layout = state.layout_for(b, blens[j])
+            buf = state.buffers[b]
+            if layout is None or buf is None or length != layout.shard:
+                sinks.append(_scratch(length))
+                continue
+            if i < DATA_SHARDS:
+                start = min(i * length, layout.length)
+                end = min(start + length, layout.length)
+                sinks.append(buf[start:end])
+                if end - start < length:  # the zero padding of the tail shard is not needed
+                    sinks.append(_PAD[: length - (end - start)])
+            else:
+                state.parity[(b, i)] = parity_pool[:length]
+                sinks.append(parity_pool[:length])
+                parity_pool = parity_pool[length:]
+            landed.append(j)
+        state.receiving[frame.request_id] = entries[landed]
+        return sinks
+
+    def _assemble(self, state: ReadState) -> list[bool]:
+        out = []
+        for b, layout in enumerate(state.layouts):
+            buf = state.buffers[b]
+            valid = np.flatnonzero(state.valid[b])
+            if state.absent[b] or state.mismatch[b] or layout is None or buf is None or len(valid) < DATA_SHARDS:
+                if state.mismatch[b]:
+                    self.stats["header_mismatches"] += 1
+                self.stats["misses"] += 1
+                out.append(False)
+                continue
+            missing_data = [i for i in range(DATA_SHARDS) if not state.valid[b, i]]
+            if missing_data:
+                self._reconstruct(b, layout, buf, valid[:DATA_SHARDS].tolist(), missing_data, state)
+                self.stats["degraded_reads"] += 1
+            self.stats["hits"] += 1
+            out.append(True)
+        return out
+
+    def _reconstruct(
+        self,
+        b: int,
+        layout: BlockLayout,
+        buf: memoryview,
+        use: list[int],
+        missing: list[int],
+        state: ReadState,
+    ) -> None:
+        present: dict[int, memoryview] = {}
+        for i in use:
+            if i >= DATA_SHARDS:
+                present[i] = state.parity[(b, i)]
+                continue
+            region = layout.region(buf, i)
+            if len(region) == layout.shard:
+                present[i] = region
+            else:
+                padded = bytearray(layout.shard)  # pad bytes were zero when the block was encoded
+                padded[: len(region)] = region
+                present[i] = memoryview(padded)
+        want: dict[int, memoryview] = {}
+        tails: dict[int, memoryview] = {}
+        for i in missing:
+            region = layout.region(buf, i)
+            if len(region) == layout.shard:
+                want[i] = region
+            else:
+                tails[i] = want[i] = memoryview(bytearray(layout.shard))
+        self.codec.reconstruct(present, want)
+        for i, scratch in tails.items():
+            region = layout.region(buf, i)
+            region[:] = scratch[: len(region)]
+
+
+def _scratch(n: int) -> memoryview:
+    return memoryview(bytearray(n))
+
+
+_PAD = memoryview(bytearray(DATA_SHARDS))  # a tail shard is padded by fewer than 10 bytes

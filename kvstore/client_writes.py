@@ -1,0 +1,208 @@
+"""The write path: a batch of blocks encoded 10+2 and written in two phases (PENDING on every node of the
+block's group, then COMMIT); see docs/design.md §4."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node
+from kvtier.kvstore.codec import DATA_SHARDS, shard_size
+from kvtier.kvstore.keys import Namespace, TokenInput
+from kvtier.kvstore.protocol import Op, Status
+from kvtier.kvstore.transport import Exchange
+
+
+class CapacityError(Exception):
+    """The cluster refused blocks because nodes are at capacity (even after eviction).
+
+    ``stored`` says, per block of the failed call, whether it was stored anyway.
+    """
+
+    def __init__(self, message: str, stored: list[bool]) -> None:
+        super().__init__(message)
+        self.stored = stored
+
+
+class Writes(ClientCore):
+    """``put``/``put_from`` and ``write_shards`` (repair writes only the shards that are missing)."""
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Buffer],
+        ttl_class: str = "chatbot",
+        *,
+        tokens: TokenInput | None = None,
+        namespace: Namespace | None = None,
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Store blocks; returns per block whether it is now committed (True if it already was).
+
+        Blocks may have different lengths. False means too few nodes took its shards (or its primary is
+        down); nothing of it is visible. Raises ValueError for an unknown TTL class and CapacityError if any
+        block was refused for lack of space (the others are stored as reported by the exception's
+        ``stored``).
+        """
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        if not keys:
+            return []
+        headers, parents, ns_digest = self._headers(keys, tokens, namespace, headers)
+        views = [memoryview(b).cast("B") for b in blocks]
+        shard_nodes = self.placement.shard_nodes(keys)
+        write = np.ones(shard_nodes.shape, dtype=bool)
+        _, stored, no_space = self._store(keys, views, ttl_class, shard_nodes, write, headers, parents, ns_digest)
+        result = stored.tolist()
+        if (no_space & ~stored).any():
+            refused = int((no_space & ~stored).sum())
+            raise CapacityError(f"{refused} of {len(keys)} blocks were refused: nodes are at capacity", result)
+        return result
+
+    def _store(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        ttl_class: str,
+        shard_nodes: np.ndarray,
+        write: np.ndarray,
+        headers: list[bytes] | None = None,
+        parents: dict[bytes, bytes] | None = None,
+        ns_digest: bytes = b"",
+        created: Sequence[float] | None = None,
+        repair: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Write the shards selected by ``write`` (n × 12) in two phases; see the module docstring.
+
+        A block commits when its primary's shard and ``min_write_shards`` shards are durable, or, for a
+        ``repair`` (which writes only missing or corrupt shards, replacing what is there), whenever its
+        written shards are.
+        Returns the (n × 12) shards now durable, per block whether it committed (its primary recorded it),
+        and per block whether a node refused a shard for lack of space.
+        """
+        shards = self._encode(views)
+        block_lens = np.asarray([len(v) for v in views], dtype="<u8")
+        shard_lens = np.asarray([shard_size(len(v)) for v in views], dtype="<u4")  # all 12 shards of a block
+
+        def block_meta(entries: np.ndarray) -> dict[str, Any]:
+            return {"blen": block_lens[entries[:, 0]].tobytes(), "cls": ttl_class}
+
+        # phase 1: shards PENDING on every node
+        exchange = Exchange(self.pool)
+        plans = []
+        for node_id, entries in _by_node(shard_nodes, write):
+            meta = {**self._entry_meta(keys, entries, headers), **block_meta(entries)}
+            meta["lens"] = shard_lens[entries[:, 0]].tobytes()
+            if repair:
+                meta["replace"] = True
+            payload = [segment for b, i in entries.tolist() for segment in shards[b][i]]
+            plans.append((entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
+        exchange.run(self.config.client.op_timeout_s)
+        ok = np.zeros(shard_nodes.shape, dtype=bool)
+        no_space = np.zeros(len(keys), dtype=bool)
+        for entries, pending in plans:
+            statuses = self._flags(pending, "st", len(entries))
+            if statuses is None:
+                continue
+            if (statuses == Status.BAD_CLASS).any():
+                raise ValueError(f"unknown TTL class {ttl_class!r}: the cluster defines no such class")
+            good = (statuses == Status.OK) | (statuses == Status.EXISTS)
+            ok[entries[good, 0], entries[good, 1]] = True
+            no_space[entries[statuses == Status.NO_SPACE, 0]] = True
+        if repair:
+            committable = np.ones(len(keys), dtype=bool)
+        else:
+            committable = ok[:, 0] & (ok.sum(axis=1) >= self.config.client.min_write_shards)
+            self._abort(keys, shard_nodes, ok & write & ~committable[:, None])
+
+        # phase 2: COMMIT where enough shards are durable; the primary's record makes the block visible
+        exchange = Exchange(self.pool)
+        commits = []
+        for node_id, entries in _by_node(shard_nodes, ok & write & committable[:, None]):
+            meta = {**self._entry_meta(keys, entries, headers), **block_meta(entries)}
+            pairs = entries.tolist()
+            if parents:
+                meta["ns"] = ns_digest
+                meta["parents"] = [parents[keys[b]] if i in (0, 1) else b"" for b, i in pairs]
+            if created is not None:
+                meta["created"] = np.asarray([created[b] for b, _ in pairs], dtype="<f8").tobytes()
+            commits.append((entries, exchange.request(node_id, Op.COMMIT, meta)))
+        exchange.run(self.config.client.op_timeout_s)
+        stored = np.zeros(len(keys), dtype=bool)
+        for entries, pending in commits:
+            statuses = self._flags(pending, "st", len(entries))
+            if statuses is not None:
+                primary = (entries[:, 1] == 0) & (statuses == Status.OK)
+                stored[entries[primary, 0]] = True
+        return ok, stored, no_space
+
+    put_from = put  # buffers are sent as views either way; the second name matches get_into
+
+    def write_shards(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Buffer],
+        ttl_class: str,
+        which: np.ndarray,
+        headers: Sequence[bytes],
+        created: Sequence[float] | None = None,
+    ) -> int:
+        """Write only the shards ``which`` (n × 12) of whole ``blocks`` and commit them (repair), with the
+        blocks' stored header digests. A rewritten shard 0 or 1 re-creates the block record with
+        ``created``. Returns shards written."""
+        views = [memoryview(b).cast("B") for b in blocks]
+        shard_nodes = self.placement.shard_nodes(keys)
+        ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True)
+        return int((ok & which).sum())
+
+    def _encode(self, views: Sequence[memoryview]) -> list[list[list[memoryview]]]:
+        """The 12 shards of every block, each as the buffer segments to send, all views: data shards are
+        slices of the block; the zero padding of a short last shard is a shared zero buffer; the parity
+        of the whole batch lives in one buffer reused across calls (no fresh pages to fault in)."""
+        sizes = [shard_size(len(view)) for view in views]
+        if len(self._parity) < 2 * sum(sizes):
+            self._parity = bytearray(2 * sum(sizes))
+        parity_pool = memoryview(self._parity)
+        out = []
+        for view, size in zip(views, sizes, strict=True):
+            parity = [parity_pool[:size], parity_pool[size : 2 * size]]
+            parity_pool = parity_pool[2 * size :]
+            data = [view[i * size : (i + 1) * size] for i in range(DATA_SHARDS)]
+            full = len(data[-1])  # bytes of the last shard that the block holds (the rest is zero padding)
+            if full == size:
+                self.codec.encode_parity(data, parity)
+                out.append([[d] for d in data] + [[p] for p in parity])
+            elif len(view) >= (DATA_SHARDS - 1) * size:
+                # two passes over byte ranges: [0, full) where every shard has data, [full, size) where the
+                # last shard is zeros: ISA-L reads only real bytes and the shared zero buffer, nothing copied
+                zeros = _zeros(size - full)
+                self.codec.encode_parity([d[:full] for d in data], [p[:full] for p in parity])
+                self.codec.encode_parity([d[full:] for d in data[:-1]] + [zeros], [p[full:] for p in parity])
+                out.append([[d] for d in data[:-1]] + [[data[-1], zeros]] + [[p] for p in parity])
+            else:  # a tiny block whose last shards are empty: pad copies cost nothing here
+                padded = [bytes(d).ljust(size, b"\0") for d in data]
+                self.codec.encode_parity(padded, parity)
+                out.append([[memoryview(d)] for d in padded] + [[p] for p in parity])
+        return out
+
+    def _abort(self, keys: Sequence[bytes], shard_nodes: np.ndarray, which: np.ndarray) -> None:
+        """Drop the PENDING shards of blocks that will not commit, so they do not wait for GC."""
+        if not which.any():
+            return
+        exchange = Exchange(self.pool)
+        for node_id, entries in _by_node(shard_nodes, which):
+            exchange.request(node_id, Op.ABORT, self._entry_meta(keys, entries, None))
+        exchange.run(self.config.client.op_timeout_s)
+
+
+def _zeros(n: int) -> memoryview:
+    """``n`` zero bytes, read-only and shared (never written: they stand for shard padding)."""
+    global _ZEROS
+    if len(_ZEROS) < n:
+        _ZEROS = memoryview(bytes(n))
+    return _ZEROS[:n]
+
+
+_ZEROS = memoryview(bytes(1 << 16))
