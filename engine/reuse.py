@@ -1,0 +1,49 @@
+"""The hit rule: how much of a prompt's KV to reuse, and whether the sliding state is exact or replayed.
+
+For a prompt of ``L`` tokens whose first ``block_hit`` tokens have block KV in the store:
+
+- **no sliding layers**: reuse ``h`` = the largest block boundary ``≤ min(block_hit, L-1)`` (the last prompt
+  token is always computed, so there are logits to sample from); exact.
+- **sliding layers** (window ``W``): ``h`` = the largest multiple of ``lcm(128, block_tokens)`` with
+  ``h ≤ min(block_hit, L - (W + 6))``. A StateBlock for ``prefix[:h]`` → **exact** reuse; none → **bounded
+  replay** of positions ``h-W … h-1`` (approximate; nothing computed from it is stored). ``h = 0``: no reuse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from kvtier.engine.sliding import SPECULATIVE_POSITIONS, STATE_INTERVAL
+
+
+class Reuse(Enum):
+    NONE = "none"
+    EXACT = "exact"
+    REPLAY = "replay"
+
+
+@dataclass(frozen=True)
+class Plan:
+    hit_tokens: int
+    reuse: Reuse
+
+
+def plan(
+    prompt_len: int,
+    block_hit_tokens: int,
+    block_tokens: int,
+    window: int | None,
+    has_state: Callable[[int], bool],
+) -> Plan:
+    """Apply the hit rule; ``has_state(h)`` says whether a StateBlock for ``prefix[:h]`` exists."""
+    if window is None:
+        h = min(block_hit_tokens, prompt_len - 1) // block_tokens * block_tokens
+        return Plan(h, Reuse.EXACT if h > 0 else Reuse.NONE)
+    step = math.lcm(STATE_INTERVAL, block_tokens)
+    h = max(0, min(block_hit_tokens, prompt_len - window - SPECULATIVE_POSITIONS)) // step * step
+    if h == 0:
+        return Plan(0, Reuse.NONE)
+    return Plan(h, Reuse.EXACT if has_state(h) else Reuse.REPLAY)

@@ -1,0 +1,27 @@
+"""One request as it moves through the engine: its tokens, its pages, its sliding state and what reuse did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.engine.sliding import SlidingState
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    sliding: SlidingState
+    pages: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    hit_tokens: int = 0  # prompt tokens whose KV came from the store
+    replayed: bool = False  # the sliding state was rebuilt approximately: nothing of this sequence is stored
+    ttft_s: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    def table(self, device: torch.device | str) -> torch.Tensor:
+        return torch.tensor(self.pages, dtype=torch.long, device=device)
