@@ -31,10 +31,12 @@ import json
 import logging
 import os
 import queue
+import select
 import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -518,6 +520,52 @@ class Fetcher:
             self._settle(answer, i, BlockStatus.ERROR, flight.slot, flight.gen)
         if answer.remaining == 0:
             self._answer(answer, FetchOp.PUT)
+
+
+class LocalFetcher:
+    """A ``kvtier-fetcher`` child process (tests, benchmarks, the demo): start, kill, restart."""
+
+    def __init__(
+        self, config_path: Path, shm: str, socket_path: Path, size: str, slot_size: str, workers: int = 2
+    ) -> None:
+        self.argv = [
+            sys.executable, "-m", "kvtier.transfer.fetcher", "--config", str(config_path), "--shm", shm,
+            "--size", size, "--slot-size", slot_size, "--socket", str(socket_path), "--workers", str(workers),
+        ]  # fmt: skip
+        self.shm = shm
+        self.socket_path = socket_path
+        self.log_path = socket_path.with_name(socket_path.name + ".log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> LocalFetcher:
+        """Start it and return once it serves; raises RuntimeError with its last log line if it does not."""
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log_file)
+        assert self.proc.stdout is not None
+        ready = select.select([self.proc.stdout], [], [], timeout_s)[0]
+        if not ready or self.proc.stdout.readline().strip() != b"ready":
+            self.kill()
+            tail = self.log_path.read_text(errors="replace").strip()[-500:]
+            raise RuntimeError(f"kvtier-fetcher did not start: {tail}")
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` and wait for the process to end (SIGKILL: nothing is cleaned up, as in a crash)."""
+        if self.proc is not None:
+            self.proc.send_signal(sig)
+            self.proc.communicate()
+            self.proc = None
+
+    def stop(self) -> None:
+        """Stop it cleanly (SIGTERM) and remove its segment."""
+        self.kill(signal.SIGTERM)
+        staging.unlink(self.shm)
+
+    def __enter__(self) -> LocalFetcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 # -- command line ---------------------------------------------------------------------------------------

@@ -1,0 +1,272 @@
+"""The fetcher process and its clients: real node processes, a real fetcher process, real shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.kvstore.client import Client
+from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.protocol import Op, encode_head
+from kvtier.kvstore.transport import AuthError
+from kvtier.transfer.fetch_client import AsyncFetchClient, FetchClient, FetcherError
+from kvtier.transfer.fetch_protocol import BlockStatus
+from kvtier.transfer.fetcher import LocalFetcher
+from tests.conftest import ClusterFactory
+
+BLOCK = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster: ClusterFactory) -> LocalCluster:
+    return make_cluster(capacity_bytes=32 << 20)
+
+
+@pytest.fixture
+def start_fetcher(cluster: LocalCluster, tmp_path: Path) -> Iterator[Callable[..., LocalFetcher]]:
+    """``start_fetcher(size="1MiB")``: a fetcher process of its own; stopped and its segment removed after."""
+    started: list[LocalFetcher] = []
+    shm = f"kvt-test-{secrets.token_hex(6)}"
+
+    def start(size: str = "1MiB") -> LocalFetcher:
+        fetcher = LocalFetcher(cluster.config_path, shm, tmp_path / "fetcher.sock", size, f"{BLOCK}B").start()
+        started.append(fetcher)
+        return fetcher
+
+    yield start
+    for fetcher in started:
+        fetcher.stop()
+
+
+def stored_blocks(cluster: LocalCluster, n: int) -> tuple[list[bytes], list[np.ndarray]]:
+    keys = [secrets.token_bytes(16) for _ in range(n)]
+    blocks = [np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(n)]
+    with Client(cluster.config) as client:
+        assert all(client.put(keys, blocks))
+    return keys, blocks
+
+
+def get_requests(cluster: LocalCluster) -> int:
+    """GET_SHARDS requests all nodes have served, from their /metrics."""
+    total = 0
+    for node in cluster.config.nodes.values():
+        with urllib.request.urlopen(f"http://{node.host}:{node.metrics_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        found = re.search(r'kvtier_node_requests_total\{op="GET_SHARDS"\} (\S+)', text)
+        assert found is not None
+        total += int(float(found.group(1)))
+    return total
+
+
+def wait_for(condition: Callable[[], bool], what: str, deadline_s: float = 20.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_fetched_blocks_are_the_stored_bytes_viewed_in_place(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys, blocks = stored_blocks(cluster, 6)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client, client.fetch(keys, BLOCK) as got:
+        assert [b.status for b in got] == [BlockStatus.FETCHED] * 6
+        for block, expected in zip(got, blocks, strict=True):
+            assert np.array_equal(block.array(), expected)
+            assert block.tensor().numpy().tobytes() == expected.tobytes()
+        got[0].array()[0] ^= 1  # the view is the slot itself: the fetcher's mapping sees the change
+        with FetchClient(fetcher.socket_path, cluster.config.token) as other, other.fetch(keys[:1], BLOCK) as again:
+            assert again[0].status == BlockStatus.HIT and again[0].array()[0] == blocks[0][0] ^ 1
+
+
+def test_a_second_fetch_is_a_host_memory_hit_and_contacts_no_node(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys, blocks = stored_blocks(cluster, 4)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        with client.fetch(keys, BLOCK) as first:
+            assert all(b.status == BlockStatus.FETCHED for b in first)
+        before = get_requests(cluster)
+        with client.fetch(keys, BLOCK) as again:
+            assert [b.status for b in again] == [BlockStatus.HIT] * 4
+            assert all(np.array_equal(b.array(), x) for b, x in zip(again, blocks, strict=True))
+        assert get_requests(cluster) == before
+        stats = client.stats()
+        assert stats["hits"] == 4 and stats["misses"] == 4 and stats["hit_ratio"] == 0.5
+
+
+def test_a_miss_is_an_answer_and_leaves_no_slot_behind(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys, _ = stored_blocks(cluster, 1)
+    unknown = secrets.token_bytes(16)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        got = client.fetch([unknown, *keys], BLOCK)
+        assert [b.status for b in got] == [BlockStatus.MISS, BlockStatus.FETCHED]
+        assert not got[0].ok and not got[0].valid()
+        client.release(got)
+        stats = client.stats()
+        assert (stats["filling"], stats["pinned"], stats["ready"]) == (0, 0, 1)
+
+
+def test_concurrent_requests_for_a_block_share_one_store_read(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys, blocks = stored_blocks(cluster, 8)
+
+    async def both() -> tuple[list, list, dict]:
+        client = await AsyncFetchClient.connect(fetcher.socket_path, cluster.config.token)
+        a, b = await asyncio.gather(client.fetch(keys, BLOCK), client.fetch(keys[::-1], BLOCK))
+        ok = [np.array_equal(x.array(), y) for x, y in zip(a, blocks, strict=True)]
+        ok += [np.array_equal(x.array(), y) for x, y in zip(b, blocks[::-1], strict=True)]
+        await client.release(a)
+        await client.release(b)
+        stats = await client.stats()
+        await client.close()
+        return ok, [x.status for x in a + b], stats
+
+    ok, statuses, stats = asyncio.run(both())
+    assert all(ok) and all(s in (BlockStatus.FETCHED, BlockStatus.HIT) for s in statuses)
+    assert stats["blocks_fetched"] == 8 and stats["pinned"] == 0
+
+
+def test_blocks_written_into_slots_are_stored_from_there_and_cached(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys = [secrets.token_bytes(16) for _ in range(3)]
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        slots = client.alloc(3, BLOCK)
+        assert all(b.status == BlockStatus.ALLOCATED for b in slots)
+        for i, block in enumerate(slots):
+            block.array()[:] = i + 1
+        assert client.put(keys, slots) == [True] * 3
+        with Client(cluster.config) as store:
+            assert [bytes(b) for b in store.get(keys)] == [bytes([i + 1]) * BLOCK for i in range(3)]
+        with client.fetch(keys, BLOCK) as again:
+            assert [b.status for b in again] == [BlockStatus.HIT] * 3
+
+
+def test_a_full_pool_answers_full_for_the_blocks_it_cannot_place(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher(size=f"{2 * BLOCK}B")
+    keys, _ = stored_blocks(cluster, 3)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client, client.fetch(keys, BLOCK) as got:
+        assert sorted(b.status for b in got) == [BlockStatus.FETCHED, BlockStatus.FETCHED, BlockStatus.FULL]
+
+
+def test_wrong_tokens_are_refused_and_the_socket_is_owner_only(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    assert stat.S_IMODE(os.stat(fetcher.socket_path).st_mode) == 0o600
+    with pytest.raises(AuthError, match="authentication failed"):
+        FetchClient(fetcher.socket_path, "not-the-token-at-all")
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        assert client.stats()["sessions"] == 1
+
+
+def test_a_malformed_request_costs_its_connection_only(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(fetcher.socket_path))
+        raw.sendall(encode_head(Op.HELLO, 0, {"token": cluster.config.token}))
+        raw.recv(4096)
+        raw.sendall(encode_head(32, 1, {"keys": b"short", "klen": 16, "length": BLOCK, "prio": 0}))
+        raw.settimeout(5)
+        reply = raw.recv(4096)
+        assert reply[5] == Op.ERROR and b"whole number of keys" in reply
+        assert raw.recv(4096) == b""
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        assert client.stats()["sessions"] == 1
+
+
+def test_an_engine_that_dies_gives_its_pins_back(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys, _ = stored_blocks(cluster, 3)
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                from kvtier.transfer.fetch_client import FetchClient
+                client = FetchClient({str(fetcher.socket_path)!r}, {cluster.config.token!r})
+                blocks = client.fetch({keys!r}, {BLOCK})
+                print(sum(b.ok for b in blocks), flush=True)
+                input()
+                """
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert engine.stdout is not None and engine.stdout.readline().strip() == "3"
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        assert client.stats()["pinned"] == 3
+        engine.send_signal(signal.SIGKILL)
+        engine.communicate()
+        wait_for(lambda: client.stats()["pinned"] == 0, "the dead engine's pins to be dropped")
+        assert client.stats()["ready"] == 3
+
+
+def test_a_fetcher_killed_mid_fetch_fails_the_call_and_a_restarted_one_serves(
+    cluster: LocalCluster, start_fetcher
+) -> None:
+    fetcher = start_fetcher()
+    keys, blocks = stored_blocks(cluster, 5)
+    client = FetchClient(fetcher.socket_path, cluster.config.token)
+    outcome: list[object] = []
+    for proc in cluster.procs.values():  # the nodes stop answering: the fetch stays in flight
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        caller = threading.Thread(target=lambda: outcome.append(_fetch_or_error(client, keys)))
+        caller.start()
+        with FetchClient(fetcher.socket_path, cluster.config.token) as observer:
+            wait_for(lambda: observer.stats()["in_flight"] == 5, "the fetch to be in flight")
+        fetcher.kill()
+        caller.join(30)
+    finally:
+        for proc in cluster.procs.values():
+            proc.send_signal(signal.SIGCONT)
+    assert len(outcome) == 1 and isinstance(outcome[0], FetcherError)
+    assert "went away" in str(outcome[0])
+    restarted = start_fetcher()
+    with FetchClient(restarted.socket_path, cluster.config.token) as fresh:
+        stats = fresh.stats()
+        assert (stats["filling"], stats["pinned"], stats["free"]) == (0, 0, stats["slots"])
+    with client.fetch(keys, BLOCK) as got:  # the engine's client reconnects by itself
+        assert [b.status for b in got] == [BlockStatus.FETCHED] * 5
+        assert all(np.array_equal(b.array(), x) for b, x in zip(got, blocks, strict=True))
+    client.close()
+
+
+def _fetch_or_error(client: FetchClient, keys: list[bytes]) -> object:
+    try:
+        return client.fetch(keys, BLOCK)
+    except FetcherError as exc:
+        return exc
+
+
+def test_fetcher_status_command_shows_usage_hits_and_in_flight(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys, _ = stored_blocks(cluster, 2)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        client.release(client.fetch(keys, BLOCK))
+        client.release(client.fetch(keys, BLOCK))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.transfer.fetcher", "status", "--config", str(cluster.config_path),
+         "--socket", str(fetcher.socket_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "hit ratio 50.0%" in done.stdout and "2 ready" in done.stdout and "in flight 0 blocks" in done.stdout
