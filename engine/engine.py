@@ -47,6 +47,7 @@ class Result:
     hit_tokens: int  # prompt tokens whose KV was reused
     replayed: bool  # the sliding state was rebuilt by bounded replay (approximate)
     ttft_s: float  # prefill start to first token
+    first_logits: torch.Tensor  # [vocab], float32: the logits the first token was sampled from
 
 
 class Engine:
@@ -120,14 +121,15 @@ class Engine:
     def _generate_one(self, prompt: list[int], max_new_tokens: int, reuse: bool) -> Result:
         seq = Sequence(prompt, SlidingState(self.config, 0, self.dtype, self.device))
         try:
-            token = int(self.prefill(seq, reuse).argmax())
+            first = self.prefill(seq, reuse)
+            token = int(first.argmax())
             budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
             while len(seq.generated) < budget:
                 seq.generated.append(token)
                 if len(seq.generated) < budget:
                     pos = len(seq.tokens) - 1
                     token = int(self.runner.run(seq, pos, pos + 1).argmax())
-            return Result(seq.generated, seq.hit_tokens, seq.replayed, seq.ttft_s)
+            return Result(seq.generated, seq.hit_tokens, seq.replayed, seq.ttft_s, first)
         finally:
             self.cache.release(seq.pages)
 

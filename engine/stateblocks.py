@@ -26,6 +26,9 @@ class LocalStateBlocks:
         self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
         self._bytes = 0
 
+    def __len__(self) -> int:
+        return len(self._blocks)
+
     def put(self, key: bytes, data: memoryview) -> None:
         if key in self._blocks:
             self._blocks.move_to_end(key)

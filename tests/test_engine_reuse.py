@@ -1,0 +1,141 @@
+"""Prefill against a real local cluster: the hit rule, exact reuse, bounded replay, and a store that is down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.engine.checkpoint import make_checkpoint
+from kvtier.engine.engine import Engine, PromptError
+from kvtier.engine.reuse import Plan, Reuse, plan
+from kvtier.engine.stateblocks import LocalStateBlocks
+from kvtier.kvstore import cluster as cluster_mod
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)  # two busy cores: more threads only spin
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def cluster_file(make_cluster) -> Path:
+    return make_cluster(capacity_bytes=64 << 20).config_path
+
+
+def engine(checkpoint: Path, store: Path | None, states: LocalStateBlocks | None = None) -> Engine:
+    return Engine.from_pretrained(checkpoint, store=store, state_blocks=states, cache_tokens=8192)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# -- the hit rule ---------------------------------------------------------------------------------------
+
+
+def always(h: int) -> bool:
+    return True
+
+
+def never(h: int) -> bool:
+    return False
+
+
+def test_hit_leaves_window_plus_six_and_falls_on_multiples_of_128() -> None:
+    assert plan(2000, 1984, 64, 128, always) == Plan(1792, Reuse.EXACT)  # cap 2000 - 134 = 1866
+    assert plan(2000, 1000, 64, 128, always) == Plan(896, Reuse.EXACT)
+    assert plan(262, 256, 64, 128, always) == Plan(128, Reuse.EXACT)
+    assert plan(261, 256, 64, 128, always) == Plan(0, Reuse.NONE)
+
+
+def test_missing_state_at_the_hit_means_bounded_replay() -> None:
+    assert plan(2000, 1984, 64, 128, never) == Plan(1792, Reuse.REPLAY)
+    asked: list[int] = []
+    plan(2000, 1984, 64, 128, lambda h: asked.append(h) or False)
+    assert asked == [1792]
+
+
+def test_without_sliding_layers_the_hit_is_block_aligned_up_to_the_last_token() -> None:
+    assert plan(641, 640, 64, None, never) == Plan(640, Reuse.EXACT)
+    assert plan(640, 640, 64, None, never) == Plan(576, Reuse.EXACT)
+    assert plan(64, 64, 64, None, never) == Plan(0, Reuse.NONE)
+
+
+# -- the paged path -------------------------------------------------------------------------------------
+
+
+def test_paged_greedy_decoding_equals_full_forwards(checkpoint: Path) -> None:
+    e = engine(checkpoint, None)
+    p = prompt(700, seed=1)
+    result = e.generate([p], 12)[0]
+    tokens = list(p)
+    for _ in range(12):
+        tokens.append(int(e.logits(tokens)[-1].argmax()))
+    assert result.tokens == tokens[len(p) :]
+    assert (result.first_logits - e.logits(p)[-1]).abs().max().item() <= TOLERANCE
+    assert e.cache.free_pages == len(e.cache.pages)  # every page back
+
+
+def test_a_prompt_longer_than_the_context_is_one_clear_error(checkpoint: Path) -> None:
+    e = engine(checkpoint, None)
+    too_long = [1] * (e.config.max_position_embeddings + 1)
+    with pytest.raises(PromptError, match="longer than the model's context") as info:
+        e.generate([[1, 2, 3], too_long], 4)
+    assert "\n" not in str(info.value)
+
+
+# -- with the store -------------------------------------------------------------------------------------
+
+
+def test_exact_reuse_gives_the_same_logits_and_tokens_as_no_reuse(checkpoint: Path, cluster_file: Path) -> None:
+    e = engine(checkpoint, cluster_file)
+    p = prompt(2000, seed=2)
+    cold = e.generate([p], 32)[0]
+    warm = e.generate([p], 32)[0]
+    plain = e.generate([p], 32, reuse=False)[0]
+    assert (cold.hit_tokens, warm.hit_tokens, warm.replayed) == (0, 1792, False)
+    assert warm.tokens == cold.tokens == plain.tokens
+    assert (warm.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
+
+
+def test_a_later_turn_reuses_the_earlier_turn_exactly(checkpoint: Path, cluster_file: Path) -> None:
+    e = engine(checkpoint, cluster_file)
+    first = prompt(1000, seed=3)
+    e.generate([first], 4)
+    second = first + prompt(400, seed=4)
+    turn = e.generate([second], 16)[0]
+    assert (turn.hit_tokens, turn.replayed) == (896, False)  # the first turn's 15 blocks; its StateBlock at 896
+    plain = e.generate([second], 16, reuse=False)[0]
+    assert turn.tokens == plain.tokens
+    assert (turn.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
+
+
+def test_block_kv_without_its_state_is_replayed_and_never_stored(checkpoint: Path, cluster_file: Path) -> None:
+    producer = engine(checkpoint, cluster_file)
+    p = prompt(2000, seed=5)
+    producer.generate([p], 1)
+    states = LocalStateBlocks()
+    consumer = engine(checkpoint, cluster_file, states)  # another host: the store's blocks, no StateBlocks
+    longer = p + prompt(300, seed=6)
+    result = consumer.generate([longer], 8)[0]
+    assert (result.hit_tokens, result.replayed) == (1920, True)
+    assert len(states) == 0
+    keys = consumer.store.keys(longer)
+    assert consumer.store.match(keys) == len(p) // 64 < len(keys)  # none of the replayed request's blocks
+
+
+def test_a_store_that_is_down_means_recompute(checkpoint: Path, tmp_path: Path) -> None:
+    dead = cluster_mod.write_default(tmp_path / "dead", nodes=12)  # nodes never started
+    p = prompt(600, seed=7)
+    result = engine(checkpoint, dead).generate([p, p], 8)
+    assert [r.hit_tokens for r in result] == [0, 0]
+    assert result[0].tokens == result[1].tokens == engine(checkpoint, None).generate([p], 8)[0].tokens
