@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import hashlib
 import itertools
 import json
 import logging
@@ -53,16 +52,11 @@ from kvtier.kvstore.units import format_size, parse_size
 from kvtier.transfer import fetch_protocol as fp
 from kvtier.transfer import staging
 from kvtier.transfer.fetch_protocol import BlockStatus, FetchOp
-from kvtier.transfer.staging import PoolError, StagingPool
+from kvtier.transfer.staging import PoolError, StagingPool, tenant_id
 
 log = logging.getLogger("kvtier.fetcher")
 PREFETCH_PENALTY = fp.MAX_PRIORITY  # a prefetch waits behind every fetch
 _PEERCRED = struct.Struct("3i")
-
-
-def tenant_id(tenant: str) -> int:
-    """The 64-bit id that scopes a tenant's blocks in the pool's table."""
-    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
 
 
 @dataclass(eq=False)

@@ -31,12 +31,14 @@ import contextlib
 import enum
 import errno
 import fcntl
+import hashlib
 import mmap
 import os
 import re
 import secrets
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +76,11 @@ class SlotState(enum.IntEnum):
 
 class PoolError(Exception):
     """The segment cannot be created, opened or taken over; the message says why and what to do."""
+
+
+def tenant_id(tenant: str) -> int:
+    """The 64-bit id that scopes a tenant's blocks in a pool's table."""
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
 
 
 def _align(n: int, to: int) -> int:
@@ -233,6 +240,8 @@ class StagingPool(SlotMap):
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # READY, oldest first
         self._free: list[int] = []
         self._detached: set[int] = set()  # superseded by a newer copy of their key: freed at last unpin
+        # called (under the pool's lock) with (tenant, key, slot, generation) of each block evicted by reserve
+        self.on_evict: Callable[[int, bytes, int, int], None] | None = None
         self._reclaimed = self._rebuild()
 
     @classmethod
@@ -365,6 +374,8 @@ class StagingPool(SlotMap):
                 slot, _ = self._evictable.popitem(last=False)
                 self._counters[1] += np.uint64(1)
                 self._index.pop((int(self.tenant[slot]), self._key(slot)), None)
+                if self.on_evict is not None:
+                    self.on_evict(int(self.tenant[slot]), self._key(slot), slot, int(self.gen[slot]))
             else:
                 return None
             self.gen[slot] += np.uint64(1)
@@ -413,10 +424,15 @@ class StagingPool(SlotMap):
             self._to_free(slot)
             return True
 
-    def pin(self, slot: int, generation: int) -> bool:
-        """Pin a READY/PINNED slot at ``generation`` (so it is never evicted); False if it no longer holds it."""
+    def pin(self, slot: int, generation: int, tenant: int | None = None, key: bytes | None = None) -> bool:
+        """Pin a READY/PINNED slot at ``generation`` (so it is never evicted); False if it no longer holds it
+        (or, when given, holds another tenant's or another key's block)."""
         with self._lock:
-            if int(self.gen[slot]) != generation or self.state[slot] not in (SlotState.READY, SlotState.PINNED):
+            if not 0 <= slot < self.slots or int(self.gen[slot]) != generation:
+                return False
+            if self.state[slot] not in (SlotState.READY, SlotState.PINNED):
+                return False
+            if (tenant is not None and self.tenant[slot] != tenant) or (key is not None and self._key(slot) != key):
                 return False
             self._evictable.pop(slot, None)
             self.pins[slot] += np.uint32(1)

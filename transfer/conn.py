@@ -1,0 +1,169 @@
+"""One blocking, authenticated connection speaking the store's frames: what the fetcher, directory and
+StateBlock clients share (connect, HELLO + token, one request at a time, payloads straight into the caller's
+buffers). Servers of the same kind share :func:`serve_connections`."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Limits, Op, ProtocolError, encode_error, encode_head
+from kvtier.kvstore.sockio import recv_frame, sendmsg_all
+from kvtier.kvstore.transport import AuthError
+
+_ids = itertools.count(1)
+Sink = Callable[[Frame], Sequence[memoryview] | None]
+
+
+class PeerError(Exception):
+    """The peer is unreachable, closed the connection, or refused a request; the message names it."""
+
+
+class FrameConn:
+    """A lazily opened connection; ``call`` reconnects after a failure. Not thread-safe."""
+
+    def __init__(
+        self, connect: Callable[[], socket.socket], token: str, what: str, error: type[PeerError] = PeerError
+    ) -> None:
+        self._connect = connect
+        self.token = token
+        self.what = what  # "the fetcher at PATH": for messages
+        self.error = error
+        self.sock: socket.socket | None = None
+        self.reader = FrameReader()
+        self.hello: dict[str, Any] = {}
+
+    def open(self) -> socket.socket:
+        """Connect and authenticate (once). Raises AuthError for a refused token, ``error`` otherwise."""
+        if self.sock is not None:
+            return self.sock
+        try:
+            sock = self._connect()
+        except OSError as exc:
+            raise self.error(f"cannot reach {self.what} ({exc}): is it running?") from None
+        self.reader = FrameReader()
+        try:
+            sock.sendall(encode_head(Op.HELLO, 0, {"token": self.token}))
+            frame = recv_frame(sock, self.reader)
+        except (OSError, ProtocolError) as exc:
+            sock.close()
+            raise self.error(f"{self.what} failed during HELLO ({exc})") from None
+        if frame is None or frame.opcode == Op.ERROR:
+            sock.close()
+            message = f"{self.what}: {frame.meta.get('message', '') if frame else 'closed during HELLO'}"
+            if frame is not None and frame.meta.get("code") in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_REQUIRED):
+                raise AuthError(message)
+            raise self.error(message)
+        self.sock, self.hello = sock, frame.meta
+        return sock
+
+    def call(
+        self, opcode: int, meta: dict[str, Any], payload: Sequence[memoryview] = (), sink: Sink | None = None
+    ) -> Frame:
+        """Send one request and return its reply. ``sink(head)`` may point the reply's payload at the caller's
+        buffers. Raises ``error`` if the connection fails (then closed) or the peer answers ERROR."""
+        sock = self.open()
+        request_id = next(_ids)
+        before = None if sink is None else _sinker(sink)
+        try:
+            sendmsg_all(sock, [encode_head(opcode, request_id, meta, sum(len(p) for p in payload)), *payload])
+            frame = recv_frame(sock, self.reader, before)
+            if frame is None:
+                raise ConnectionResetError("connection closed")
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise self.error(f"{self.what} went away ({exc})") from None
+        if frame.opcode == Op.ERROR:
+            self.close()
+            raise self.error(f"{self.what} refused the request: {frame.meta.get('message', '')}")
+        return frame
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def _sinker(sink: Sink) -> Callable[[FrameReader], None]:
+    def before_recv(reader: FrameReader) -> None:
+        if reader.needs_sink and reader.head is not None:
+            buffers = sink(reader.head)
+            if buffers is not None:
+                reader.sink(buffers)
+
+    return before_recv
+
+
+def tcp(addr: tuple[str, int], timeout_s: float) -> Callable[[], socket.socket]:
+    def connect() -> socket.socket:
+        sock = socket.create_connection(addr, timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    return connect
+
+
+Handler = Callable[[str, Frame, socket.socket], tuple[dict[str, Any], Sequence[memoryview]] | None]
+
+
+def serve_connections(
+    listener: socket.socket,
+    config: cluster_mod.ClusterConfig,
+    handle: Handler,
+    stopping: threading.Event,
+    log: logging.Logger,
+    idle_timeout_s: float = 300.0,
+) -> None:
+    """Accept on ``listener`` until ``stopping``; a thread per connection: HELLO with a token of ``config``
+    (constant-time compare), then ``handle(tenant, frame, sock)`` per request, which returns (reply meta,
+    payload) or None if it replied itself. A malformed request gets an ERROR frame and the connection closes."""
+    listener.settimeout(0.2)
+    while not stopping.is_set():
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        threading.Thread(target=_serve_one, args=(sock, config, handle, log, idle_timeout_s), daemon=True).start()
+
+
+def _serve_one(
+    sock: socket.socket, config: cluster_mod.ClusterConfig, handle: Handler, log: logging.Logger, timeout_s: float
+) -> None:
+    limits: Limits = config.limits
+    reader = FrameReader(limits)
+    with contextlib.closing(sock):
+        sock.settimeout(timeout_s)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            frame = recv_frame(sock, reader)
+            if frame is None:
+                return
+            token = frame.meta.get("token")
+            tenant = config.tenant_for_token(token) if isinstance(token, str) else None
+            if frame.opcode != Op.HELLO or tenant is None:
+                log.warning("refused a connection: %s", "no HELLO" if frame.opcode != Op.HELLO else "unknown token")
+                sock.sendall(
+                    encode_error(frame.request_id, ErrorCode.AUTH_FAILED, "authentication failed: unknown token")
+                )
+                return
+            sock.sendall(encode_head(Op.HELLO | Op.REPLY, frame.request_id, {"tenant": tenant}))
+            while (frame := recv_frame(sock, reader)) is not None:
+                reply = handle(tenant, frame, sock)
+                if reply is not None:
+                    meta, payload = reply
+                    head = encode_head(frame.opcode | Op.REPLY, frame.request_id, meta, sum(len(p) for p in payload))
+                    sendmsg_all(sock, [head, *payload])
+        except ProtocolError as exc:
+            with contextlib.suppress(OSError):
+                sock.sendall(encode_error(0, exc.code, str(exc)))
+        except OSError:
+            pass
