@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +35,15 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFa
     yield factory
     for local in started:
         local.stop()
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
+    """Return as soon as ``condition()`` is true; fail the test, naming ``what``, if it is not by ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(poll_s)
 
 
 def cluster_path(local: LocalCluster) -> Path:

@@ -25,7 +25,7 @@ from kvtier.kvstore.placement import Placement
 from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
 
-from .test_store import WRITER, shard_status, wait_retry
+from .test_store import WRITER, shard_status, wait_reachable
 
 CAPACITY = 16 << 20
 BLOCK = 64 << 10
@@ -151,7 +151,7 @@ def test_a_restarted_node_keeps_lru_order(cluster: LocalCluster) -> None:
         for nid in list(cluster.procs):
             cluster.kill(nid)
         cluster.start()
-        wait_retry(client)
+        wait_reachable(client)
         client.put(*blocks(int(EXTRA * CAPACITY) // SLOT))
         settle(client)
         assert all(client.exists(hot))
@@ -181,7 +181,7 @@ def test_a_wiped_node_is_rebuilt_by_repair(cluster: LocalCluster) -> None:
         cluster.kill(victim)
         shutil.rmtree(cluster.config.nodes[victim].data_dir)
         cluster.start([victim])
-        wait_retry(client)
+        wait_reachable(client)
         assert not client.probe(keys).all()
         client.admin("gc", repair=True)
         assert client.probe(keys).all()  # full redundancy again, records of the wiped primary included
@@ -206,7 +206,7 @@ def test_a_corrupt_shard_is_rewritten_when_read(cluster: LocalCluster) -> None:
             f.seek(rec.slot * SIZE_CLASSES[rec.size_class])
             f.write(b"\0" * 32)
         cluster.start([holder])
-        wait_retry(client)
+        wait_reachable(client)
         assert shard_status(client, holder, keys[0], 2) == Status.CORRUPT
         assert client.get(keys) == [bytearray(d) for d in data]
         assert client.stats["shards_repaired"] >= 1

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from kvtier.gc.policy import Clock, LruIndex, ManualClock, SystemClock, expired, plan_eviction
+from kvtier.gc.policy import LruIndex, ManualClock, expired, plan_eviction
 
 
 def make_index(*keys_sizes: tuple[bytes | int, int], ttl_class: str = "chatbot") -> LruIndex:
@@ -35,17 +34,6 @@ def test_manual_clock_refuses_to_go_backwards() -> None:
     with pytest.raises(ValueError, match="backwards"):
         clock.advance(-1)
     assert clock.now() == 10.0
-
-
-def test_system_clock_is_wall_clock_time() -> None:
-    before = time.time()
-    now = SystemClock().now()
-    assert before <= now <= time.time()
-
-
-def test_both_clocks_satisfy_the_clock_protocol() -> None:
-    assert isinstance(SystemClock(), Clock)
-    assert isinstance(ManualClock(), Clock)
 
 
 # --- LruIndex ---
