@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from kvtier.engine import baseline
 from kvtier.engine.checkpoint import PRESETS, make_checkpoint
 
 
@@ -25,6 +27,18 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
     print(f"wrote {args.preset} checkpoint ({args.family}, seed {args.seed}) to {out}")
 
 
+def _baseline(args: argparse.Namespace) -> None:
+    if args.refresh:
+        print(f"wrote {baseline.refresh(args.file)}")
+        return
+    diffs = baseline.check(args.file)
+    for line in diffs:
+        print(line)
+    if diffs:
+        raise SystemExit(f"kvtier-engine: {len(diffs)} differences from {args.file}; if intended, run --refresh")
+    print(f"matches {args.file}")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="kvtier-engine", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="command", required=True)
@@ -38,6 +52,11 @@ def parser() -> argparse.ArgumentParser:
     mk.add_argument("--family", choices=["qwen2", "llama", "mistral"], default="qwen2")
     mk.add_argument("--tie-word-embeddings", action="store_true")
     mk.set_defaults(run=_make_checkpoint)
+
+    bl = sub.add_parser("baseline", help="check the engine against the checked-in numeric baseline")
+    bl.add_argument("--refresh", action="store_true", help="regenerate the baseline file instead")
+    bl.add_argument("--file", type=Path, default=baseline.DEFAULT_FILE)
+    bl.set_defaults(run=_baseline)
     return top
 
 
