@@ -1,0 +1,168 @@
+"""Swap-in / swap-out between slots of a real shared-memory segment and a paged KV cache: bytes land in the
+named pages (or slots) and nowhere else, bad arguments are refused before a byte moves. The GPU cases run only
+where CUDA and tilelang are present (the lent H200); CI skips them."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.kernels.rowcopy import copy_rows_reference
+from kvtier.transfer.swapin import CudaHostMapping, SwapError, slot_tensor, swap_in, swap_out
+
+SLOTS = 12
+STRIDE = 4096 + 512  # slots wider than pages: the tail of a slot must survive a swap-out
+PAGE_SHAPE = (2, 4, 8, 32)  # K and V, 4 heads, 8 tokens, head dim 32, bf16: 4 KiB a page
+PAGES = 16
+OFFSET = 4096  # the slot table sits in front of the slot data in the staging pool's segment
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("tilelang") is None,
+    reason="needs a CUDA device and tilelang",
+)
+
+
+@pytest.fixture
+def segment() -> Iterator[shared_memory.SharedMemory]:
+    shm = shared_memory.SharedMemory(create=True, size=OFFSET + SLOTS * STRIDE)
+    try:
+        yield shm
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def page_bytes() -> int:
+    return int(np.prod(PAGE_SHAPE)) * 2
+
+
+@pytest.fixture
+def slots(segment: shared_memory.SharedMemory) -> Iterator[torch.Tensor]:
+    view = slot_tensor(segment.buf, stride=STRIDE, slots=SLOTS, offset=OFFSET)
+    view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8))
+    yield view
+    del view  # the segment closes only once no view exports its buffer
+
+
+def random_cache(device: str = "cpu") -> torch.Tensor:
+    """Random bit patterns, never zeros, so an unwritten or misplaced page shows."""
+    words = torch.randint(-(2**15), 2**15, (PAGES, *PAGE_SHAPE), dtype=torch.int16)
+    return words.view(torch.bfloat16).to(device)
+
+
+def expected_swap_in(slots: torch.Tensor, slot_ids: list[int], cache: torch.Tensor, pages: list[int]) -> torch.Tensor:
+    """The torch reference's answer, computed on CPU copies."""
+    out = cache.cpu().clone()
+    rows = out.view(PAGES, -1).view(torch.uint8)
+    copy_rows_reference(slots.cpu(), torch.tensor(slot_ids), rows, torch.tensor(pages))
+    return out
+
+
+def test_slot_tensor_views_the_segment_without_copying(segment: shared_memory.SharedMemory) -> None:
+    view = slot_tensor(segment.buf, stride=STRIDE, slots=SLOTS, offset=OFFSET)
+    view[3, 7] = 201
+    assert segment.buf[OFFSET + 3 * STRIDE + 7] == 201
+    del view
+
+
+def test_swap_in_puts_each_slot_into_its_page_and_touches_no_other(slots: torch.Tensor) -> None:
+    cache = random_cache()
+    slot_ids, page_ids = [5, 0, 11, 3], [9, 2, 15, 0]
+    want = expected_swap_in(slots, slot_ids, cache, page_ids)
+    swap_in(slots, slot_ids, cache, page_ids)
+    assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(cache[9].view(-1).view(torch.uint8), slots[5, : page_bytes()])
+
+
+def test_swap_out_then_in_round_trips_and_keeps_the_slot_tails(slots: torch.Tensor) -> None:
+    cache = random_cache()
+    tails = slots[:, page_bytes() :].clone()
+    swap_out(cache, np.array([4, 7, 1]), slots, torch.tensor([10, 2, 6]))
+    assert torch.equal(slots[:, page_bytes() :], tails)
+    back = random_cache()
+    swap_in(slots, [10, 2, 6], back, [4, 7, 1])
+    assert torch.equal(back[[4, 7, 1]].view(torch.int16), cache[[4, 7, 1]].view(torch.int16))
+
+
+def test_no_ids_is_a_no_op(slots: torch.Tensor) -> None:
+    cache = random_cache()
+    before = cache.clone()
+    swap_in(slots, [], cache, [])
+    assert torch.equal(cache.view(torch.int16), before.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    ("slot_ids", "page_ids", "message"),
+    [
+        ([0, SLOTS], [0, 1], "slot id 12 out of range"),
+        ([0, 1], [-1, 1], "page id -1 out of range"),
+        ([0, 1], [3, 3], "page ids repeat"),
+        ([0, 1, 2], [0, 1], "3 slot ids but 2 page ids"),
+        ([0.5], [0], "slot ids must be a 1-D sequence of integers"),
+        ([[0, 1]], [0, 1], "slot ids must be a 1-D sequence of integers"),
+    ],
+)
+def test_bad_ids_are_refused_before_any_copy(slots: torch.Tensor, slot_ids, page_ids, message: str) -> None:
+    cache = random_cache()
+    before = cache.clone()
+    with pytest.raises(SwapError, match=message):
+        swap_in(slots, slot_ids, cache, page_ids)
+    assert torch.equal(cache.view(torch.int16), before.view(torch.int16))
+
+
+def test_swap_out_refuses_two_pages_into_one_slot(slots: torch.Tensor) -> None:
+    before = slots.clone()
+    with pytest.raises(SwapError, match="slot ids repeat"):
+        swap_out(random_cache(), [0, 1], slots, [4, 4])
+    assert torch.equal(slots, before)
+
+
+def test_a_page_larger_than_a_slot_is_refused(slots: torch.Tensor) -> None:
+    with pytest.raises(SwapError, match="more than a slot"):
+        swap_in(slots, [0], torch.zeros(2, STRIDE + 4, dtype=torch.uint8), [0])
+
+
+def test_a_non_contiguous_cache_is_refused(slots: torch.Tensor) -> None:
+    with pytest.raises(SwapError, match="must be contiguous"):
+        swap_in(slots, [0], random_cache().transpose(1, 2), [0])
+
+
+def test_slots_that_do_not_fit_the_buffer_are_refused(segment: shared_memory.SharedMemory) -> None:
+    with pytest.raises(SwapError, match="do not fit"):
+        slot_tensor(segment.buf, stride=STRIDE, slots=SLOTS + 1, offset=OFFSET)
+
+
+@gpu
+def test_gpu_swap_in_reads_the_registered_segment_directly(slots: torch.Tensor) -> None:
+    cache = random_cache("cuda")
+    slot_ids, page_ids = [5, 0, 11, 3, 7], [9, 2, 15, 0, 4]
+    want = expected_swap_in(slots, slot_ids, cache, page_ids)
+    with CudaHostMapping(slots) as mapped:
+        assert mapped.tensor.is_cuda
+        assert mapped.tensor.data_ptr() == slots.data_ptr()  # an alias of host memory, not a device copy
+        swap_in(mapped.tensor, slot_ids, cache, page_ids)
+        torch.cuda.synchronize()
+    assert torch.equal(cache.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_gpu_swap_out_writes_the_segment_in_place(slots: torch.Tensor) -> None:
+    cache = random_cache("cuda")
+    tails = slots[:, page_bytes() :].clone()
+    with CudaHostMapping(slots) as mapped:
+        swap_out(cache, [4, 7, 1], mapped.tensor, [10, 2, 6])
+        torch.cuda.synchronize()
+    for page, slot in ((4, 10), (7, 2), (1, 6)):
+        assert torch.equal(slots[slot, : page_bytes()], cache[page].cpu().view(-1).view(torch.uint8))
+    assert torch.equal(slots[:, page_bytes() :], tails)
+
+
+@gpu
+def test_gpu_cache_with_unmapped_slots_is_refused(slots: torch.Tensor) -> None:
+    with pytest.raises(SwapError, match="map the slots with CudaHostMapping"):
+        swap_in(slots, [0], random_cache("cuda"), [0])

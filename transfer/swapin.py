@@ -1,0 +1,193 @@
+"""Swap-in and swap-out: blocks between host staging slots and a paged KV cache, one page per store block.
+
+The slots are rows of a host buffer, normally the staging pool's shared-memory segment: ``slot_tensor`` views its
+data region as a ``uint8`` tensor ``[slots, stride]`` without copying. The KV cache is any contiguous tensor
+``[num_pages, ...]``; a page is ``kv_cache[p]``, whose bytes are one block. ``swap_in`` copies the first
+page-size bytes of ``slots[slot_ids[b]]`` into page ``page_ids[b]`` for every ``b``; ``swap_out`` copies pages into
+slots, leaving the rest of each slot untouched.
+
+- **CPU** (the KV cache on the CPU): the slots' CPU view; one ``memmove`` per block from C (``map`` over
+  precomputed addresses). Measured here, that runs at 0.7-0.9x a contiguous copy of the same bytes, where torch's
+  ``index_copy_`` over the same views managed 0.1-0.3x (an element-wise loop, and a second pass for the gather).
+- **GPU** (the KV cache on a CUDA device): the slots must be seen through a :class:`CudaHostMapping`, which
+  page-locks the host memory (``cudaHostRegister``) and hands out a CUDA tensor aliasing it. The TileLang row-copy
+  kernel (``kvtier.kernels.rowcopy``) then reads the slots across PCIe and writes each page where it belongs in one
+  launch: no ``cudaMemcpy`` per block, no staging copy in device memory. Swap-out is the same kernel with the
+  roles swapped (pages in HBM → slots in host memory).
+
+Both functions check their arguments first and raise :class:`SwapError` (one line: what is wrong) before moving
+a byte: ids must be integers in range, as many slot ids as page ids, destination ids distinct, page size within
+the slot stride, a multiple of 4 bytes on the GPU, and the tensors on matching devices. On the GPU they return
+once the copy is queued on the current stream: synchronise (or record an event) before the slots are released
+or the pages read from another stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.kernels.rowcopy import WORD_BYTES, RowCopyKernel
+
+# ctypes.memmove releases and retakes the GIL around every call; this one keeps it (a call moves one block, a few
+# microseconds).
+_memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
+)
+_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+class SwapError(ValueError):
+    """Bad arguments to a swap; nothing was copied."""
+
+
+def slot_tensor(buffer: Any, *, stride: int, slots: int, offset: int = 0) -> torch.Tensor:
+    """The ``uint8`` tensor ``[slots, stride]`` over ``buffer[offset : offset + slots * stride]`` (any writable
+    buffer: a shared-memory segment's ``buf``, an ``mmap``, a numpy array). A view: no copy, and writes through it
+    land in the buffer. Raises :class:`SwapError` if the region does not fit the buffer."""
+    if stride <= 0 or slots <= 0 or offset < 0:
+        raise SwapError(f"slot geometry must be positive: stride={stride} slots={slots} offset={offset}")
+    size = memoryview(buffer).nbytes
+    if offset + slots * stride > size:
+        raise SwapError(f"{slots} slots of {stride} bytes from offset {offset} do not fit a {size}-byte buffer")
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=slots * stride, offset=offset).view(slots, stride)
+
+
+class _CudaArrayInterface:
+    """Describes host memory as device memory to ``torch.as_tensor``; kept alive by the tensor made from it."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": "|u1",
+            "data": (host.data_ptr(), False),
+            "strides": None,
+            "version": 3,
+            "stream": None,
+        }
+
+
+class CudaHostMapping:
+    """A contiguous CPU ``uint8`` tensor (normally from :func:`slot_tensor`) page-locked and mapped into a CUDA
+    device's address space. ``tensor`` is a CUDA tensor of the same shape aliasing the same bytes: kernels read and
+    write host memory through it, across PCIe. Raises :class:`SwapError` if the tensor is unsuitable and
+    ``RuntimeError`` if CUDA refuses the registration.
+
+    ``close`` (or leaving the ``with``) waits for the device, then unregisters; ``tensor`` must not be used after
+    it. A segment may be registered once per process at a time (CUDA refuses overlapping registrations)."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device | int | str | None = None) -> None:
+        if host.device.type != "cpu" or host.dtype != torch.uint8 or not host.is_contiguous():
+            raise SwapError("a CUDA host mapping needs a contiguous CPU uint8 tensor (see slot_tensor)")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self._ptr = host.data_ptr()
+        with torch.cuda.device(self.device):
+            err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, host.numel(), _HOST_REGISTER_PORTABLE_MAPPED))
+            if err != 0:
+                raise RuntimeError(f"cudaHostRegister of {host.numel()} bytes failed with CUDA error {err}")
+            self.tensor = torch.as_tensor(_CudaArrayInterface(host), device=self.device)
+
+    def close(self) -> None:
+        if self._ptr is None:
+            return
+        torch.cuda.synchronize(self.device)
+        del self.tensor
+        err = int(torch.cuda.cudart().cudaHostUnregister(self._ptr))
+        self._ptr = None
+        if err != 0:
+            raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")
+
+    def __enter__(self) -> CudaHostMapping:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def swap_in(slots: torch.Tensor, slot_ids: Any, kv_cache: torch.Tensor, page_ids: Any) -> None:
+    """Copy block ``b`` from ``slots[slot_ids[b]]`` into page ``kv_cache[page_ids[b]]``, for every ``b``.
+
+    ``slots``: the CPU view of the slots for a CPU cache, their :class:`CudaHostMapping` tensor for a CUDA cache.
+    Ids: 1-D integer sequences, arrays or tensors of equal length; ``page_ids`` distinct."""
+    _swap(slots, slot_ids, kv_cache, page_ids, to_pages=True)
+
+
+def swap_out(kv_cache: torch.Tensor, page_ids: Any, slots: torch.Tensor, slot_ids: Any) -> None:
+    """Copy page ``kv_cache[page_ids[b]]`` into the start of ``slots[slot_ids[b]]``, for every ``b``; ``slot_ids``
+    distinct. The same devices as :func:`swap_in`."""
+    _swap(slots, slot_ids, kv_cache, page_ids, to_pages=False)
+
+
+def _swap(slots: torch.Tensor, slot_ids: Any, kv_cache: torch.Tensor, page_ids: Any, to_pages: bool) -> None:
+    pages = _page_rows(kv_cache)
+    if slots.dim() != 2 or slots.dtype != torch.uint8 or not slots.is_contiguous():
+        raise SwapError("slots must be a contiguous uint8 tensor [slots, stride] (see slot_tensor)")
+    if pages.shape[1] > slots.shape[1]:
+        raise SwapError(f"a page is {pages.shape[1]} bytes, more than a slot's {slots.shape[1]}")
+    if slots.device != kv_cache.device:
+        hint = " (map the slots with CudaHostMapping)" if kv_cache.device.type == "cuda" else ""
+        raise SwapError(f"slots are on {slots.device}, the KV cache on {kv_cache.device}{hint}")
+    s = _check_ids(slot_ids, slots.shape[0], "slot", distinct=not to_pages)
+    p = _check_ids(page_ids, pages.shape[0], "page", distinct=to_pages)
+    if s.size != p.size:
+        raise SwapError(f"{s.size} slot ids but {p.size} page ids")
+    if s.size == 0:
+        return
+    if kv_cache.device.type == "cpu":
+        _host_copy(slots, s, pages, p, to_pages)
+    else:
+        _device_copy(slots, s, pages, p, to_pages)
+
+
+def _page_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The KV cache as ``uint8 [num_pages, page_bytes]`` (a view)."""
+    if kv_cache.dim() < 1 or kv_cache.shape[0] == 0 or kv_cache.numel() == 0:
+        raise SwapError(f"the KV cache must be [num_pages, ...] with at least one non-empty page, not {kv_cache.shape}")
+    if not kv_cache.is_contiguous():
+        raise SwapError("the KV cache tensor must be contiguous (pages back to back)")
+    return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+
+
+def _check_ids(ids: Any, count: int, what: str, distinct: bool) -> np.ndarray:
+    arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise SwapError(f"{what} ids must be a 1-D sequence of integers, not {arr.dtype} of shape {arr.shape}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < 0 or arr.max() >= count):
+        bad = arr[(arr < 0) | (arr >= count)][0]
+        raise SwapError(f"{what} id {bad} out of range: there are {count} {what}s")
+    if distinct:
+        seen = np.zeros(count, dtype=bool)
+        seen[arr] = True
+        if np.count_nonzero(seen) != arr.size:
+            raise SwapError(f"{what} ids repeat: two blocks would be copied into one {what}")
+    return arr
+
+
+def _host_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.ndarray, to_pages: bool) -> None:
+    nbytes = pages.shape[1]
+    slot_addrs = (s * slots.shape[1] + slots.data_ptr()).tolist()
+    page_addrs = (p * nbytes + pages.data_ptr()).tolist()
+    dst, src = (page_addrs, slot_addrs) if to_pages else (slot_addrs, page_addrs)
+    collections.deque(map(_memmove, dst, src, itertools.repeat(nbytes, len(dst))), maxlen=0)
+
+
+def _device_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.ndarray, to_pages: bool) -> None:
+    nbytes = pages.shape[1]
+    if nbytes % WORD_BYTES or slots.shape[1] % WORD_BYTES or slots.data_ptr() % WORD_BYTES:
+        raise SwapError(f"on a GPU, page size ({nbytes}) and slot stride ({slots.shape[1]}) must be multiples of 4")
+    slot_words = slots.view(torch.int32)
+    page_words = pages.view(torch.int32)
+    s_dev = torch.from_numpy(s).to(pages.device, non_blocking=True)
+    p_dev = torch.from_numpy(p).to(pages.device, non_blocking=True)
+    width = nbytes // WORD_BYTES
+    if to_pages:
+        RowCopyKernel(width, slot_words.shape[1], page_words.shape[1])(slot_words, s_dev, page_words, p_dev)
+    else:
+        RowCopyKernel(width, page_words.shape[1], slot_words.shape[1])(page_words, p_dev, slot_words, s_dev)
