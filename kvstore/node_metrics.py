@@ -1,10 +1,19 @@
-"""What a storage node reports on ``/metrics``: requests, bytes, shard lookups, usage, GC and repair."""
+"""What a storage node reports on ``/metrics``: requests, bytes, shard lookups, usage, GC and repair.
+
+The metric names are an interface (dashboards use them): ``kvtier_node_requests_total{op}``,
+``kvtier_node_request_seconds{op}`` (histogram), ``kvtier_node_bytes_total{direction}``,
+``kvtier_node_shard_lookups_total{result}``, the gauges ``kvtier_node_used_bytes``, ``kvtier_node_freeing_bytes``,
+``kvtier_node_capacity_bytes``, ``kvtier_node_high_watermark_bytes``, ``kvtier_node_low_watermark_bytes``,
+``kvtier_node_primary_blocks``, and ``kvtier_gc_<stat>`` for each GC worker counter.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvtier.kvstore.metrics import Metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvtier.kvstore.metrics import LATENCY_BUCKETS
 from kvtier.kvstore.protocol import Op, Status
 
 if TYPE_CHECKING:
@@ -21,57 +30,76 @@ _GC_STATS = ("evictions", "expirations", "zombies_promoted", "zombies_dropped", 
 
 
 class NodeMetrics:
-    """The node's metric families, registered once; ``request``/``lookups`` are called on the data path."""
+    """The node's metrics on a registry of its own (:attr:`registry`, served by ``MetricsServer``).
+
+    ``request`` and ``lookups`` are the data path: they update children bound at start-up (a dict lookup and
+    a few increments, no label handling). Every op, direction and lookup result is exposed at 0 from the start.
+    """
 
     def __init__(self, node: StorageNode) -> None:
-        self.registry = m = Metrics()
-        self._requests = m.counter("kvtier_node_requests_total", "Requests served, by op.", labels=("op",))
-        self._latency = m.histogram("kvtier_node_request_seconds", "Request service time, by op.", labels=("op",))
-        self._bytes = m.counter("kvtier_node_bytes_total", "Payload bytes, by direction.", labels=("direction",))
-        self._lookups = m.counter(
-            "kvtier_node_shard_lookups_total", "Shards asked for by readers, by result.", labels=("result",)
+        self.registry = registry = CollectorRegistry()
+        self._requests = Counter("kvtier_node_requests_total", "Requests served, by op.", ["op"], registry=registry)
+        self._latency = Histogram(
+            "kvtier_node_request_seconds",
+            "Request service time, by op.",
+            ["op"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
+        self._by_op: dict[int, tuple[Any, Any]] = {}
         for op in Op:
             if op not in (Op.ERROR, Op.REPLY):
-                self._requests.inc(0, op=op.name)
-        for direction in ("in", "out"):
-            self._bytes.inc(0, direction=direction)
-        for result in set(_LOOKUP_RESULTS.values()):
-            self._lookups.inc(0, result=result)
+                self._op_children(op)
+        payload = Counter("kvtier_node_bytes_total", "Payload bytes, by direction.", ["direction"], registry=registry)
+        self._bytes_in, self._bytes_out = payload.labels("in"), payload.labels("out")
+        lookups = Counter(
+            "kvtier_node_shard_lookups_total", "Shards asked for by readers, by result.", ["result"], registry=registry
+        )
+        self._lookups = [(int(status), lookups.labels(result)) for status, result in _LOOKUP_RESULTS.items()]
+
         engine, gc_config = node.engine, node.config.gc
-        m.gauge("kvtier_node_used_bytes", "Bytes of slots in use (grace time included).").set_function(
+
+        def gauge(name: str, help_text: str) -> Gauge:
+            return Gauge(name, help_text, registry=registry)
+
+        gauge("kvtier_node_used_bytes", "Bytes of slots in use (grace time included).").set_function(
             lambda: engine.used_bytes
         )
-        m.gauge("kvtier_node_freeing_bytes", "Bytes deleted and waiting out their grace time.").set_function(
+        gauge("kvtier_node_freeing_bytes", "Bytes deleted and waiting out their grace time.").set_function(
             lambda: engine.freeing_bytes
         )
-        m.gauge("kvtier_node_capacity_bytes", "Configured capacity.").set(engine.capacity_bytes)
-        m.gauge("kvtier_node_high_watermark_bytes", "GC starts evicting above this.").set(
+        gauge("kvtier_node_capacity_bytes", "Configured capacity.").set(engine.capacity_bytes)
+        gauge("kvtier_node_high_watermark_bytes", "GC starts evicting above this.").set(
             gc_config.high_watermark * engine.capacity_bytes
         )
-        m.gauge("kvtier_node_low_watermark_bytes", "GC evicts down to this.").set(
+        gauge("kvtier_node_low_watermark_bytes", "GC evicts down to this.").set(
             gc_config.low_watermark * engine.capacity_bytes
         )
-        m.gauge("kvtier_node_primary_blocks", "Blocks this node is primary for.").set_function(lambda: len(engine.lru))
+        gauge("kvtier_node_primary_blocks", "Blocks this node is primary for.").set_function(lambda: len(engine.lru))
         for stat in _GC_STATS:
-            m.gauge(f"kvtier_gc_{stat}", f"GC worker: {stat.replace('_', ' ')} since start.").set_function(
+            gauge(f"kvtier_gc_{stat}", f"GC worker: {stat.replace('_', ' ')} since start.").set_function(
                 lambda stat=stat: getattr(node.gc.stats, stat) if node.gc is not None else 0
             )
 
-    def request(self, opcode: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
+    def _op_children(self, opcode: int) -> tuple[Any, Any]:
+        """The (request counter, latency histogram) children of an opcode, bound on first use."""
         name = Op(opcode).name if opcode in Op._value2member_map_ else "UNKNOWN"
-        self._requests.inc(op=name)
-        self._latency.observe(seconds, op=name)
+        children = self._by_op[opcode] = (self._requests.labels(name), self._latency.labels(name))
+        return children
+
+    def request(self, opcode: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
+        """Count one served request: its op, service time and payload bytes each way."""
+        count, latency = self._by_op.get(opcode) or self._op_children(opcode)
+        count.inc()
+        latency.observe(seconds)
         if bytes_in:
-            self._bytes.inc(bytes_in, direction="in")
+            self._bytes_in.inc(bytes_in)
         if bytes_out:
-            self._bytes.inc(bytes_out, direction="out")
+            self._bytes_out.inc(bytes_out)
 
     def lookups(self, statuses: bytes) -> None:
         """Count a GET reply's per-shard statuses (one byte each) by result."""
-        counts: dict[str, int] = {}
-        for status, result in _LOOKUP_RESULTS.items():
-            counts[result] = counts.get(result, 0) + statuses.count(status)
-        for result, count in counts.items():
+        for status, child in self._lookups:
+            count = statuses.count(status)
             if count:
-                self._lookups.inc(count, result=result)
+                child.inc(count)

@@ -3,41 +3,34 @@
 from __future__ import annotations
 
 import math
-import re
 import time
 import urllib.request
 from datetime import datetime
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvctl.ctl import Ctl, UserError, fmt_size, fraction, new_table, node_row
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
-
 
 def _scrape(host: str, port: int, timeout_s: float = 1.0) -> dict[str, float] | None:
-    """Request and byte counters from a node's /metrics endpoint (None when it has none or it fails)."""
+    """Request and byte counters from a node's /metrics endpoint (None when it has none, or it fails or does not
+    parse)."""
     if not port:
         return None
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as response:
             text = response.read().decode("utf-8", "replace")
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     except (OSError, ValueError):
         return None
     out = {"requests": 0.0, "bytes_in": 0.0, "bytes_out": 0.0}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        name, labels, raw = m.groups()
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        if name == "kvtier_node_requests_total" and 'op="NODE_INFO"' not in (labels or ""):
-            out["requests"] += value  # kvctl top's own node-info polls are left out
-        elif name == "kvtier_node_bytes_total":
-            out["bytes_in" if 'direction="in"' in (labels or "") else "bytes_out"] += value
+    for sample in samples:
+        if sample.name == "kvtier_node_requests_total" and sample.labels.get("op") != "NODE_INFO":
+            out["requests"] += sample.value  # kvctl top's own node-info polls are left out
+        elif sample.name == "kvtier_node_bytes_total":
+            out["bytes_in" if sample.labels.get("direction") == "in" else "bytes_out"] += sample.value
     return out
 
 
