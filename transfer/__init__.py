@@ -26,8 +26,26 @@ still holds the block (a reused slot has a new generation: a miss, never another
 
 StateBlocks (SWA state, never stored in the cluster)::
 
-    host = StateBlockHost(pool_name, capacity_bytes, block_bytes, listen=("10.0.1.5", 0),
-                          directory=("10.0.0.2", 7400), token=token, host_id="gpu-3")
-    host.put(key, state_bytes)              # into this host's shm pool (LRU) and registered in the directory
+    size = stateblock_bytes(n_swa_layers, bytes_per_token)            # × (128 + 6) positions
+    host = StateBlockHost(config, "kvt-sb-gpu3", capacity_bytes, size, host_id="gpu-3",
+                          listen=("10.0.1.5", 0), directory=("10.0.0.2", 7400), token=token)
+    host.put(key, state_bytes) -> bool      # into this host's shm pool (LRU) and registered in the directory
     host.get_into(key, out) -> bool         # local pool, else directory lookup + TCP pull; False: a miss
 """
+
+from kvtier.transfer.conn import PeerError
+from kvtier.transfer.fetch_client import AsyncFetchClient, Block, Blocks, FetchClient, FetcherError
+from kvtier.transfer.fetch_protocol import BlockStatus
+from kvtier.transfer.stateblock import StateBlockHost, stateblock_bytes
+
+__all__ = [
+    "AsyncFetchClient",
+    "Block",
+    "BlockStatus",
+    "Blocks",
+    "FetchClient",
+    "FetcherError",
+    "PeerError",
+    "StateBlockHost",
+    "stateblock_bytes",
+]

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Op, ProtocolError, encode_head
-from kvtier.kvstore.sockio import recv_frame
 from kvtier.kvstore.transport import AuthError
 from kvtier.transfer import fetch_protocol as fp
+from kvtier.transfer.conn import FrameConn, PeerError
 from kvtier.transfer.fetch_protocol import OK_STATUSES, BlockStatus, FetchOp
 from kvtier.transfer.staging import PoolError, SlotMap
 
@@ -41,7 +41,7 @@ T = TypeVar("T")
 _ids = itertools.count(1)
 
 
-class FetcherError(Exception):
+class FetcherError(PeerError):
     """The fetcher is unreachable, refused the request, or died while it was outstanding."""
 
 
@@ -132,19 +132,12 @@ class _Protocol:
         self.hash_algo = ""
         self.tenant = ""
 
-    def _hello_meta(self) -> dict[str, Any]:
-        import os
+    @property
+    def what(self) -> str:
+        return f"the fetcher at {self.socket_path}"
 
-        return {"token": self.token, "pid": os.getpid()}
-
-    def _on_hello(self, frame: Frame) -> None:
-        if frame.opcode == Op.ERROR:
-            code = frame.meta.get("code")
-            message = f"fetcher at {self.socket_path}: {frame.meta.get('message', '')}"
-            if code in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_REQUIRED):
-                raise AuthError(message)
-            raise FetcherError(message)
-        meta = frame.meta
+    def _adopt(self, meta: dict[str, Any]) -> None:
+        """Map the pool the fetcher's HELLO reply names (again, if a restarted fetcher made a new one)."""
         if self.map is None or meta["epoch"] != self.epoch or meta["shm"] != self.map.name:
             try:
                 self.map = SlotMap.open(meta["shm"])
@@ -154,16 +147,7 @@ class _Protocol:
         self.hash_algo, self.tenant = meta["hash"], meta["tenant"]
 
     def _lost(self, why: object) -> FetcherError:
-        return FetcherError(
-            f"fetcher at {self.socket_path} went away ({why}): the blocks of this call failed and its pins are "
-            "gone; the next call reconnects"
-        )
-
-    @staticmethod
-    def _check(frame: Frame) -> dict[str, Any]:
-        if frame.opcode == Op.ERROR:
-            raise FetcherError(f"fetcher refused the request: {frame.meta.get('message', '')}")
-        return frame.meta
+        return FetcherError(f"{self.what} went away ({why})")
 
     def _slot_blocks(self, keys: Sequence[bytes], length: int, meta: dict[str, Any], pinned: bool) -> Blocks:
         status, slots, gens, errors = fp.parse_slots(meta, len(keys))
@@ -236,53 +220,32 @@ class FetchClient(_Protocol):
 
     def __init__(self, socket_path: str | Path, token: str, timeout_s: float = 60.0) -> None:
         super().__init__(socket_path, token, timeout_s)
-        self._sock: socket.socket | None = None
-        self._reader = FrameReader()
-        self._connect()
+        self._conn = FrameConn(self._unix, token, self.what, FetcherError)
+        self._open()
 
-    def _connect(self) -> socket.socket:
-        if self._sock is not None:
-            return self._sock
+    def _unix(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
-            sock.sendall(encode_head(FetchOp.HELLO, 0, self._hello_meta()))
-            self._reader = FrameReader()
-            frame = recv_frame(sock, self._reader)
-        except (OSError, ProtocolError) as exc:
-            sock.close()
-            raise FetcherError(
-                f"cannot reach the fetcher at {self.socket_path} ({exc}): is kvtier-fetcher running?"
-            ) from None
-        if frame is None:
-            sock.close()
-            raise FetcherError(f"the fetcher at {self.socket_path} closed the connection during HELLO")
-        try:
-            self._on_hello(frame)
-        except BaseException:
+        except OSError:
             sock.close()
             raise
-        self._sock = sock
         return sock
 
+    def _open(self) -> None:
+        if self._conn.sock is None:
+            self._conn.open()
+            try:
+                self._adopt(self._conn.hello)
+            except BaseException:
+                self._conn.close()
+                raise
+
     def _run(self, call: _Call[T]) -> T:
-        sock = self._connect()
-        request_id = next(_ids)
-        try:
-            sock.sendall(encode_head(call.opcode, request_id, call.meta))
-            while True:
-                frame = recv_frame(sock, self._reader)
-                if frame is None:
-                    raise ConnectionResetError("connection closed")
-                if frame.request_id == request_id or frame.opcode == Op.ERROR:
-                    break
-        except (OSError, ProtocolError) as exc:
-            self.close()
-            raise self._lost(exc) from None
-        if frame.opcode == Op.ERROR:
-            self.close()
-        return call.finish(self._check(frame))
+        """One request; FetcherError (connection closed, to be reopened by the next call) on any failure."""
+        self._open()
+        return call.finish(self._conn.call(call.opcode, call.meta).meta)
 
     def fetch(
         self, keys: Sequence[bytes], block_bytes: int, *, headers: Sequence[bytes] | None = None, priority: int = 0
@@ -303,7 +266,7 @@ class FetchClient(_Protocol):
     def release(self, blocks: Sequence[Block]) -> int:
         """Drop this connection's pins on ``blocks`` (and give back ALLOCATED slots not put); how many."""
         call = self._release_call(blocks)
-        return self._run(call) if self._sock is not None else 0
+        return self._run(call) if self._conn.sock is not None else 0
 
     def alloc(self, n: int, block_bytes: int) -> Blocks:
         """``n`` slots to write blocks of ``block_bytes`` into (ALLOCATED; FULL when the pool has none free)."""
@@ -326,9 +289,7 @@ class FetchClient(_Protocol):
         return self._run(self._stats_call())
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._conn.close()
 
     def __enter__(self) -> FetchClient:
         return self
@@ -383,10 +344,15 @@ class AsyncFetchClient(_Protocol):
             raise FetcherError(
                 f"cannot reach the fetcher at {self.socket_path} ({exc}): is kvtier-fetcher running?"
             ) from None
-        transport.write(encode_head(FetchOp.HELLO, 0, self._hello_meta()))
+        transport.write(encode_head(FetchOp.HELLO, 0, {"token": self.token}))
         try:
             frame = await asyncio.wait_for(hello, self.timeout_s)
-            self._on_hello(frame)
+            if frame.opcode == Op.ERROR:
+                message = f"{self.what}: {frame.meta.get('message', '')}"
+                if frame.meta.get("code") in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_REQUIRED):
+                    raise AuthError(message)
+                raise FetcherError(message)
+            self._adopt(frame.meta)
         except BaseException:
             transport.close()
             raise
@@ -419,7 +385,10 @@ class AsyncFetchClient(_Protocol):
         except TimeoutError:
             self._waiting.pop(request_id, None)
             raise FetcherError(f"fetcher at {self.socket_path} did not answer in {self.timeout_s:g} s") from None
-        return call.finish(self._check(frame))
+        if frame.opcode == Op.ERROR:
+            await self.close()
+            raise FetcherError(f"{self.what} refused the request: {frame.meta.get('message', '')}")
+        return call.finish(frame.meta)
 
     async def fetch(
         self, keys: Sequence[bytes], block_bytes: int, *, headers: Sequence[bytes] | None = None, priority: int = 0
