@@ -25,7 +25,7 @@ import torch
 
 from kvtier.engine.checkpoint import load, model_id
 from kvtier.engine.dense import forward_logits
-from kvtier.engine.fetch import PageTransfer
+from kvtier.engine.fetch import FetcherPages, PageTransfer, StorePages
 from kvtier.engine.model import CausalLM
 from kvtier.engine.paged_cache import PagedKVCache, block_layout
 from kvtier.engine.reuse import Plan, Reuse, plan
@@ -35,6 +35,7 @@ from kvtier.engine.sliding import STATE_INTERVAL, SlidingState, state_block_byte
 from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
 from kvtier.engine.store import BlockStore
 from kvtier.kvstore.keys import Namespace, chain
+from kvtier.transfer.fetch_client import FetchClient
 
 
 class PromptError(ValueError):
@@ -74,10 +75,22 @@ class Engine:
         self.state_namespace = Namespace(model_id, self.namespace.kv_dtype, STATE_INTERVAL, "swa-state")
         self.cache = PagedKVCache(self.config, -(-cache_tokens // block_tokens), block_tokens, self.dtype, self.device)
         self.runner = Runner(model, self.cache, chunk_tokens)
-        self.store = store
-        self.transfer = PageTransfer(store, self.cache) if store is not None else None
+        self.store: BlockStore | None = None
+        self.transfer: PageTransfer | None = None
+        if store is not None:
+            self.attach_store(store)
         self.state_blocks = state_blocks if state_blocks is not None else LocalStateBlocks()
         self.state_bytes = state_block_bytes(self.config, self.cache.pages.element_size())
+
+    def attach_store(self, store: BlockStore, fetcher: FetchClient | None = None) -> None:
+        """Reuse and keep prefix KV in ``store`` (its namespace must be this engine's); blocks move through
+        ``fetcher`` (the host's fetcher process) when given, else through the store client directly."""
+        if store.namespace != self.namespace:
+            raise ValueError("the store's namespace is not this engine's (another model, dtype or layout)")
+        self.store = store
+        self.transfer = (
+            FetcherPages(fetcher, store, self.cache) if fetcher is not None else StorePages(store, self.cache)
+        )
 
     @classmethod
     def from_pretrained(
@@ -88,18 +101,22 @@ class Engine:
         store: str | Path | None = None,
         *,
         token: str | None = None,
+        fetcher: str | Path | None = None,
         state_blocks: StateBlocks | None = None,
         block_tokens: int = 64,
         cache_tokens: int = 1 << 16,
         chunk_tokens: int = 512,
     ) -> Engine:
-        """Load the checkpoint at ``path``; ``store``: a cluster file to reuse and keep prefix KV in."""
+        """Load the checkpoint at ``path``; ``store``: a cluster file to reuse and keep prefix KV in (as the
+        tenant of ``token``, default the cluster's); ``fetcher``: the Unix socket of this host's fetcher, to
+        move blocks through its shared-memory pool."""
         model = load(path, device, dtype)
         mid = model_id(path)
         engine = cls(model, mid, None, state_blocks, block_tokens, cache_tokens, chunk_tokens)
         if store is not None:
-            engine.store = BlockStore.open(store, engine.namespace, token)
-            engine.transfer = PageTransfer(engine.store, engine.cache)
+            blocks = BlockStore.open(store, engine.namespace, token)
+            client = FetchClient(fetcher, token or blocks.client.config.token) if fetcher is not None else None
+            engine.attach_store(blocks, client)
         return engine
 
     # -- public API -----------------------------------------------------------------------------------

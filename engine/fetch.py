@@ -1,28 +1,53 @@
 """Moving blocks between the store and the paged cache: the one place that knows how.
 
-On a CPU engine a page's memory is handed to the store directly (``get_into`` decodes into it, ``put``
-sends from it). On another device the bytes pass through a host buffer; the fetcher process and the
-swap-in kernel (``kvtier.transfer``) replace that path without changing this interface.
+Two ways, one interface (:class:`PageTransfer`):
+
+- :class:`StorePages`: the engine's own store client. On a CPU engine a page's memory is handed to the store
+  directly (``get_into`` decodes into it, ``put`` sends from it); on another device through a host buffer.
+- :class:`FetcherPages`: through the host's ``kvtier-fetcher`` process. Blocks land in its shared-memory
+  slots (a host-memory hit costs no store read at all) and are swapped into pages by
+  ``kvtier.transfer.swapin`` (an indexed copy on the CPU, the gather kernel on a GPU); new blocks leave the
+  same way (swap-out into allocated slots, then the fetcher stores them).
+
+Both answer misses and failures as "fewer blocks": a fetch returns how many *leading* pages hold their block,
+a store how many blocks are stored. Nothing here raises because the store or the fetcher is away.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvtier.engine.paged_cache import PagedKVCache
 from kvtier.engine.store import BlockStore
+from kvtier.kvstore.keys import header_digests
+from kvtier.transfer.fetch_client import Blocks, FetchClient, FetcherError
+from kvtier.transfer.swapin import CudaHostMapping, slot_tensor, swap_in, swap_out
+
+log = logging.getLogger("kvtier.engine")
 
 
-class PageTransfer:
+class PageTransfer(Protocol):
+    def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+        """Fill ``pages`` with the blocks ``keys`` (chained from ``tokens``); returns how many leading pages
+        now hold their block. Pages past that hold unspecified bytes."""
+        ...
+
+    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+        """Put the blocks ``keys`` from ``pages``; returns how many are stored."""
+        ...
+
+
+class StorePages:
     def __init__(self, store: BlockStore, cache: PagedKVCache) -> None:
         self.store, self.cache = store, cache
         self.on_host = cache.pages.device.type == "cpu"
 
     def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
-        """Fill ``pages`` with the blocks ``keys`` (chained from ``tokens``); returns how many leading pages
-        now hold their block. Pages past that hold unspecified bytes."""
         if self.on_host:
             return self.store.get_into(keys, [_view(self.cache.block(p)) for p in pages], tokens)
         host = [torch.empty(self.cache.page_bytes, dtype=torch.uint8, pin_memory=True) for _ in pages]
@@ -32,11 +57,72 @@ class PageTransfer:
         return landed
 
     def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
-        """Put the blocks ``keys`` from ``pages``; returns how many are stored."""
         blocks = [self.cache.block(p) for p in pages]
         if not self.on_host:
             blocks = [b.cpu() for b in blocks]
         return self.store.put(keys, [_view(b) for b in blocks], tokens)
+
+
+class FetcherPages:
+    def __init__(self, client: FetchClient, store: BlockStore, cache: PagedKVCache) -> None:
+        self.client, self.store, self.cache = client, store, cache
+        self._slots: tuple[object, torch.Tensor] | None = None  # (the pool mapping it views, the slots tensor)
+        self._cuda: CudaHostMapping | None = None
+
+    def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+        if not keys:
+            return 0
+        try:
+            with self.client.fetch(keys, self.cache.page_bytes, headers=self._headers(keys, tokens)) as blocks:
+                n = _leading_ok(blocks)
+                swap_in(self._slot_rows(), [b.slot for b in blocks[:n]], self.cache.pages, list(pages[:n]))
+                if self.cache.pages.device.type != "cpu":
+                    torch.cuda.current_stream().synchronize()  # before the pins are released
+                return n
+        except FetcherError as e:
+            log.warning("fetcher failed, recomputing instead: %s", e)
+            return 0
+
+    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+        if not keys:
+            return 0
+        try:
+            slots = self.client.alloc(len(keys), self.cache.page_bytes)
+            n = _leading_ok(slots)
+            swap_out(self.cache.pages, list(pages[:n]), self._slot_rows(), [b.slot for b in slots[:n]])
+            if self.cache.pages.device.type != "cpu":
+                torch.cuda.current_stream().synchronize()
+            if n < len(slots):
+                self.client.release(slots[n:])
+            return sum(self.client.put(keys[:n], slots[:n], headers=self._headers(keys[:n], tokens)))
+        except FetcherError as e:
+            log.warning("fetcher failed, blocks not stored: %s", e)
+            return 0
+
+    def _headers(self, keys: Sequence[bytes], tokens: Sequence[int]) -> list[bytes]:
+        return header_digests(self.store.namespace, np.asarray(tokens, dtype=np.uint32), keys)
+
+    def _slot_rows(self) -> torch.Tensor:
+        """The fetcher's slots as ``uint8 [slots, stride]`` (as the device sees them), remapped when the
+        fetcher restarted with a new segment."""
+        pool = self.client.map
+        assert pool is not None, "a connected FetchClient maps the pool"
+        if self._slots is None or self._slots[0] is not pool:
+            rows = slot_tensor(pool.buffer, stride=pool.stride, slots=pool.slots, offset=pool.data_offset)
+            if self.cache.pages.device.type != "cpu":
+                if self._cuda is not None:
+                    self._cuda.close()
+                self._cuda = CudaHostMapping(rows, self.cache.pages.device)
+                rows = self._cuda.tensor
+            self._slots = (pool, rows)
+        return self._slots[1]
+
+
+def _leading_ok(blocks: Blocks) -> int:
+    for i, b in enumerate(blocks):
+        if not b.ok:
+            return i
+    return len(blocks)
 
 
 def _view(t: torch.Tensor) -> memoryview:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.stateblocks import LocalStateBlocks
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.transfer.fetcher import LocalFetcher
 
 TOLERANCE = 1e-4
 
@@ -139,3 +141,18 @@ def test_a_store_that_is_down_means_recompute(checkpoint: Path, tmp_path: Path) 
     result = engine(checkpoint, dead).generate([p, p], 8)
     assert [r.hit_tokens for r in result] == [0, 0]
     assert result[0].tokens == result[1].tokens == engine(checkpoint, None).generate([p], 8)[0].tokens
+
+
+def test_reuse_through_the_fetcher_process_is_exact(checkpoint: Path, cluster_file: Path, tmp_path: Path) -> None:
+    states = LocalStateBlocks()
+    shm = f"kvt-engine-{secrets.token_hex(6)}"
+    with LocalFetcher(cluster_file, shm, tmp_path / "fetcher.sock", "8MiB", "64KiB") as fetcher:
+        e = Engine.from_pretrained(
+            checkpoint, store=cluster_file, fetcher=fetcher.socket_path, state_blocks=states, cache_tokens=8192
+        )
+        p = prompt(1500, seed=8)
+        cold, warm = e.generate([p], 16)[0], e.generate([p], 16)[0]
+        fetched = e.transfer.client.stats()
+    assert (cold.hit_tokens, warm.hit_tokens, warm.replayed) == (0, 1280, False)
+    assert warm.tokens == cold.tokens == e.generate([p], 16, reuse=False)[0].tokens
+    assert fetched["hits"] > 0  # put through the fetcher's pool, read back from it
