@@ -1,0 +1,163 @@
+"""``kvbench fetch``: reading blocks through the fetcher into the host pool, against ``get_into`` private buffers.
+
+    kvbench [--config PATH] fetch [--block-size SIZE] [--blocks N] [--rounds R] [--workers W] [--json]
+
+Without ``--config`` a temporary local 12-node cluster is started (real node processes). Two sets of ``N`` blocks
+are stored; a ``kvtier-fetcher`` process is started with a pool of exactly ``N`` slots, so fetching the sets in
+turn misses the pool every time (each fetch evicts the other set): every timed fetch reads the store. Per round,
+in the same process and one after the other:
+
+1. *baseline*: ``Client.get_into`` of one set into preallocated private buffers (what an engine without the fetcher
+   does);
+2. *fetch*: ``FetchClient.fetch`` of the other set (the fetcher reads it straight into slots; the engine gets
+   views), then ``release``;
+3. *hit*: the same fetch again: every block is a host-memory hit, no node is asked.
+
+A first round is untimed (it touches the pool's fresh memory). Bytes read are checked on that round. The report
+gives medians over rounds, and ``fetch_vs_get_into`` = fetch GB/s / baseline GB/s (target ≥ 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.client import Client
+from kvtier.kvstore.units import format_size, parse_size
+from kvtier.tools.benchutil import temp_cluster
+from kvtier.tools.cliutil import Subcommands
+from kvtier.tools.kvbench.common import BenchError, UsageError, VerifyError
+from kvtier.transfer.fetch_client import FetchClient
+from kvtier.transfer.fetch_protocol import BlockStatus
+from kvtier.transfer.fetcher import LocalFetcher
+
+
+def register(commands: Subcommands) -> None:
+    p = commands.add("fetch", "fetch into the host pool through the fetcher, against get_into private buffers", run)
+    p.add_argument("--block-size", default="1MiB", help="block size (default 1MiB)")
+    p.add_argument("--blocks", type=int, default=64, help="blocks per fetch (default 64)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--workers", type=int, default=2, help="fetcher worker threads (default 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        block = parse_size(args.block_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if block <= 0 or args.blocks <= 0 or args.rounds <= 0:
+        raise UsageError("--block-size, --blocks and --rounds must be positive")
+    if getattr(args, "config", None):
+        result = _bench(cluster_mod.load(args.config), block, args)
+    else:
+        with temp_cluster(capacity_bytes=max(1 << 30, 8 * args.blocks * block // 10)) as local:
+            result = _bench(local.config, block, args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print(result)
+    return 0
+
+
+def _bench(config: cluster_mod.ClusterConfig, block: int, args: argparse.Namespace) -> dict[str, Any]:
+    n = args.blocks
+    rng = np.random.default_rng(1)
+    sets = [[secrets.token_bytes(16) for _ in range(n)] for _ in range(2)]
+    data = [rng.integers(0, 256, (n, block), dtype=np.uint8) for _ in range(2)]
+    private = np.zeros((n, block), dtype=np.uint8)
+    with Client(config) as client:
+        for keys, blocks in zip(sets, data, strict=True):
+            if not all(client.put(keys, list(blocks))):
+                raise BenchError("the cluster did not store every block")
+        with tempfile.TemporaryDirectory(prefix="kvbench-fetch-") as tmp:
+            fetcher = _start_fetcher(config, tmp, n, block, args)
+            fc = FetchClient(fetcher.socket_path, config.token)
+            try:
+                samples: dict[str, list[float]] = {"get_into": [], "fetch": [], "hit": []}
+                for r in range(args.rounds + 1):
+                    for s in (0, 1):
+                        timed = _round(client, fc, sets, data, private, s, verify=r == 0)
+                        if r > 0:
+                            for name, seconds in timed.items():
+                                samples[name].append(seconds)
+                stats = fc.stats()
+            finally:
+                fc.close()
+                fetcher.stop()
+    gbps = {name: n * block / statistics.median(values) / 1e9 for name, values in samples.items()}
+    return {
+        "command": "fetch",
+        "settings": {"block_size": block, "blocks": n, "rounds": args.rounds, "workers": args.workers},
+        "get_into_gbps": gbps["get_into"],
+        "fetch_gbps": gbps["fetch"],
+        "hit_gbps": gbps["hit"],
+        "hit_ms": statistics.median(samples["hit"]) * 1e3,
+        "fetch_vs_get_into": gbps["fetch"] / gbps["get_into"],
+        "pool": {k: stats[k] for k in ("slots", "hits", "misses", "hit_ratio", "evictions")},
+    }
+
+
+def _start_fetcher(
+    config: cluster_mod.ClusterConfig, tmp: str, n: int, block: int, args: argparse.Namespace
+) -> LocalFetcher:
+    if config.path is None:
+        raise UsageError("the cluster needs a cluster file for the fetcher")
+    shm = f"kvbench-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        sock = Path(tmp) / "fetcher.sock"
+        return LocalFetcher(config.path, shm, sock, f"{n * block}B", f"{block}B", args.workers).start()
+    except RuntimeError as exc:
+        raise BenchError(str(exc)) from None
+
+
+def _round(
+    client: Client,
+    fc: FetchClient,
+    sets: list[list[bytes]],
+    data: list[np.ndarray],
+    private: np.ndarray,
+    s: int,
+    verify: bool,
+) -> dict[str, float]:
+    """Baseline read of set ``s``; fetch (a pool miss) and fetch again (a hit) of the other set."""
+    other = 1 - s
+    block = private.shape[1]
+    start = time.perf_counter()
+    found = client.get_into(sets[s], list(private))
+    baseline = time.perf_counter() - start
+    if not all(found) or (verify and not np.array_equal(private, data[s])):
+        raise VerifyError("get_into did not read back what was stored")
+    start = time.perf_counter()
+    got = fc.fetch(sets[other], block)
+    fetched = time.perf_counter() - start
+    fc.release(got)
+    if any(b.status != BlockStatus.FETCHED for b in got):
+        raise BenchError(f"expected every block FETCHED, got {sorted({b.status.name for b in got})}")
+    if verify and not all(np.array_equal(b.array(), x) for b, x in zip(got, data[other], strict=True)):
+        raise VerifyError("a fetched block differs from what was stored")
+    start = time.perf_counter()
+    again = fc.fetch(sets[other], block)
+    hit = time.perf_counter() - start
+    fc.release(again)
+    if any(b.status != BlockStatus.HIT for b in again):
+        raise BenchError("a second fetch of the same blocks was not all host-memory hits")
+    return {"get_into": baseline, "fetch": fetched, "hit": hit}
+
+
+def _print(result: dict[str, Any]) -> None:
+    s = result["settings"]
+    print(f"{s['blocks']} blocks of {format_size(s['block_size'])} per call, median of {s['rounds']} rounds")
+    print(f"get_into private buffers  {result['get_into_gbps']:6.2f} GB/s   (baseline)")
+    print(f"fetch into the host pool  {result['fetch_gbps']:6.2f} GB/s   {result['fetch_vs_get_into']:.2f}× baseline")
+    print(f"fetch, host-memory hits   {result['hit_gbps']:6.2f} GB/s   {result['hit_ms']:.2f} ms a call, no node asked")
