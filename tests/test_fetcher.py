@@ -33,9 +33,12 @@ from tests.conftest import ClusterFactory
 BLOCK = 16 << 10
 
 
+OTHER_TOKEN = secrets.token_hex(16)
+
+
 @pytest.fixture(scope="module")
 def cluster(make_cluster: ClusterFactory) -> LocalCluster:
-    return make_cluster(capacity_bytes=32 << 20)
+    return make_cluster(capacity_bytes=32 << 20, extra_toml=f'[tenants.other]\ntoken = "{OTHER_TOKEN}"')
 
 
 @pytest.fixture
@@ -189,7 +192,16 @@ def test_a_malformed_request_costs_its_connection_only(cluster: LocalCluster, st
         assert client.stats()["sessions"] == 1
 
 
-def test_an_engine_that_dies_gives_its_pins_back(cluster: LocalCluster, start_fetcher) -> None:
+def test_a_tenant_never_gets_another_tenants_blocks_from_the_pool(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys, _ = stored_blocks(cluster, 2)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as owner:
+        owner.release(owner.fetch(keys, BLOCK))
+    with FetchClient(fetcher.socket_path, OTHER_TOKEN) as other, other.fetch(keys, BLOCK) as got:
+        assert [b.status for b in got] == [BlockStatus.MISS] * 2
+
+
+def test_an_engine_that_dies_gives_its_pins_and_slots_back(cluster: LocalCluster, start_fetcher) -> None:
     fetcher = start_fetcher()
     keys, _ = stored_blocks(cluster, 3)
     engine = subprocess.Popen(
@@ -201,7 +213,8 @@ def test_an_engine_that_dies_gives_its_pins_back(cluster: LocalCluster, start_fe
                 from kvtier.transfer.fetch_client import FetchClient
                 client = FetchClient({str(fetcher.socket_path)!r}, {cluster.config.token!r})
                 blocks = client.fetch({keys!r}, {BLOCK})
-                print(sum(b.ok for b in blocks), flush=True)
+                filling = client.alloc(2, {BLOCK})
+                print(sum(b.ok for b in blocks + filling), flush=True)
                 input()
                 """
             ),
@@ -210,13 +223,14 @@ def test_an_engine_that_dies_gives_its_pins_back(cluster: LocalCluster, start_fe
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert engine.stdout is not None and engine.stdout.readline().strip() == "3"
+    assert engine.stdout is not None and engine.stdout.readline().strip() == "5"
     with FetchClient(fetcher.socket_path, cluster.config.token) as client:
-        assert client.stats()["pinned"] == 3
+        assert (client.stats()["pinned"], client.stats()["filling"]) == (3, 2)
         engine.send_signal(signal.SIGKILL)
         engine.communicate()
         wait_for(lambda: client.stats()["pinned"] == 0, "the dead engine's pins to be dropped")
-        assert client.stats()["ready"] == 3
+        stats = client.stats()
+        assert (stats["ready"], stats["filling"], stats["free"]) == (3, 0, stats["slots"] - 3)
 
 
 def test_a_fetcher_killed_mid_fetch_fails_the_call_and_a_restarted_one_serves(
