@@ -34,12 +34,22 @@ Example (what ``kvstore init`` writes, abridged)::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import secrets
 import socket
+import stat
+import tempfile
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomlkit
+import tomlkit.exceptions
+import tomlkit.items
 
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.keys import HASH_ALGOS
@@ -70,7 +80,8 @@ class GCConfig:
     low_watermark: float = 0.80
     interval_s: float = 5.0  # how often the worker looks at usage and expiry
     write_timeout_s: float = 600.0  # a shard pending longer than this belongs to a dead writer
-    grace_s: float = 5.0  # a removed shard's slot is not reused before this: reads already under way finish
+    grace_s: float = 0.0  # a removed shard's slot is reused this long after no reply pins it (pins protect reads)
+    room_wait_s: float = 2.0  # a write finding a node full waits this long for removals under way to free room
     access_flush_s: float = 2.0  # last-access times are written to disk in batches this often
     repair_bytes_per_s: float = 64.0 * (1 << 20)  # background repair never moves more than this
 
@@ -261,11 +272,18 @@ def _free_ports(count: int, host: str) -> list[int]:
             s.close()
 
 
-def _size_literal(n: int) -> str:
+def _size_value(n: int) -> str | int:
+    """``"2GiB"`` for a whole number of binary units, else the number of bytes."""
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
-            return f'"{n >> shift}{unit}"'
-    return str(n)
+            return f"{n >> shift}{unit}"
+    return n
+
+
+def _table(**values: Any) -> tomlkit.items.Table:
+    table = tomlkit.table()
+    table.update(values)
+    return table
 
 
 def write_default(
@@ -276,47 +294,103 @@ def write_default(
     base_port: int | None = None,
     metrics: bool = True,
 ) -> Path:
-    """Write ``DIR/cluster.toml`` for ``nodes`` local nodes (a multiple of 12) and return its path."""
+    """Write ``DIR/cluster.toml`` for ``nodes`` local nodes (a multiple of 12) and return its path.
+
+    Raises ConfigError when the file exists already (it is never overwritten). Ports are ``base_port`` onwards,
+    or free ones the kernel hands out (on ``host``) when it is None.
+    """
     if nodes <= 0 or nodes % TOTAL_SHARDS:
         raise ConfigError(f"--nodes must be a positive multiple of {TOTAL_SHARDS}, got {nodes}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / "cluster.toml"
-    if target.exists():
-        raise ConfigError(f"{target} already exists; remove it or choose another directory")
-    if base_port is None:
-        ports = _free_ports(2 * nodes if metrics else nodes, host)
-    else:
-        ports = list(range(base_port, base_port + (2 * nodes if metrics else nodes)))
-    lines = [
-        "# kvtier cluster file (written by `kvstore init`)",
-        "[cluster]",
-        'name = "local"',
-        f'token = "{secrets.token_hex(24)}"',
-        'hash = "xxh3_128"',
-        "",
-        "[ttl]",
-        *(f'{name} = "{format_duration(seconds)}"' for name, seconds in DEFAULT_TTL_CLASSES.items()),
-        "",
-        "[gc]",
-        f"high_watermark = {GCConfig.high_watermark}",
-        f"low_watermark = {GCConfig.low_watermark}",
-        "",
-    ]
+    count = 2 * nodes if metrics else nodes
+    ports = _free_ports(count, host) if base_port is None else list(range(base_port, base_port + count))
+    doc = tomlkit.document()
+    doc.add(tomlkit.comment("kvtier cluster file (written by `kvstore init`)"))
+    doc["cluster"] = _table(name="local", token=secrets.token_hex(24), hash="xxh3_128")
+    doc["ttl"] = _table(**{name: format_duration(s) for name, s in DEFAULT_TTL_CLASSES.items()})
+    doc["gc"] = _table(high_watermark=GCConfig.high_watermark, low_watermark=GCConfig.low_watermark)
+    node_tables = tomlkit.aot()
     for i in range(nodes):
-        lines += [
-            "[[nodes]]",
-            f"id = {i}",
-            f'host = "{host}"',
-            f"port = {ports[i]}",
-            f'data_dir = "node-{i}"',
-            f"capacity = {_size_literal(capacity_bytes)}",
-        ]
+        node = _table(id=i, host=host, port=ports[i], data_dir=f"node-{i}", capacity=_size_value(capacity_bytes))
         if metrics:
-            lines.append(f"metrics_port = {ports[nodes + i]}")
-        lines.append("")
+            node["metrics_port"] = ports[nodes + i]
+        node_tables.append(node)
+    doc["nodes"] = node_tables
+    groups = tomlkit.aot()
     for g in range(nodes // TOTAL_SHARDS):
-        members = ", ".join(str(g * TOTAL_SHARDS + j) for j in range(TOTAL_SHARDS))
-        lines += ["[[groups]]", f"nodes = [{members}]", ""]
-    target.write_text("\n".join(lines))
+        groups.append(_table(nodes=list(range(g * TOTAL_SHARDS, (g + 1) * TOTAL_SHARDS))))
+    doc["groups"] = groups
+    try:
+        with open(target, "x") as f:
+            f.write(tomlkit.dumps(doc))
+    except FileExistsError:
+        raise ConfigError(f"{target} already exists; remove it or choose another directory") from None
     return target
+
+
+@contextlib.contextmanager
+def edit(path: str | Path) -> Iterator[tomlkit.TOMLDocument]:
+    """Change the cluster file at ``path`` in place, keeping the user's comments, layout and order.
+
+    Yields the file's document (tomlkit: a dict-like whose changed values keep their line and comment) under an
+    exclusive lock on the file's folder, so that two editors never interleave. When the block ends normally the
+    document must still load (else ConfigError, one line, and the file is unchanged); it then replaces the file
+    atomically (a temporary file in the same folder, fsynced, renamed over it, permissions kept). An exception in
+    the block leaves the file as it was. Raises ConfigError when the file cannot be read, parsed or replaced.
+    """
+    path = Path(os.path.realpath(path))
+    with _folder_lock(path.parent):
+        try:
+            doc = tomlkit.parse(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"cluster file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
+        except tomlkit.exceptions.ParseError as exc:
+            raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from None
+        yield doc
+        text = tomlkit.dumps(doc)
+        try:
+            parse(tomllib.loads(text), base_dir=path.parent, path=path)
+        except (tomllib.TOMLDecodeError, ValueError) as exc:
+            raise ConfigError(f"the change would break {path} ({exc}); it was not made") from None
+        try:
+            _write_atomic(path, text)
+        except OSError as exc:
+            raise ConfigError(f"cannot rewrite {path}: {exc.strerror or exc}") from None
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the cluster file's folder {folder}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    mode = stat.S_IMODE(path.stat().st_mode)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dirfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)

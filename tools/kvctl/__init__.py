@@ -25,12 +25,12 @@ refuse the rest to a tenant. Global options may also follow the command (``kvctl
 **Output.** Tables for people; with ``--json`` every command prints one JSON object (``top``: one per refresh,
 one per line) and nothing else on stdout.
 
-**TTL changes** (``ttl set/add/remove``) rewrite only the ``[ttl]`` table's affected line of the cluster file
-(every other line stays as it is; written to a temporary file in the same folder, fsynced, then renamed over the
-file, under a lock on the folder), then push the whole new table to every node (admin ``ttl_set``). A node that
-is down reads the file when it starts. ``ttl remove`` is refused while any node is primary for blocks of the
-class, for the last class, and while a node is down (its blocks cannot be counted; ``--force`` removes anyway:
-that node's blocks of the class stop being served when it restarts).
+**TTL changes** (``ttl set/add/remove``) change only the affected class in the cluster file's ``[ttl]`` table
+(every comment, the layout and the order of the rest stay as they were; the file is written to a temporary file in
+the same folder, fsynced, then renamed over it, under a lock on the folder), then push the whole new table to
+every node (admin ``ttl_set``). A node that is down reads the file when it starts. ``ttl remove`` is refused while
+any node is primary for blocks of the class, for the last class, and while a node is down (its blocks cannot be
+counted; ``--force`` removes anyway: that node's blocks of the class stop being served when it restarts).
 
 **Repair** counts are shard writes, summed over nodes: a block's primary and shard 1's node both hold its
 record and both repair it, so a shard missing when both look may be written (and counted) twice.
@@ -38,8 +38,9 @@ record and both repair it, so a shard missing when both look may be written (and
 **Draining** (``drain NODE``): the node stops taking new shards (puts of blocks whose primary it is are refused
 meanwhile, as for a down primary), then every other node runs a GC cycle with repair, so each block has its
 other 11 shards. It is safe to stop the node when no other node of its placement group is down and every other
-node finished its repair; kvctl says which. The flag lives in the node process only: a restarted node takes
-shards again. After replacing the node, ``kvctl repair`` rewrites its shards.
+node finished its repair; kvctl says which. The node keeps the flag with its data: restarted, it still takes no
+new shards until ``kvctl drain NODE --undo``. A replacement node (a new, empty data folder) takes shards;
+``kvctl repair`` then rewrites the ones it should hold.
 
 Exit status:
 

@@ -18,7 +18,9 @@ def cmd_drain(ctl: Ctl) -> int:
     if nid not in ok:
         why = "down" if nid in down else failed.get(nid, "no answer")
         if a.undo:
-            raise Refused(f"node {nid} is {why}; once restarted it takes new shards anyway")
+            raise Refused(
+                f"node {nid} is {why}; it keeps its drain flag: start it, then run `kvctl drain {nid} --undo`"
+            )
         raise Refused(
             f"node {nid} is {why}: its shards are already gone; start a node in its place and run `kvctl repair`"
         )
@@ -50,7 +52,9 @@ def cmd_drain(ctl: Ctl) -> int:
     if ctl.json:
         ctl.emit(result)
     else:
-        ctl.print(f"node {nid} ({ctl.address(nid)}) is draining: it takes no new shards (until restarted or --undo)")
+        ctl.print(
+            f"node {nid} ({ctl.address(nid)}) is draining: it takes no new shards (until --undo, restarts included)"
+        )
         ctl.print(f"repair on the {len(done)} other nodes that answered: {sum(repaired.values())} shards rewritten")
         if safe:
             ctl.print(

@@ -2,119 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
 import re
-import stat as stat_mod
 import sys
-import tempfile
-import tomllib
-from pathlib import Path
 
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvctl.ctl import PROG, Ctl, Refused, UserError, fmt_duration, new_table, user_duration
 
-_HEADER = re.compile(r"^\s*\[")
-_TTL_HEADER = re.compile(r"^\s*\[\s*ttl\s*\]\s*(#.*)?$")
-_KEY = re.compile(r"""^(\s*)(["']?)([A-Za-z0-9_-]+)\2\s*=\s*("[^"]*"|'[^']*'|[0-9][0-9_.eE+-]*)\s*(#.*)?$""")
 _CLASS_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def edit_ttl_table(text: str, action: str, name: str, value: str | None, table: dict[str, float]) -> str:
-    """The cluster file ``text`` with one line of its ``[ttl]`` table set, added or removed.
-
-    Every other line is kept byte for byte. ``table`` is the whole new table: written as a new ``[ttl]`` table
-    at the end when the file has none (it used the default classes). Raises UserError when the TTL table is not
-    a plain ``[ttl]`` table of ``class = "duration"`` lines.
-    """
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if _TTL_HEADER.match(line)), None)
-    if start is None:
-        try:
-            has_ttl = "ttl" in tomllib.loads(text)
-        except tomllib.TOMLDecodeError:
-            has_ttl = True
-        if has_ttl:
-            raise UserError('cannot edit the TTL table: write it as a [ttl] table with one `class = "3d"` line each')
-        tail = "" if not text or text.endswith("\n") else "\n"
-        body = "".join(f'{k} = "{fmt_duration(v)}"\n' for k, v in table.items())
-        return f"{text}{tail}\n[ttl]\n{body}"
-    end = next((j for j in range(start + 1, len(lines)) if _HEADER.match(lines[j])), len(lines))
-    found: dict[str, int] = {}
-    last = start
-    for j in range(start + 1, end):
-        stripped = lines[j].strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        m = _KEY.match(lines[j].rstrip("\r\n"))
-        if m is None:
-            raise UserError(f'cannot edit the [ttl] table: line {j + 1} is not `class = "duration"`')
-        found[m.group(3)] = j
-        last = j
-    newline = "\r\n" if lines[start].endswith("\r\n") else "\n"
-    if action in ("set", "remove") and name not in found:
-        raise UserError(f'cannot edit the [ttl] table: no plain `{name} = "duration"` line in it')
-    if action == "remove":
-        del lines[found[name]]
-    elif action == "set":
-        j = found[name]
-        m = _KEY.match(lines[j].rstrip("\r\n"))
-        assert m is not None
-        comment = f"  {m.group(5)}" if m.group(5) else ""
-        ending = lines[j][len(lines[j].rstrip("\r\n")) :]
-        lines[j] = f'{m.group(1)}{m.group(2)}{name}{m.group(2)} = "{value}"{comment}{ending}'
-    else:
-        if not lines[last].endswith("\n"):
-            lines[last] += newline
-        lines.insert(last + 1, f'{name} = "{value}"{newline}')
-    return "".join(lines)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    mode = stat_mod.S_IMODE(path.stat().st_mode)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dirfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
-
-
-@contextlib.contextmanager
-def _folder_lock(folder: Path):
-    """An exclusive lock on the cluster file's folder: two kvctl never rewrite the file at once."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def _rewrite_ttl(ctl: Ctl, action: str, name: str, value: str | None) -> dict[str, float]:
-    """Edit the file under the lock, check it loads with exactly the intended table, replace it; the new table."""
+    """Change one class in the cluster file's ``[ttl]`` table (``cluster.edit``: comments, layout and order kept,
+    replaced atomically under a lock); the whole new table. A file without a ``[ttl]`` table (the default classes)
+    gets one, listing them all."""
     from kvtier.kvstore import cluster as cluster_mod
 
-    path = Path(os.path.realpath(ctl.path))
     try:
-        with _folder_lock(path.parent):
-            text = path.read_text()
-            try:
-                current = cluster_mod.parse(tomllib.loads(text), base_dir=path.parent, path=path).ttl_classes
-            except (tomllib.TOMLDecodeError, ValueError) as exc:
-                raise UserError(f"cluster file {path} is not valid: {exc}") from None
+        with cluster_mod.edit(ctl.path) as doc:
+            current = cluster_mod.parse(doc.unwrap(), base_dir=ctl.path.parent).ttl_classes
             want = dict(current)
             if action == "remove":
                 if name not in want:
@@ -127,17 +32,17 @@ def _rewrite_ttl(ctl: Ctl, action: str, name: str, value: str | None) -> dict[st
                 if action == "add" and name in want:
                     raise UserError(f"TTL class {name!r} exists already ({fmt_duration(want[name])}); use `ttl set`")
                 want[name] = user_duration(value)
-            new = edit_ttl_table(text, action, name, value, want)
-            try:
-                check = cluster_mod.parse(tomllib.loads(new), base_dir=path.parent, path=path).ttl_classes
-            except (tomllib.TOMLDecodeError, ValueError) as exc:
-                raise UserError(f"editing [ttl] would break {path} ({exc}); it was not changed") from None
-            if check != want:
-                raise UserError(f"cannot edit the [ttl] table of {path} safely; it was not changed")
-            _write_atomic(path, new)
-            return want
-    except OSError as exc:
-        raise UserError(f"cannot rewrite {path}: {exc.strerror or exc}") from None
+            if "ttl" not in doc:
+                doc["ttl"] = {k: fmt_duration(v) for k, v in want.items()}
+            elif action == "remove":
+                del doc["ttl"][name]
+            else:
+                doc["ttl"][name] = value
+            if cluster_mod.parse(doc.unwrap(), base_dir=ctl.path.parent).ttl_classes != want:
+                raise UserError(f"cannot edit the [ttl] table of {ctl.path} safely; it was not changed")
+    except ValueError as exc:  # ConfigError, or a value parse() could not convert
+        raise UserError(str(exc)) from None
+    return want
 
 
 def cmd_ttl(ctl: Ctl) -> int:
