@@ -38,6 +38,7 @@ from kvtier.kvstore.protocol import ErrorCode, Frame, ProtocolError
 from kvtier.kvstore.units import parse_duration
 from kvtier.transfer import state_protocol as sp
 from kvtier.transfer.conn import FrameConn, PeerError, serve_connections, tcp
+from kvtier.transfer.fetch_protocol import Entries, entries_meta, parse_entries
 from kvtier.transfer.state_protocol import Location, StateOp
 
 log = logging.getLogger("kvtier.directory")
@@ -64,7 +65,7 @@ class Directory:
         self._hosts: dict[tuple[str, str], _Host] = {}  # (tenant, host id)
         self._entries: dict[tuple[str, bytes], tuple[str, int, int]] = {}  # (tenant, key) -> host, slot, gen
 
-    def register(self, tenant: str, host: str, addr: tuple[str, int], entries: sp.Entries, full: bool) -> None:
+    def register(self, tenant: str, host: str, addr: tuple[str, int], entries: Entries, full: bool) -> None:
         with self._lock:
             self._expire()
             record = self._hosts.get((tenant, host))
@@ -82,7 +83,7 @@ class Directory:
                 self._entries[(tenant, key)] = (host, slot, gen)
                 record.keys.add(key)
 
-    def unregister(self, tenant: str, host: str, entries: sp.Entries) -> None:
+    def unregister(self, tenant: str, host: str, entries: Entries) -> None:
         with self._lock:
             record = self._hosts.get((tenant, host))
             for key, slot, gen in zip(entries.keys, entries.slots.tolist(), entries.gens.tolist(), strict=True):
@@ -143,10 +144,10 @@ class Directory:
         meta = frame.meta
         if frame.opcode == StateOp.REGISTER:
             full = meta.get("full") is True
-            self.register(tenant, sp.host_field(meta), sp.addr_field(meta), sp.parse_entries(meta, limits_batch), full)
+            self.register(tenant, sp.host_field(meta), sp.addr_field(meta), parse_entries(meta, limits_batch), full)
             return {}
         if frame.opcode == StateOp.UNREGISTER:
-            self.unregister(tenant, sp.host_field(meta), sp.parse_entries(meta, limits_batch))
+            self.unregister(tenant, sp.host_field(meta), parse_entries(meta, limits_batch))
             return {}
         if frame.opcode == StateOp.HEARTBEAT:
             return {"known": self.heartbeat(tenant, sp.host_field(meta))}
@@ -166,11 +167,11 @@ class DirectoryClient:
     def register(
         self, host: str, addr: tuple[str, int], keys: list[bytes], slots: list[int], gens: list[int], full: bool
     ) -> None:
-        meta = {"host": host, "addr": list(addr), "full": full, **sp.entries_meta(keys, slots, gens)}
+        meta = {"host": host, "addr": list(addr), "full": full, **entries_meta(keys, slots, gens)}
         self.conn.call(StateOp.REGISTER, meta)
 
     def unregister(self, host: str, keys: list[bytes], slots: list[int], gens: list[int]) -> None:
-        self.conn.call(StateOp.UNREGISTER, {"host": host, **sp.entries_meta(keys, slots, gens)})
+        self.conn.call(StateOp.UNREGISTER, {"host": host, **entries_meta(keys, slots, gens)})
 
     def heartbeat(self, host: str) -> bool:
         """True if the directory knows this host; False: re-register everything (``full=True``)."""

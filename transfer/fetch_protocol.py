@@ -65,11 +65,31 @@ class FetchRequest:
 
 
 @dataclass
-class PutRequest:
+class Entries:
+    """A batch of keys, each with a slot and the slot's generation (PUT here; the StateBlock directory too)."""
+
     keys: list[bytes]
-    length: int
     slots: np.ndarray
     gens: np.ndarray
+
+
+def entries_meta(keys: Sequence[bytes], slots: Sequence[int], gens: Sequence[int]) -> dict[str, Any]:
+    if not len(keys) == len(slots) == len(gens):
+        raise ValueError(f"{len(keys)} keys, {len(slots)} slots, {len(gens)} generations")
+    blob, klen = wire.pack_keys(keys)
+    return {"keys": blob, "klen": klen, **release_meta(slots, gens)}
+
+
+def parse_entries(meta: dict[str, Any], max_batch: int) -> Entries:
+    keys = wire.unpack_keys(meta, max_batch)
+    n = len(keys)
+    return Entries(keys, wire.unpack_array(meta, "slot", "<u4", n), wire.unpack_array(meta, "gen", "<u8", n))
+
+
+@dataclass
+class PutRequest:
+    entries: Entries
+    length: int
     ttl_class: str
     headers: list[bytes | None]
 
@@ -163,27 +183,15 @@ def put_meta(
     ttl_class: str,
     headers: Sequence[bytes] | None,
 ) -> dict[str, Any]:
-    if not len(keys) == len(slots) == len(gens):
-        raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
-    blob, klen = wire.pack_keys(keys)
-    return {
-        "keys": blob,
-        "klen": klen,
-        "length": length,
-        "ttl": ttl_class,
-        **release_meta(slots, gens),
-        **_headers_meta(headers, len(keys)),
-    }
+    meta = entries_meta(keys, slots, gens)
+    return {**meta, "length": length, "ttl": ttl_class, **_headers_meta(headers, len(keys))}
 
 
 def parse_put(meta: dict[str, Any], slot_bytes: int, max_batch: int) -> PutRequest:
-    keys = wire.unpack_keys(meta, max_batch)
-    n = len(keys)
+    entries = parse_entries(meta, max_batch)
     return PutRequest(
-        keys,
+        entries,
         _length(meta, slot_bytes),
-        wire.unpack_array(meta, "slot", "<u4", n),
-        wire.unpack_array(meta, "gen", "<u8", n),
         wire.field(meta, "ttl", str),
-        list(wire.unpack_headers(meta, n)),
+        list(wire.unpack_headers(meta, len(entries.keys))),
     )

@@ -410,9 +410,10 @@ class Fetcher:
         request = fp.parse_put(frame.meta, self.pool.slot_bytes, self.config.limits.max_batch)
         if request.ttl_class not in self.config.ttl_classes:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown TTL class {request.ttl_class!r}")
-        answer = Answer.of(session, frame.request_id, len(request.keys), False)
+        entries = request.entries
+        answer = Answer.of(session, frame.request_id, len(entries.keys), False)
         flights = []
-        rows = zip(request.keys, request.headers, request.slots.tolist(), request.gens.tolist(), strict=True)
+        rows = zip(entries.keys, request.headers, entries.slots.tolist(), entries.gens.tolist(), strict=True)
         for i, (key, hdr, slot, gen) in enumerate(rows):
             if (slot, gen) not in session.allocs:
                 answer.errors[i] = f"slot {slot} generation {gen} was not allocated to this connection (or is stale)"

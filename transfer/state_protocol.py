@@ -20,7 +20,6 @@ Pull (each host's StateBlock server)::
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,34 +37,6 @@ class StateOp(enum.IntEnum):
     LOOKUP = 51
     STATS = 52
     PULL = 56
-
-
-@dataclass
-class Entries:
-    """Where a batch of StateBlocks is: per key a slot and a generation."""
-
-    keys: list[bytes]
-    slots: np.ndarray
-    gens: np.ndarray
-
-
-def entries_meta(keys: Sequence[bytes], slots: Sequence[int], gens: Sequence[int]) -> dict[str, Any]:
-    if not len(keys) == len(slots) == len(gens):
-        raise ValueError(f"{len(keys)} keys, {len(slots)} slots, {len(gens)} generations")
-    blob, klen = wire.pack_keys(keys)
-    return {
-        "keys": blob,
-        "klen": klen,
-        "slot": np.asarray(slots, "<u4").tobytes(),
-        "gen": np.asarray(gens, "<u8").tobytes(),
-    }
-
-
-def parse_entries(meta: dict[str, Any], max_batch: int) -> Entries:
-    keys = wire.unpack_keys(meta, max_batch)
-    return Entries(
-        keys, wire.unpack_array(meta, "slot", "<u4", len(keys)), wire.unpack_array(meta, "gen", "<u8", len(keys))
-    )
 
 
 def host_field(meta: dict[str, Any]) -> str:
