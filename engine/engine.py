@@ -49,6 +49,7 @@ class Result:
     replayed: bool  # the sliding state was rebuilt by bounded replay (approximate)
     ttft_s: float  # prefill start to first token
     first_logits: torch.Tensor  # [vocab], float32: the logits the first token was sampled from
+    timings: dict[str, float]  # where ``ttft_s`` went: lookup_fetch_s (match, StateBlock, blocks), replay_s, compute_s
 
 
 class Engine:
@@ -146,7 +147,7 @@ class Engine:
                 if len(seq.generated) < budget:
                     pos = len(seq.tokens) - 1
                     token = int(self.runner.run(seq, pos, pos + 1).argmax())
-            return Result(seq.generated, seq.hit_tokens, seq.replayed, seq.ttft_s, first)
+            return Result(seq.generated, seq.hit_tokens, seq.replayed, seq.ttft_s, first, seq.timings)
         finally:
             self.cache.release(seq.pages)
 
@@ -158,6 +159,7 @@ class Engine:
         keys = self.store.keys(prompt) if self.store is not None and reuse else []
         matched = self.store.match(keys) if keys else 0
         h, state = self._reuse(seq, keys, matched)
+        fetched = time.perf_counter()
         if state is not None:
             seq.sliding = SlidingState.from_state_block(self.config, state, h, self.dtype, self.device)
         elif h:
@@ -171,8 +173,11 @@ class Engine:
         on_state: Callable[[int], None] | None = None
         if storing and self.config.sliding_layers:
             on_state = lambda m: states.append((m, seq.sliding.state_block(m)))  # noqa: E731
+        computing = time.perf_counter()
         logits = self.runner.run(seq, h, len(prompt), on_state=on_state)
         seq.ttft_s = time.perf_counter() - start
+        seq.timings = {"lookup_fetch_s": fetched - start, "replay_s": computing - fetched}
+        seq.timings["compute_s"] = seq.ttft_s - (computing - start)
         if storing:
             self._publish(seq, keys, max(matched, h // self.block_tokens), states)
         return logits

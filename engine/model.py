@@ -41,10 +41,10 @@ def attention(
     visible = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - window
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+    # 4-D inputs: on the CPU that takes torch's fused (flash) kernel, 3-D ones the much slower math path
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=visible, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 class RMSNorm(nn.Module):

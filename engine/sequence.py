@@ -18,6 +18,7 @@ class Sequence:
     hit_tokens: int = 0  # prompt tokens whose KV came from the store
     replayed: bool = False  # the sliding state was rebuilt approximately: nothing of this sequence is stored
     ttft_s: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens(self) -> list[int]:
