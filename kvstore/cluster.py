@@ -45,8 +45,9 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import tomlkit
 import tomlkit.exceptions
 import tomlkit.items
@@ -58,6 +59,9 @@ from kvtier.kvstore.units import format_duration, parse_duration, parse_size
 
 DEFAULT_TENANT = "default"
 DEFAULT_TTL_CLASSES = {"agent": 3 * 86400.0, "chatbot": 7 * 86400.0}
+
+
+_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
@@ -120,30 +124,70 @@ class ClusterConfig:
         return found
 
 
-def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:
-    value = doc.get(name, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"[{name}] must be a table")
-    return value
+# --- the file's schema (msgspec checks types, required and unknown keys; parse() checks what types cannot) ---
 
 
-def _dataclass_from(cls: type, table: dict[str, Any], section: str) -> Any:
-    known = {f.name: f for f in fields(cls)}
-    unknown = set(table) - set(known)
+class _Table(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class _ClusterTable(_Table):
+    token: str
+    name: str = "kvtier"
+    hash: str = "xxh3_128"
+
+
+class _NodeEntry(_Table):
+    id: int
+    port: int
+    data_dir: str
+    capacity: int | str
+    host: str = "127.0.0.1"
+    metrics_port: int = 0
+
+
+class _GroupEntry(_Table):
+    nodes: list[int]
+
+
+class _TenantTable(_Table):
+    token: str
+
+
+class _File(msgspec.Struct):  # other top-level tables are other programs' settings
+    cluster: _ClusterTable
+    nodes: list[_NodeEntry] = []
+    groups: list[_GroupEntry] = []
+    tenants: dict[str, Any] = {}  # name -> _TenantTable, converted one by one to name the tenant in errors
+    ttl: dict[str, Any] | None = None  # None: DEFAULT_TTL_CLASSES
+    gc: dict[str, Any] = {}
+    client: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+
+
+def _convert(value: Any, kind: type[_T], where: str = "") -> _T:
+    """``value`` as ``kind``; ConfigError naming the key (``nodes[3].port: expected `int`, got `str```)."""
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        message, _, path = str(exc).partition(" - at `$")
+        path = where + path.rstrip("`")
+        message = message[:1].lower() + message[1:]
+        raise ConfigError(f"{path.lstrip('.')}: {message}" if path else message) from None
+
+
+def _settings(kind: type[_T], table: dict[str, Any], section: str) -> _T:
+    """A settings dataclass from its table; ``*_s`` keys may be durations (``"30s"``)."""
+    unknown = set(table) - {f.name for f in fields(kind)}
     if unknown:
         raise ConfigError(f"[{section}] has unknown keys: {', '.join(sorted(unknown))}")
     values = {}
     for key, raw in table.items():
-        kind = type(getattr(cls(), key))
-        if kind is float and isinstance(raw, int | float) and not isinstance(raw, bool):
-            values[key] = float(raw)
-        elif kind is float and isinstance(raw, str) and key.endswith("_s"):
-            values[key] = parse_duration(raw)
-        elif kind is int and isinstance(raw, int) and not isinstance(raw, bool):
-            values[key] = raw
-        else:
-            raise ConfigError(f"[{section}] {key} must be a {kind.__name__}, got {raw!r}")
-    return cls(**values)
+        try:
+            values[key] = parse_duration(raw) if key.endswith("_s") and isinstance(raw, str) else raw
+        except ValueError as exc:
+            raise ConfigError(f"{section}.{key}: {exc}") from None
+    return _convert(values, kind, section)
 
 
 def load(path: str | Path) -> ClusterConfig:
@@ -160,93 +204,83 @@ def load(path: str | Path) -> ClusterConfig:
     try:
         return parse(doc, base_dir=path.parent.resolve(), path=path)
     except ValueError as exc:
-        if isinstance(exc, ConfigError):
-            raise
         raise ConfigError(f"{path}: {exc}") from None
 
 
 def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> ClusterConfig:
-    cluster = _section(doc, "cluster")
-    token = cluster.get("token")
-    if not isinstance(token, str) or len(token) < 16:
-        raise ConfigError("[cluster] token must be a string of at least 16 characters")
-    hash_algo = cluster.get("hash", "xxh3_128")
-    if hash_algo not in HASH_ALGOS:
-        raise ConfigError(f"[cluster] hash must be one of {', '.join(HASH_ALGOS)}, got {hash_algo!r}")
+    """Validate a decoded cluster file (``data_dir`` paths are relative to ``base_dir``). Raises ConfigError."""
+    file = _convert(doc, _File)
+    cluster = file.cluster
+    if len(cluster.token) < 16:
+        raise ConfigError("cluster.token must be at least 16 characters")
+    if cluster.hash not in HASH_ALGOS:
+        raise ConfigError(f"cluster.hash must be one of {', '.join(HASH_ALGOS)}, got {cluster.hash!r}")
 
-    nodes: dict[int, NodeConfig] = {}
-    raw_nodes = doc.get("nodes", [])
-    if not isinstance(raw_nodes, list) or not raw_nodes:
+    if not file.nodes:
         raise ConfigError("the cluster file lists no [[nodes]]")
-    for raw in raw_nodes:
+    nodes: dict[int, NodeConfig] = {}
+    for entry in file.nodes:
         try:
-            node = NodeConfig(
-                id=int(raw["id"]),
-                host=str(raw.get("host", "127.0.0.1")),
-                port=int(raw["port"]),
-                data_dir=(base_dir / str(raw["data_dir"])).resolve(),
-                capacity_bytes=parse_size(raw["capacity"]),
-                metrics_port=int(raw.get("metrics_port", 0)),
-            )
-        except KeyError as exc:
-            raise ConfigError(f"a [[nodes]] entry lacks {exc.args[0]!r} (needs id, port, data_dir, capacity)") from None
-        if node.id in nodes:
-            raise ConfigError(f"node id {node.id} is listed twice")
-        if not 0 < node.port < 65536:
-            raise ConfigError(f"node {node.id}: port {node.port} is out of range")
-        if node.capacity_bytes <= 0:
-            raise ConfigError(f"node {node.id}: capacity must be positive")
-        nodes[node.id] = node
+            capacity = parse_size(entry.capacity)
+        except ValueError as exc:
+            raise ConfigError(f"node {entry.id}: capacity: {exc}") from None
+        if entry.id in nodes:
+            raise ConfigError(f"node id {entry.id} is listed twice")
+        if not 0 < entry.port < 65536 or not 0 <= entry.metrics_port < 65536:
+            raise ConfigError(f"node {entry.id}: port {entry.port} or metrics_port {entry.metrics_port} out of range")
+        if capacity <= 0:
+            raise ConfigError(f"node {entry.id}: capacity must be positive")
+        data_dir = (base_dir / entry.data_dir).resolve()
+        nodes[entry.id] = NodeConfig(entry.id, entry.host, entry.port, data_dir, capacity, entry.metrics_port)
 
     groups = []
-    for raw in doc.get("groups", []):
-        members = raw.get("nodes") if isinstance(raw, dict) else None
-        if not isinstance(members, list) or len(members) != TOTAL_SHARDS:
-            raise ConfigError(f"each [[groups]] entry needs nodes = [...] with exactly {TOTAL_SHARDS} node ids")
-        missing = [m for m in members if m not in nodes]
+    for n, group in enumerate(file.groups):
+        if len(group.nodes) != TOTAL_SHARDS:
+            raise ConfigError(f"groups[{n}] has {len(group.nodes)} nodes; each group has exactly {TOTAL_SHARDS}")
+        missing = [m for m in group.nodes if m not in nodes]
         if missing:
-            raise ConfigError(f"group {len(groups)} names unknown node ids {missing}")
-        groups.append([int(m) for m in members])
+            raise ConfigError(f"groups[{n}] names unknown node ids {missing}")
+        groups.append(group.nodes)
     if not groups:
         raise ConfigError(f"the cluster file has no [[groups]] (each is {TOTAL_SHARDS} node slots)")
 
-    tenants = {DEFAULT_TENANT: token}
-    for name, table in _section(doc, "tenants").items():
+    tenants = {DEFAULT_TENANT: cluster.token}
+    for name, table in file.tenants.items():
+        tenant = _convert(table, _TenantTable, f"tenants.{name}")
         if name == DEFAULT_TENANT:
             raise ConfigError(f"tenant {DEFAULT_TENANT!r} is implicit (it uses the cluster token)")
         if not name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"tenant name {name!r} may only hold letters, digits, - and _")
-        tenant_token = table.get("token") if isinstance(table, dict) else None
-        if not isinstance(tenant_token, str) or len(tenant_token) < 16:
-            raise ConfigError(f"[tenants.{name}] token must be a string of at least 16 characters")
-        if tenant_token in tenants.values():
-            raise ConfigError(f"[tenants.{name}] token is already used by another tenant")
-        tenants[name] = tenant_token
+        if len(tenant.token) < 16:
+            raise ConfigError(f"tenants.{name}.token must be at least 16 characters")
+        if tenant.token in tenants.values():
+            raise ConfigError(f"tenants.{name}.token is already used by another tenant")
+        tenants[name] = tenant.token
 
-    ttl_table = doc.get("ttl", {k: v for k, v in DEFAULT_TTL_CLASSES.items()})
-    if not isinstance(ttl_table, dict) or not ttl_table:
+    ttl_table = DEFAULT_TTL_CLASSES if file.ttl is None else file.ttl
+    if not ttl_table:
         raise ConfigError("[ttl] must define at least one TTL class")
     ttl_classes = {}
     for name, value in ttl_table.items():
         try:
-            ttl_classes[str(name)] = parse_duration(value)
+            ttl_classes[name] = parse_duration(_convert(value, int | float | str, f"ttl.{name}"))
         except ValueError as exc:
-            raise ConfigError(f"[ttl] {name}: {exc}") from None
+            raise ConfigError(f"ttl.{name}: {exc}") from None
 
-    gc = _dataclass_from(GCConfig, _section(doc, "gc"), "gc")
+    gc = _settings(GCConfig, file.gc, "gc")
     if not 0 < gc.low_watermark < gc.high_watermark <= 1:
         raise ConfigError("[gc] watermarks need 0 < low_watermark < high_watermark <= 1")
-    client = _dataclass_from(ClientConfig, _section(doc, "client"), "client")
+    client = _settings(ClientConfig, file.client, "client")
     if not 10 <= client.read_fanout <= TOTAL_SHARDS:
         raise ConfigError(f"[client] read_fanout must be between 10 and {TOTAL_SHARDS}")
     if not 10 <= client.min_write_shards <= TOTAL_SHARDS:
         raise ConfigError(f"[client] min_write_shards must be between 10 and {TOTAL_SHARDS}")
-    limits = _dataclass_from(Limits, _section(doc, "limits"), "limits")
+    limits = _settings(Limits, file.limits, "limits")
 
     return ClusterConfig(
-        name=str(cluster.get("name", "kvtier")),
-        token=token,
-        hash_algo=hash_algo,
+        name=cluster.name,
+        token=cluster.token,
+        hash_algo=cluster.hash,
         nodes=nodes,
         groups=groups,
         tenants=tenants,

@@ -45,3 +45,40 @@ def test_an_edit_that_breaks_the_file_is_refused_and_changes_nothing(tmp_path: P
         doc["gc"]["low_watermark"] = 0.95
     assert path.read_text() == before
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("port = 7400\n", "port = 7400.5\n", "nodes[0].port: expected `int`, got `float`"),
+        ("id = 0\n", 'id = "zero"\n', "nodes[0].id: expected `int`, got `str`"),
+        ('host = "127.0.0.1"\n', "host = 5\n", "nodes[0].host: expected `str`, got `int`"),
+        ("metrics_port = 7412\n", "metric_port = 7412\n", "nodes[0]: object contains unknown field `metric_port`"),
+        ('capacity = "2GiB"\n', "", "nodes[0]: object missing required field `capacity`"),
+        ('capacity = "2GiB"\n', 'capacity = "lots"\n', "node 0: capacity: bad size 'lots'"),
+        ('agent = "3d"', "agent = true", "ttl.agent: expected `int | float | str`, got `bool`"),
+        ('agent = "3d"', 'agent = "soon"', "ttl.agent: bad duration 'soon'"),
+        ("[gc]\n", '[gc]\ninterval_s = "soon"\n', "gc.interval_s: bad duration 'soon'"),
+        ("[gc]\n", "[gc]\ninterval_s = true\n", "gc.interval_s: expected `float`, got `bool`"),
+        ("[gc]\n", "[gc]\ninterval = 5\n", "[gc] has unknown keys: interval"),
+        ("[gc]\n", "[limits]\nmax_batch = 1.5\n\n[gc]\n", "limits.max_batch: expected `int`, got `float`"),
+        ("[gc]\n", '[tenants.teamb]\ntoken = "short"\n\n[gc]\n', "tenants.teamb.token must be at least 16"),
+        ("nodes = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]", "nodes = [0, 1]", "groups[0] has 2 nodes"),
+        ("[cluster]", "[klaster]", "object missing required field `cluster`"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_key(tmp_path: Path, old: str, new: str, message: str) -> None:
+    path = cluster_mod.write_default(tmp_path, base_port=7400)
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError) as caught:
+        cluster_mod.load(path)
+    assert str(caught.value).startswith(f"{path}: ") and message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_tables_of_other_programs_are_left_to_them(tmp_path: Path) -> None:
+    path = cluster_mod.write_default(tmp_path, base_port=7400)
+    path.write_text(path.read_text() + "\n[fetcher]\nslots = 4\n")
+    assert len(cluster_mod.load(path).nodes) == 12
