@@ -22,10 +22,10 @@ import threading
 from collections.abc import Sequence
 
 from kvtier.tools.cliutil import Parser, Subcommands
-from kvtier.tools.kvbench import fetch, putget, replay, stateblock, ttft
+from kvtier.tools.kvbench import fetch, putget, replay, stateblock, swa_replay, swapin, ttft
 from kvtier.tools.kvbench.common import PROG, BenchError, UsageError, VerifyError
 
-SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft)  # a new subcommand: its module, plus one entry here
+SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin)  # a new subcommand: its module, plus one entry here
 
 
 def build_parser() -> argparse.ArgumentParser:
