@@ -1,0 +1,86 @@
+"""The folders' one-way doors (README, "Architecture"), checked on the source: every ``kvtier`` import, including
+those inside functions, goes the allowed way; no two modules import each other, directly or around a loop; the
+store imports without torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# folder -> the folders its modules may import (besides itself); tools may import everything
+ALLOWED = {
+    "kvstore": set(),
+    "gc": {"kvstore"},
+    "transfer": {"kvstore", "gc", "kernels"},
+    "engine": {"kvstore", "gc", "transfer", "kernels"},
+    "kernels": set(),
+    "tools": {"kvstore", "gc", "transfer", "engine", "kernels"},
+}
+
+
+def modules() -> dict[str, Path]:
+    """``kvtier.<folder>.<module>`` -> its file, for every module of every folder."""
+    found = {}
+    for folder in ALLOWED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(("kvtier", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    return found
+
+
+def runtime_imports(path: Path, known: set[str]) -> set[str]:
+    """The kvtier modules ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks are for type checkers)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            node.body = []
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvtier."):
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                imported.add(submodule if submodule in known else node.module)
+        elif isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names if alias.name.startswith("kvtier.")}
+    return imported
+
+
+def folder(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_imports_between_folders_go_one_way() -> None:
+    found = modules()
+    wrong = [
+        f"{name} imports {target}"
+        for name, path in found.items()
+        for target in sorted(runtime_imports(path, set(found)))
+        if folder(target) != folder(name) and folder(target) not in ALLOWED[folder(name)]
+    ]
+    assert wrong == []
+
+
+def test_no_modules_import_each_other() -> None:
+    found = modules()
+    graph = {name: runtime_imports(path, set(found)) - {name} for name, path in found.items()}
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        raise AssertionError(f"import cycle: {' -> '.join(exc.args[1])}") from None
+
+
+def test_the_store_imports_without_torch() -> None:
+    store = [name for name in modules() if folder(name) in ("kvstore", "gc")]
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'transformers', 'safetensors'):\n"
+        "    sys.modules[name] = None  # importing it raises ImportError\n"
+        f"for module in {store!r}:\n"
+        "    __import__(module)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
