@@ -25,6 +25,7 @@ from kvtier.kvstore.client import Client
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.protocol import Op, encode_head
 from kvtier.kvstore.transport import AuthError
+from kvtier.tools.benchutil import free_port
 from kvtier.transfer.fetch_client import AsyncFetchClient, FetchClient, FetcherError
 from kvtier.transfer.fetch_protocol import BlockStatus
 from kvtier.transfer.fetcher import LocalFetcher
@@ -284,3 +285,18 @@ def test_fetcher_status_command_shows_usage_hits_and_in_flight(cluster: LocalClu
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "hit ratio 50.0%" in done.stdout and "2 ready" in done.stdout and "in flight 0 blocks" in done.stdout
+
+
+def test_the_fetcher_serves_metrics_and_health(cluster: LocalCluster, tmp_path: Path) -> None:
+    port = free_port()
+    shm = f"kvt-test-{secrets.token_hex(6)}"
+    extra = ["--metrics", f"127.0.0.1:{port}"]
+    with LocalFetcher(cluster.config_path, shm, tmp_path / "m.sock", "1MiB", f"{BLOCK}B", extra_args=extra) as f:
+        keys, _ = stored_blocks(cluster, 2)
+        with FetchClient(f.socket_path, cluster.config.token) as client:
+            client.release(client.fetch(keys, BLOCK))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        assert "kvtier_fetcher_blocks_fetched_total 2.0" in text and "kvtier_fetcher_ready 2.0" in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+            assert reply.status == 200 and b'"status": "ok"' in reply.read()

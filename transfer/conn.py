@@ -100,6 +100,14 @@ def _sinker(sink: Sink) -> Callable[[FrameReader], None]:
     return before_recv
 
 
+def parse_addr(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``:PORT`` means 127.0.0.1). Raises ValueError saying what is expected."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"bad address {text!r}: use HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
 def tcp(addr: tuple[str, int], timeout_s: float) -> Callable[[], socket.socket]:
     def connect() -> socket.socket:
         sock = socket.create_connection(addr, timeout=timeout_s)

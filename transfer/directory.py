@@ -37,11 +37,13 @@ from kvtier.kvstore import logs, wire
 from kvtier.kvstore.protocol import ErrorCode, Frame, ProtocolError
 from kvtier.kvstore.units import parse_duration
 from kvtier.transfer import state_protocol as sp
-from kvtier.transfer.conn import FrameConn, PeerError, serve_connections, tcp
+from kvtier.transfer.conn import FrameConn, PeerError, parse_addr, serve_connections, tcp
 from kvtier.transfer.fetch_protocol import Entries, entries_meta, parse_entries
+from kvtier.transfer.metrics import serve_metrics
 from kvtier.transfer.state_protocol import Location, StateOp
 
 log = logging.getLogger("kvtier.directory")
+COUNTERS = ("keys_looked_up", "keys_found", "hosts_expired", "full_reports")
 
 
 class DirectoryError(PeerError):
@@ -64,12 +66,14 @@ class Directory:
         self._lock = threading.Lock()
         self._hosts: dict[tuple[str, str], _Host] = {}  # (tenant, host id)
         self._entries: dict[tuple[str, bytes], tuple[str, int, int]] = {}  # (tenant, key) -> host, slot, gen
+        self.counts = dict.fromkeys(COUNTERS, 0)
 
     def register(self, tenant: str, host: str, addr: tuple[str, int], entries: Entries, full: bool) -> None:
         with self._lock:
             self._expire()
             record = self._hosts.get((tenant, host))
             if record is None or full:
+                self.counts["full_reports"] += full
                 if record is not None:
                     self._drop_entries(tenant, host, record)
                 record = self._hosts[(tenant, host)] = _Host(addr, self.clock())
@@ -118,18 +122,21 @@ class Directory:
                     index[host] = len(addrs)
                     addrs.append(self._hosts[(tenant, host)].addr)
                 hosts[i] = index[host]
+            self.counts["keys_looked_up"] += n
+            self.counts["keys_found"] += int((hosts >= 0).sum())
         return sp.lookup_reply(hosts, addrs, slots, gens)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             self._expire()
-            return {"hosts": len(self._hosts), "entries": len(self._entries)}
+            return {"hosts": len(self._hosts), "entries": len(self._entries), **self.counts}
 
     def _expire(self) -> None:
         deadline = self.clock() - self.lease_s
         for (tenant, host), record in list(self._hosts.items()):
             if record.last_seen < deadline:
                 log.info("host %s lost its lease: %d entries dropped", host, len(record.keys))
+                self.counts["hosts_expired"] += 1
                 self._drop_entries(tenant, host, record)
                 del self._hosts[(tenant, host)]
 
@@ -190,20 +197,12 @@ class DirectoryClient:
 
 
 def serve(
-    config: cluster_mod.ClusterConfig, listener: socket.socket, lease_s: float, stopping: threading.Event
+    config: cluster_mod.ClusterConfig, listener: socket.socket, directory: Directory, stopping: threading.Event
 ) -> None:
-    directory = Directory(lease_s)
     batch = config.limits.max_batch
     serve_connections(
         listener, config, lambda tenant, frame, _sock: (directory.handle(tenant, frame, batch), ()), stopping, log
     )
-
-
-def parse_addr(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"bad address {text!r}: use HOST:PORT")
-    return host or "127.0.0.1", int(port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="cluster file: the tokens hosts and engines present")
     parser.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT (port 0: any free port)")
     parser.add_argument("--lease", default="10s", help="a host silent this long loses its entries")
+    parser.add_argument("--metrics", help="serve /metrics and /health on HOST:PORT")
     args = parser.parse_args(argv)
     try:
         config = cluster_mod.load(args.config)
         lease_s = parse_duration(args.lease)
         listener = socket.create_server(parse_addr(args.listen))
+        directory = Directory(lease_s)
+        if args.metrics:
+            serve_metrics("directory", parse_addr(args.metrics), directory.stats, frozenset(COUNTERS))
     except (ValueError, OSError) as exc:
         print(f"kvtier-directory: {exc}", file=sys.stderr)
         return 2
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     host, port = listener.getsockname()[:2]
     print(f"ready {host}:{port}", flush=True)
-    serve(config, listener, lease_s, stopping)
+    serve(config, listener, directory, stopping)
     listener.close()
     return 0
 

@@ -38,6 +38,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,11 +52,17 @@ from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Op, ProtocolE
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.transfer import fetch_protocol as fp
 from kvtier.transfer import staging
+from kvtier.transfer.conn import parse_addr
 from kvtier.transfer.fetch_protocol import BlockStatus, FetchOp
+from kvtier.transfer.metrics import serve_metrics
 from kvtier.transfer.staging import PoolError, StagingPool, tenant_id
 
 log = logging.getLogger("kvtier.fetcher")
 PREFETCH_PENALTY = fp.MAX_PRIORITY  # a prefetch waits behind every fetch
+COUNTERS = (
+    "requests", "blocks_hit", "blocks_fetched", "blocks_missed", "blocks_failed", "blocks_full", "blocks_put",
+    "bytes_fetched",
+)  # fmt: skip
 _PEERCRED = struct.Struct("3i")
 
 
@@ -138,7 +145,7 @@ class Fetcher:
         self.jobs: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
         self.done: collections.deque[Job] = collections.deque()
         self.seq = itertools.count()
-        self.counters = collections.Counter[str]()
+        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))  # every key present: scraped from a thread
         self.sessions: set[Session] = set()
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -357,6 +364,7 @@ class Fetcher:
                 reserved = self.pool.reserve(os.getpid())
                 if reserved is None:
                     self._settle(answer, i, BlockStatus.FULL)
+                    self.counters["blocks_full"] += 1
                     continue
                 flight = Flight(key, hdr, *reserved)
                 self.flights[(tid, key, hdr, request.length)] = flight
@@ -521,11 +529,19 @@ class LocalFetcher:
     """A ``kvtier-fetcher`` child process (tests, benchmarks, the demo): start, kill, restart."""
 
     def __init__(
-        self, config_path: Path, shm: str, socket_path: Path, size: str, slot_size: str, workers: int = 2
+        self,
+        config_path: Path,
+        shm: str,
+        socket_path: Path,
+        size: str,
+        slot_size: str,
+        workers: int = 2,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.argv = [
             sys.executable, "-m", "kvtier.transfer.fetcher", "--config", str(config_path), "--shm", shm,
             "--size", size, "--slot-size", slot_size, "--socket", str(socket_path), "--workers", str(workers),
+            *extra_args,
         ]  # fmt: skip
         self.shm = shm
         self.socket_path = socket_path
@@ -574,6 +590,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", default="1GiB", help="pool capacity, e.g. 8GiB")
     parser.add_argument("--slot-size", default="1MiB", help="slot size: the largest block served")
     parser.add_argument("--workers", type=int, default=2, help="threads calling the store")
+    parser.add_argument("--metrics", help="serve /metrics and /health on HOST:PORT")
     parser.add_argument("--json", action="store_true", help="status: print JSON")
     parser.add_argument("command", nargs="?", choices=["serve", "status"], default="serve")
     return parser
@@ -597,6 +614,13 @@ def main(argv: list[str] | None = None) -> int:
     except (PoolError, OSError) as exc:
         print(f"kvtier-fetcher: {exc}", file=sys.stderr)
         return 2
+    if args.metrics:
+        try:
+            serve_metrics("fetcher", parse_addr(args.metrics), fetcher.stats, frozenset((*COUNTERS, "hits", "misses")))
+        except (ValueError, OSError) as exc:
+            print(f"kvtier-fetcher: --metrics: {exc}", file=sys.stderr)
+            fetcher.close()
+            return 2
     signal.signal(signal.SIGTERM, lambda *_: fetcher.stop())
     signal.signal(signal.SIGINT, lambda *_: fetcher.stop())
     log.info(

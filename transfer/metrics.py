@@ -1,0 +1,52 @@
+"""``/metrics`` and ``/health`` for the transfer processes (fetcher, directory), read from their ``stats()``.
+
+Every numeric entry of ``stats()`` becomes one series ``kvtier_<component>_<name>``: a counter if its name is
+listed in ``counters`` (totals since start), a gauge otherwise. ``stats()`` is called at scrape time, on the
+HTTP thread, so it must be safe to call from another thread (the fetcher's and directory's are: they only
+read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.kvstore.metrics import MetricsServer
+
+
+class StatsCollector(Collector):
+    def __init__(self, component: str, stats: Callable[[], dict[str, Any]], counters: frozenset[str]) -> None:
+        self.component = component
+        self.stats = stats
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in sorted(self.stats().items()):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            full = f"kvtier_{self.component}_{name}"
+            help_text = f"{self.component} {name.replace('_', ' ')}"
+            if name in self.counters:
+                yield CounterMetricFamily(full, help_text, value=value)
+            else:
+                yield GaugeMetricFamily(full, help_text, value=value)
+
+
+def serve_metrics(
+    component: str,
+    address: tuple[str, int],
+    stats: Callable[[], dict[str, Any]],
+    counters: frozenset[str] = frozenset(),
+) -> MetricsServer:
+    """Start serving ``/metrics`` (``stats()`` as series) and ``/health`` (ok while ``stats()`` answers)."""
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(component, stats, counters))
+
+    def health() -> dict[str, Any]:
+        return {"status": "ok", **{k: v for k, v in stats().items() if isinstance(v, int | float | str)}}
+
+    return MetricsServer(registry, address[0], address[1], health).start()
