@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvtier.gc.evictor import Evictor
 from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import logs
@@ -21,9 +22,11 @@ def run_node(config_path: str, node_id: int) -> None:
     """Open the node, attach its GC worker, serve until SIGTERM/SIGINT."""
     logs.configure(node=node_id)
     node, server = open_node(config_path, node_id)
-    worker = GCWorker(node.engine, node_id, node.config, lambda: node.ttl_classes)
+    evictor = Evictor(node.engine, node.config)
+    worker = GCWorker(node.engine, node_id, node.config, lambda: node.ttl_classes, evictor=evictor)
     node.gc = worker
     node.engine.on_high_watermark = worker.wake
+    node.engine.make_room = evictor.make_room
     serve(node, server, [worker.run])
 
 

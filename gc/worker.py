@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvtier.gc.evictor import Evictor
 from kvtier.gc.policy import expired, plan_eviction
 from kvtier.kvstore.chunks import COMMITTED, ChunkEngine
 from kvtier.kvstore.client import Client
@@ -49,6 +50,8 @@ class GCStats:
     cycles: int = 0
     evictions: int = 0
     expirations: int = 0
+    evictions_on_demand: int = 0  # blocks evicted at once because a write needed room
+    removals_pending: int = 0  # removed blocks whose DELETE has not reached every node yet (retried)
     zombies_promoted: int = 0
     zombies_dropped: int = 0
     shards_expired: int = 0
@@ -72,6 +75,7 @@ class GCWorker:
         config: ClusterConfig,
         ttl_classes: Callable[[], dict[str, float]],
         clock: Callable[[], float] = time.time,
+        evictor: Evictor | None = None,
     ) -> None:
         self.engine = engine
         self.node_id = node_id
@@ -81,24 +85,21 @@ class GCWorker:
         self.stats = GCStats()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # one cycle at a time (timer, watermark wake-up, admin request)
-        self._client: Client | None = None
+        self.client = Client(config)  # the cluster token: admin, may act for any tenant
+        self.evictor = evictor or Evictor(engine, config)
         self._next_zombie_scan = 0.0
-        group = next(g for g in config.groups if node_id in g)
-        self.group_size = len(set(group))
-
-    @property
-    def client(self) -> Client:
-        if self._client is None:
-            self._client = Client(self.config)  # the cluster token: admin, may act for any tenant
-        return self._client
 
     def wake(self) -> None:
         self._wake.set()
 
     def run(self, stopping: threading.Event) -> None:
-        """Cycle until ``stopping`` is set; a failing cycle is logged and retried next interval."""
+        """Finish removals a crash interrupted, then cycle until ``stopping`` is set; a failing cycle is logged
+        and retried next interval."""
+        first = True
         while not stopping.is_set():
-            self._wake.wait(self.config.gc.interval_s)
+            if not first:
+                self._wake.wait(self.config.gc.interval_s)
+            first = False
             self._wake.clear()
             if stopping.is_set():
                 break
@@ -116,6 +117,7 @@ class GCWorker:
             start = time.perf_counter()
             self.engine.reap()
             self.engine.flush_access()
+            self.stats.removals_pending = self.evictor.replay()
             self._expire()
             self._evict_to_watermark()
             now = self.clock()
@@ -124,6 +126,7 @@ class GCWorker:
                 self._next_zombie_scan = now + max(self.config.gc.interval_s, self.config.gc.write_timeout_s / 4)
             if repair:
                 self._repair()
+            self.stats.evictions_on_demand = self.evictor.evicted_on_demand
             self.stats.cycles += 1
             self.stats.last_cycle_s = time.perf_counter() - start
             return self.stats.as_dict()
@@ -131,14 +134,8 @@ class GCWorker:
     # -- removal --------------------------------------------------------------------------------------
 
     def _remove(self, bkeys: list[bytes]) -> None:
-        """Remove blocks: record and local shard first, then every other node's shards."""
-        by_tenant: dict[str, list[bytes]] = {}
-        for tenant, key in self.engine.block_keys_to_pairs(bkeys):
-            by_tenant.setdefault(tenant, []).append(key)
-        for tenant, keys in by_tenant.items():
-            self.engine.delete(tenant, keys)
-            with self.client.acting_for(tenant):
-                self.client.delete(keys)
+        """Remove blocks whole: record and local shard first, then every other node's shards."""
+        self.evictor.remove(bkeys)
 
     def _expire(self) -> None:
         gone = expired(self.engine.lru_entries(), self.ttl_classes(), self.clock())  # type: ignore[arg-type]
@@ -147,18 +144,19 @@ class GCWorker:
             self.stats.expirations += len(gone)
 
     def _evict_to_watermark(self) -> None:
-        """Keep this primary's blocks within its share of every node's capacity.
+        """Keep this primary's blocks between the watermarks of its budget (its share of every node).
 
         Every block has one shard on each of the group's 12 nodes, so a node's usage is the sum, over the
-        group's primaries, of their blocks' shard sizes. Giving each primary a budget of ``capacity / 12``
-        between the watermarks keeps every node between them, with no coordination and no race: the
-        index total drops the moment a block is removed, whatever the peers are doing.
+        group's primaries, of their blocks' shard sizes. Keeping each primary's blocks (committed and
+        pending) between ``low`` and ``high`` of its budget (``placement.primary_budget_bytes``) keeps every
+        node between them, with no coordination: the total drops the moment a block is removed. Writes that
+        come faster than this make room themselves (``Evictor.make_room``).
         """
         gc = self.config.gc
         entries = self.engine.lru_entries()
         victims = plan_eviction(
-            sum(entry.size_bytes for entry in entries),
-            self.engine.capacity_bytes // self.group_size,
+            self.engine.pending_primary_bytes + sum(entry.size_bytes for entry in entries),
+            self.engine.primary_budget_bytes,
             gc.high_watermark,
             gc.low_watermark,
             ((entry.key, entry.size_bytes) for entry in entries),

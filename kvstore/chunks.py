@@ -8,16 +8,19 @@ Layout of a node's data dir::
 Contract (every method is safe to call from several threads):
 
 - ``reserve``         sets aside a slot per announced shard (the node receives the payload straight into
-  it). A shard already COMMITTED under the same (tenant, key, index) is left as it is (``EXISTS``).
-  ``NO_SPACE`` when the slot would take usage past ``capacity_bytes`` (after waiting out slots in their
-  grace time) or the disk is full. ``cancel`` gives reservations back.
+  it). A shard already COMMITTED under the same (tenant, key, index) is left as it is (``EXISTS``). A shard 0
+  (this node is the block's primary) is charged to the primary budget; over budget, ``make_room`` (the GC's
+  evictor) evicts least-recently-used unpinned blocks at once. ``NO_SPACE`` only when nothing more could be
+  evicted, when the node stays full for ``room_wait_s``, or when the disk is full. ``cancel`` gives
+  reservations back.
 - ``record_pending``  checksums the received shards and records them PENDING (replacing a PENDING one).
 - ``commit``          flips PENDING shards to COMMITTED and, at the primary (and shard 1's holder), writes
   the block record that ``match`` and reads consult. A block without a record is invisible.
 - ``read``            returns committed, unexpired shards whose crc32c verifies, pinned until ``unpin``;
   anything else is an erasure (``MISSING``/``CORRUPT``/``MISMATCH``/``ABSENT``), never wrong bytes.
-- ``delete``          removes block records first, then shards; a freed slot is reused only after
-  ``grace_s`` and once no reader pins it.
+- ``delete``          removes block records first, then shards; a freed slot is reused once no reader pins
+  it (and after ``grace_s``, default none). ``remove_blocks`` is the primary's side of an eviction: records,
+  its shards and an eviction intent in one transaction (``intents``/``clear_intents`` track the rest).
 
 Every record is scoped by tenant: the tenant is a prefix of the LMDB key and comes from the connection's
 authentication, never from a request. Slots are allocated in memory (free lists rebuilt from LMDB at
@@ -159,17 +162,26 @@ class ChunkEngine:
         self,
         data_dir: str | Path,
         capacity_bytes: int,
-        grace_s: float = 5.0,
+        grace_s: float = 0.0,
         clock: Callable[[], float] = time.time,
         high_watermark: float = 0.9,
+        primary_budget_bytes: int | None = None,
+        room_wait_s: float = 2.0,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.capacity_bytes = capacity_bytes
+        # what the blocks this node is primary for may take on every node of its group (capacity / 12)
+        self.primary_budget_bytes = capacity_bytes // 12 if primary_budget_bytes is None else primary_budget_bytes
         self.grace_s = grace_s
+        self.room_wait_s = room_wait_s
         self.high_watermark = high_watermark
         self.on_high_watermark: Callable[[], None] | None = None  # wakes the GC worker
+        # evicts this primary's least recently used unpinned blocks until it is within its budget (the GC's
+        # evictor); called without the lock when a write takes the primary over its budget
+        self.make_room: Callable[[], None] | None = None
         self.clock = clock
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified whenever used bytes may have dropped
         (self.data_dir / "meta").mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(
             str(self.data_dir / "meta"), map_size=1 << 36, max_dbs=4, sync=False, metasync=False, lock=True
@@ -177,16 +189,23 @@ class ChunkEngine:
         self.shards_db = self.env.open_db(b"shards")
         self.blocks_db = self.env.open_db(b"blocks")
         self.settings_db = self.env.open_db(b"settings")
+        self.intents_db = self.env.open_db(b"evicting")  # tenant/key -> removal time, until every holder deleted
         self.slabs = SlabFiles(self.data_dir / "slabs")
         self.used_bytes = 0  # slots holding shards, reserved, or in their grace time after a delete
         self.lru = LruIndex()  # block records this node is primary for, least recently used first
         self._accessed: dict[bytes, float] = {}  # last-access times not yet written to LMDB
+        # shard 0s reserved or PENDING here (blocks this node will be primary for once committed), by shard key:
+        # charged to the primary budget from reservation on, so concurrent writers see each other
+        self._pending_primary: dict[bytes, int] = {}
+        self.pending_primary_bytes = 0
         used: dict[int, set[int]] = {}
         with self.env.begin() as txn:
-            for _, raw in txn.cursor(db=self.shards_db):
+            for skey, raw in txn.cursor(db=self.shards_db):
                 rec = ShardRecord.unpack(raw)
                 used.setdefault(rec.size_class, set()).add(rec.slot)
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
+                if rec.state == PENDING and rec.index == 0:
+                    self._charge(bytes(skey), SIZE_CLASSES[rec.size_class])
             blocks = [(bytes(k), BlockRecord.unpack(raw)) for k, raw in txn.cursor(db=self.blocks_db)]
             for bkey, block in sorted(blocks, key=lambda kb: kb[1].last_access):
                 own = txn.get(bkey + b"\x00", db=self.shards_db)
@@ -201,33 +220,43 @@ class ChunkEngine:
         """Set aside a slot per shard; the caller fills each ``view`` and then calls ``record_pending``.
 
         Per write: a Reservation, ``EXISTS`` (a committed shard is already stored; nothing to do, unless
-        ``replace``: repair rewriting a corrupt one) or ``NO_SPACE`` (capacity or disk). Reserved bytes
-        count as used until recorded or cancelled. When the writes do not fit but enough deleted bytes are
-        only waiting out their grace time, it waits for them (at most ``grace_s``) rather than refuse.
+        ``replace``: repair rewriting a corrupt one) or ``NO_SPACE``. Reserved bytes count as used until
+        recorded or cancelled.
+
+        Making room (docs/design.md §6): a shard 0 makes this node the block's primary, so it is charged to
+        the primary budget at once; a charge that takes the budget over calls ``make_room`` (evicts this
+        primary's least recently used unpinned blocks, whole). Shard 0s still over the budget afterwards are
+        ``NO_SPACE``: nothing more could be evicted. Then, when the node itself has no room, the call waits
+        (at most ``room_wait_s``) for removals under way to free it; what still does not fit is ``NO_SPACE``.
         """
-        self._wait_for_freeing(sum(SIZE_CLASSES[size_class_for(w.length)] for w in writes))
-        plan: list[int | Status] = []  # size class to reserve, or the verdict
+        plan = self._plan(tenant, writes, replace)
+        if self.primary_excess() > 0 and self.make_room is not None:
+            self.make_room()
         with self._lock:
-            self.used_bytes -= self.slabs.reap(self.clock())
-            with self.env.begin(db=self.shards_db, buffers=True) as txn:
-                for w in writes:
-                    raw = txn.get(shard_key(tenant, w.key, w.index))
-                    if raw is not None and raw[0] == COMMITTED and not replace:
-                        plan.append(Status.EXISTS)
-                        continue
-                    size_class = size_class_for(w.length)
-                    if self.used_bytes + SIZE_CLASSES[size_class] > self.capacity_bytes:
-                        plan.append(Status.NO_SPACE)
-                        continue
-                    self.used_bytes += SIZE_CLASSES[size_class]
-                    plan.append(size_class)
+            excess = self.primary_excess()
+            for i in reversed(range(len(writes))):  # the budget is over only if nothing more could be evicted
+                if excess <= 0:
+                    break
+                if writes[i].index == 0 and not isinstance(plan[i], Status):
+                    excess -= self._refuse(tenant, writes[i], plan, i)
+            self._wait_for_room(sum(SIZE_CLASSES[p] for p in plan if not isinstance(p, Status)))
+            for i, p in enumerate(plan):
+                if isinstance(p, Status):
+                    continue
+                if self.used_bytes + SIZE_CLASSES[p] > self.capacity_bytes:
+                    self._refuse(tenant, writes[i], plan, i)
+                else:
+                    self.used_bytes += SIZE_CLASSES[p]
             slots: dict[int, list[int]] = {}
             for size_class in {p for p in plan if not isinstance(p, Status)}:
                 count = sum(1 for p in plan if p == size_class and not isinstance(p, Status))
                 try:
                     slots[size_class] = self.slabs.allocate(size_class, count)[::-1]
-                except NoSpace:
+                except NoSpace:  # the disk under the slabs is full
                     self.used_bytes -= count * SIZE_CLASSES[size_class]
+                    for i, p in enumerate(plan):
+                        if p == size_class and not isinstance(p, Status):
+                            self._refuse(tenant, writes[i], plan, i)
             over_high = self.used_bytes - self.freeing_bytes > self.capacity_bytes * self.high_watermark
             if over_high and self.on_high_watermark is not None:
                 self.on_high_watermark()
@@ -235,24 +264,63 @@ class ChunkEngine:
             for w, p in zip(writes, plan, strict=True):
                 if isinstance(p, Status):
                     out.append(p)
-                elif p not in slots:
-                    out.append(Status.NO_SPACE)
                 else:
                     slot = slots[p].pop()
                     out.append(Reservation(w, p, slot, self.slabs.view(p, slot, w.length, for_write=True)))
         return out
 
-    def _wait_for_freeing(self, needed: int) -> None:
-        """Sleep until ``needed`` more bytes fit, while slots that would make room are in their grace."""
-        deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                self.used_bytes -= self.slabs.reap(self.clock())
-                short = self.used_bytes + needed - self.capacity_bytes
-                if short <= 0 or self.freeing_bytes == 0:
-                    return
-                next_free = self.slabs.quarantine[0][0] - self.clock() if self.slabs.quarantine else 0.0
-            time.sleep(min(max(next_free, 0.001), deadline - time.monotonic(), 0.05))
+    def _plan(self, tenant: str, writes: Sequence[ShardWrite], replace: bool) -> list[int | Status]:
+        """Per write its size class, or EXISTS; shard 0s are charged to the primary budget."""
+        plan: list[int | Status] = []
+        with self._lock, self.env.begin(db=self.shards_db, buffers=True) as txn:
+            for w in writes:
+                skey = shard_key(tenant, w.key, w.index)
+                raw = txn.get(skey)
+                if raw is not None and raw[0] == COMMITTED and not replace:
+                    plan.append(Status.EXISTS)
+                    continue
+                size_class = size_class_for(w.length)
+                plan.append(size_class)
+                if w.index == 0:
+                    self._charge(skey, SIZE_CLASSES[size_class])
+        return plan
+
+    def _refuse(self, tenant: str, write: ShardWrite, plan: list[int | Status], i: int) -> int:
+        """Mark ``plan[i]`` NO_SPACE, giving back its primary charge; returns the bytes given back."""
+        plan[i] = Status.NO_SPACE
+        return self._uncharge(shard_key(tenant, write.key, write.index)) if write.index == 0 else 0
+
+    def _charge(self, skey: bytes, size: int) -> None:
+        self.pending_primary_bytes += size - self._pending_primary.get(skey, 0)
+        self._pending_primary[skey] = size
+
+    def _uncharge(self, skey: bytes) -> int:
+        size = self._pending_primary.pop(skey, 0)
+        self.pending_primary_bytes -= size
+        return size
+
+    @property
+    def primary_bytes(self) -> int:
+        """What the blocks this node is primary for take on each node: committed ones and pending writes."""
+        return self.lru.total_bytes + self.pending_primary_bytes
+
+    def primary_excess(self) -> int:
+        """Bytes by which this primary's blocks exceed its budget (zero or less: within it)."""
+        return self.primary_bytes - self.primary_budget_bytes
+
+    def _wait_for_room(self, needed: int) -> None:
+        """With the lock held: wait until ``needed`` more bytes fit, at most ``room_wait_s`` (removals under way
+        elsewhere, slots pinned by replies being sent, or slots in their grace time free room)."""
+        deadline = time.monotonic() + self.room_wait_s
+        while True:
+            self.used_bytes -= self.slabs.reap(self.clock())
+            remaining = deadline - time.monotonic()
+            if self.used_bytes + needed <= self.capacity_bytes or remaining <= 0:
+                return
+            if self.on_high_watermark is not None:
+                self.on_high_watermark()
+            next_free = self.slabs.quarantine[0][0] - self.clock() if self.slabs.quarantine else remaining
+            self._room.wait(min(remaining, max(next_free, 0.001)))
 
     def record_pending(self, tenant: str, reservations: Sequence[Reservation], replace: bool = False) -> None:
         """The reserved slots hold their shards now: checksum them and record them PENDING.
@@ -270,6 +338,8 @@ class ChunkEngine:
                     old_rec = ShardRecord.unpack(old)
                     if old_rec.state == COMMITTED and not replace:  # a concurrent writer committed first
                         self._release_slot(r.size_class, r.slot, now)
+                        if w.index == 0:
+                            self._uncharge(skey)
                         continue
                     self._release(old_rec, now)
                 crc = crc32c.crc32c(r.view)
@@ -278,12 +348,15 @@ class ChunkEngine:
                 )
                 txn.put(skey, rec.pack())
 
-    def cancel(self, reservations: Sequence[Reservation]) -> None:
+    def cancel(self, tenant: str, reservations: Sequence[Reservation]) -> None:
         """Give back reserved slots whose shards never arrived (the writer went away)."""
         with self._lock:
             for r in reservations:
                 self.used_bytes -= SIZE_CLASSES[r.size_class]
                 self.slabs.release_now(r.size_class, r.slot)
+                if r.write.index == 0:
+                    self._uncharge(shard_key(tenant, r.write.key, 0))
+            self._room.notify_all()
 
     def put_pending(self, tenant: str, writes: Sequence[ShardWrite], data: Sequence[memoryview]) -> list[Status]:
         """``reserve`` + copy + ``record_pending`` in one call, for shards already in memory (repair, tests)."""
@@ -304,8 +377,10 @@ class ChunkEngine:
         self._release_slot(rec.size_class, rec.slot, now)
 
     def _release_slot(self, size_class: int, slot: int, now: float) -> None:
-        """The slot stays counted as used through its grace time: its bytes are not reusable before."""
+        """With the lock held. The slot stays counted as used until its grace time (``grace_s``, default none)
+        has passed and no reply pins it; writers waiting for room are woken."""
         self.slabs.release(size_class, slot, now + self.grace_s)
+        self._room.notify_all()
 
     def reap(self) -> None:
         """Return slots whose grace time has passed to the free lists."""
@@ -327,6 +402,7 @@ class ChunkEngine:
                 for c in commits:
                     statuses.append(self._commit_one(txn, tenant, c, now, indexed))
             for entry in indexed:
+                self._uncharge(entry[0] + b"\x00")  # shard 0's pending charge moves into the LRU index
                 self.lru.insert(*entry)
         return statuses
 
@@ -353,32 +429,87 @@ class ChunkEngine:
                 indexed.append((bkey, SIZE_CLASSES[rec.size_class], now, c.ttl_class, created))
         return Status.OK
 
-    def delete(self, tenant: str, keys: Sequence[bytes], indices: Sequence[int] = range(256)) -> int:
-        """Remove block records, then the shards of ``keys``; returns how many shards were removed."""
+    def delete(self, tenant: str, keys: Sequence[bytes], before: float | None = None) -> int:
+        """Remove the block records of ``keys`` (the primary's, or shard 1's copy), then their shards; returns
+        how many shards were removed. With ``before`` (an eviction's time), records and shards written later
+        are left alone: a block stored again since it was evicted is not touched by the eviction's DELETE."""
+        with self._lock, self.env.begin(write=True) as txn:
+            return self._delete_locked(txn, tenant, keys, before)
+
+    def _delete_locked(self, txn: lmdb.Transaction, tenant: str, keys: Sequence[bytes], before: float | None) -> int:
         now = self.clock()
         removed = 0
-        prefix = tenant_prefix(tenant)
-        with self._lock, self.env.begin(write=True) as txn:
-            for key in keys:
-                bkey = block_key(tenant, key)
-                txn.delete(bkey, db=self.blocks_db)
-                self.lru.remove(bkey)
-                self._accessed.pop(bkey, None)
-            cursor = txn.cursor(db=self.shards_db)
-            for key in keys:
-                base = prefix + key
-                if not cursor.set_range(base):
-                    continue
-                while cursor.key()[: len(base)] == base and len(cursor.key()) == len(base) + 1:
-                    rec = ShardRecord.unpack(cursor.value())
-                    if rec.index in indices:
-                        self._release(rec, now)
-                        removed += 1
-                        if not cursor.delete():
-                            break
-                    elif not cursor.next():
+        for key in keys:
+            bkey = block_key(tenant, key)
+            raw = txn.get(bkey, db=self.blocks_db)
+            if raw is None or (before is not None and BlockRecord.unpack(raw).created > before):
+                continue
+            txn.delete(bkey, db=self.blocks_db)
+            self.lru.remove(bkey)
+            self._accessed.pop(bkey, None)
+        cursor = txn.cursor(db=self.shards_db)
+        for key in keys:
+            base = tenant_prefix(tenant) + key
+            if not cursor.set_range(base):
+                continue
+            while cursor.key()[: len(base)] == base and len(cursor.key()) == len(base) + 1:
+                rec = ShardRecord.unpack(cursor.value())
+                if before is not None and rec.created > before:
+                    if not cursor.next():
                         break
+                    continue
+                if rec.index == 0 and rec.state == PENDING:
+                    self._uncharge(base + b"\x00")
+                self._release(rec, now)
+                removed += 1
+                if not cursor.delete():
+                    break
         return removed
+
+    def remove_blocks(self, tenant: str, keys: Sequence[bytes]) -> float:
+        """The primary's half of removing blocks (eviction, expiry): in one transaction, delete the records and
+        this node's shards and write an eviction intent per block. The blocks are invisible from here on;
+        the caller then has every other holder delete its shard (``before`` the returned time) and clears the
+        intents (``clear_intents``) once all of them answered. Intents left by a crash are replayed."""
+        with self._lock, self.env.begin(write=True) as txn:
+            now = self.clock()
+            self._delete_locked(txn, tenant, keys, None)
+            stamp = struct.pack("<d", now)
+            for key in keys:
+                txn.put(block_key(tenant, key), stamp, db=self.intents_db)
+        return now
+
+    def intents(self) -> dict[str, dict[float, list[bytes]]]:
+        """Removals whose DELETEs have not reached every holder yet: per tenant, per removal time, the keys."""
+        out: dict[str, dict[float, list[bytes]]] = {}
+        with self.env.begin(db=self.intents_db) as txn:
+            for bkey, raw in txn.cursor():
+                ((tenant, key),) = self.block_keys_to_pairs([bytes(bkey)])
+                out.setdefault(tenant, {}).setdefault(struct.unpack("<d", raw)[0], []).append(key)
+        return out
+
+    def clear_intents(self, tenant: str, keys: Sequence[bytes]) -> None:
+        with self._lock, self.env.begin(db=self.intents_db, write=True) as txn:
+            for key in keys:
+                txn.delete(block_key(tenant, key))
+
+    def eviction_candidates(self) -> list[bytes]:
+        """This primary's least recently used blocks (keys as in the LRU index) whose removal brings it within
+        its budget, skipping blocks whose shard 0 a reply is sending (pinned): their bytes could not be reused
+        now anyway, and a block being read is not cold. Fewer than needed when too many are pinned; none
+        when within budget. Blocks of pending writes are not in the index and are never candidates."""
+        with self._lock, self.env.begin(db=self.shards_db, buffers=True) as txn:
+            excess = self.primary_excess()
+            out = []
+            for entry in self.lru:
+                if excess <= 0:
+                    break
+                raw = txn.get(entry.key + b"\x00")  # type: ignore[operator]
+                if raw is not None and (_SHARD.unpack_from(raw)[2:4]) in self.slabs.pins:
+                    continue
+                out.append(entry.key)  # type: ignore[arg-type]
+                excess -= entry.size_bytes
+        return out
 
     # -- GC support -----------------------------------------------------------------------------------
 
@@ -471,6 +602,8 @@ class ChunkEngine:
             for skey, rec in found:
                 self._release(rec, now)
                 txn.delete(skey)
+                if rec.index == 0 and rec.state == PENDING:
+                    self._uncharge(skey)
         return len(found)
 
     # -- reads ----------------------------------------------------------------------------------------
@@ -541,6 +674,8 @@ class ChunkEngine:
         """Release the pins ``read`` took."""
         with self._lock:
             self.slabs.unpin([(r.size_class, r.slot) for r in records if r is not None])
+            if self.slabs.quarantine:
+                self._room.notify_all()  # a removed slot whose reply was in flight may be free now
 
     def records_held(self) -> list[tuple[bytes, BlockRecord]]:
         """Every block record here (as primary or as shard 1's copy), keyed by tenant prefix + key."""

@@ -50,20 +50,29 @@ class Lookups(ClientCore):
                 live[positions] = flags.astype(bool)
         return live
 
-    def delete(self, keys: Sequence[bytes]) -> None:
-        """Remove blocks: every node of each block's group drops its shards; primaries drop the record.
+    def delete(self, keys: Sequence[bytes], before: float | None = None) -> bool:
+        """Remove blocks: all 12 nodes of each block's group drop its shards and records (the primary's and
+        shard 1's copy). Returns whether every one of those nodes answered.
 
-        A node that is down keeps its shards until GC finds they have no block record.
+        ``before`` (seconds since the epoch; the GC's evictions pass their time) spares records and shards
+        written after it, so a block stored again meanwhile is not harmed. A node that is down keeps its
+        shards, which no reader is given once the primary's record is gone; they go when they expire (the
+        GC, which removes blocks itself, retries its DELETEs until every node answered).
         """
         if not keys:
-            return
+            return True
         shard_nodes = self.placement.shard_nodes(keys)
         exchange = Exchange(self.pool)
+        asks = []
         for node_id in np.unique(shard_nodes).tolist():
             positions = np.flatnonzero((shard_nodes == node_id).any(axis=1))
             blob, klen = pack_keys([keys[i] for i in positions])
-            exchange.request(node_id, Op.DELETE, {"keys": blob, "klen": klen})
+            meta: dict[str, Any] = {"keys": blob, "klen": klen}
+            if before is not None:
+                meta["before"] = float(before)
+            asks.append(exchange.request(node_id, Op.DELETE, meta))
         exchange.run(self.config.client.op_timeout_s)
+        return all(pending.ok for pending in asks)
 
     def stat(self, key: bytes) -> dict[str, Any]:
         """Where a block's shards live and what its primary records (for operators)."""

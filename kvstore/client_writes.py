@@ -16,7 +16,8 @@ from kvtier.kvstore.transport import Exchange
 
 
 class CapacityError(Exception):
-    """The cluster refused blocks because nodes are at capacity (even after eviction).
+    """The cluster refused blocks: a node had no room and nothing could be evicted to make it (every slot
+    pinned by reads in flight or held by pending writes), or a node's disk is full.
 
     ``stored`` says, per block of the failed call, whether it was stored anyway.
     """
@@ -42,9 +43,9 @@ class Writes(ClientCore):
         """Store blocks; returns per block whether it is now committed (True if it already was).
 
         Blocks may have different lengths. False means too few nodes took its shards (or its primary is
-        down); nothing of it is visible. Raises ValueError for an unknown TTL class and CapacityError if any
-        block was refused for lack of space (the others are stored as reported by the exception's
-        ``stored``).
+        down); nothing of it is visible. A full cluster makes room by evicting least-recently-used blocks
+        at once. Raises ValueError for an unknown TTL class and CapacityError if any block was refused
+        because nothing could be evicted (the others are stored as reported by the exception's ``stored``).
         """
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
@@ -58,7 +59,12 @@ class Writes(ClientCore):
         result = stored.tolist()
         if (no_space & ~stored).any():
             refused = int((no_space & ~stored).sum())
-            raise CapacityError(f"{refused} of {len(keys)} blocks were refused: nodes are at capacity", result)
+            raise CapacityError(
+                f"{refused} of {len(keys)} blocks were refused: nodes are at capacity and nothing could be evicted "
+                "(every slot is pinned by reads in flight or held by pending writes), or a node's disk is full; "
+                "retry once reads and writes in flight have finished",
+                result,
+            )
         return result
 
     def _store(

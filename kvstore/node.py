@@ -43,6 +43,7 @@ from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.keys import NO_HEADER
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
+from kvtier.kvstore.placement import primary_budget_bytes
 from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
@@ -97,7 +98,7 @@ class Session:
         self.tenant = tenant
         self.admin = admin
         self.scratch = bytearray()
-        self.receiving: tuple[int, list[Reservation | Status]] | None = None  # (request id, slots)
+        self.receiving: tuple[int, str, list[Reservation | Status]] | None = None  # (request id, tenant, slots)
 
     def scratch_view(self, n: int) -> memoryview:
         """Somewhere to receive bytes that are not kept (shards already stored, or refused)."""
@@ -199,6 +200,7 @@ class StorageNode:
         if len(lens) and (int(lens.min()) == 0 or int(lens.max()) > MAX_SHARD_BYTES):
             raise bad(f"shard lengths must be between 1 and {MAX_SHARD_BYTES} bytes")
         ttl_class = self._ttl_class(head)
+        tenant = self.tenant(session, head.meta)
         if ttl_class is None:
             slots: list[Reservation | Status] = [Status.BAD_CLASS] * len(keys)
         elif self.draining:
@@ -208,8 +210,8 @@ class StorageNode:
                 ShardWrite(keys[i], int(idx[i]), int(lens[i]), int(blen[i]), ttl_class, headers[i] or NO_HEADER)
                 for i in range(len(keys))
             ]
-            slots = self.engine.reserve(self.tenant(session, head.meta), writes, replace=bool(head.meta.get("replace")))
-        session.receiving = (head.request_id, slots)
+            slots = self.engine.reserve(tenant, writes, replace=bool(head.meta.get("replace")))
+        session.receiving = (head.request_id, tenant, slots)
         return [
             s.view if isinstance(s, Reservation) else session.scratch_view(int(n))
             for s, n in zip(slots, lens, strict=True)
@@ -218,13 +220,14 @@ class StorageNode:
     def abandon_payload(self, session: Session) -> None:
         """The connection died mid-payload: give the reserved slots back."""
         if session.receiving is not None:
-            self.engine.cancel([s for s in session.receiving[1] if isinstance(s, Reservation)])
+            _, tenant, slots = session.receiving
+            self.engine.cancel(tenant, [s for s in slots if isinstance(s, Reservation)])
             session.receiving = None
 
     def put_shards(self, session: Session, frame: Frame) -> Reply:
         if session.receiving is None or session.receiving[0] != frame.request_id:
             raise bad("PUT_SHARDS without shards")
-        slots = session.receiving[1]
+        slots = session.receiving[2]
         reserved = [s for s in slots if isinstance(s, Reservation)]
         self.engine.record_pending(self.tenant(session, frame.meta), reserved, replace=bool(frame.meta.get("replace")))
         session.receiving = None  # recorded: from here on the slots belong to shard records, not to us
@@ -309,8 +312,13 @@ class StorageNode:
         return Reply({"live": bytes(live)})
 
     def delete(self, session: Session, frame: Frame) -> Reply:
+        """Drop the blocks' records and shards; ``before`` (an eviction's time) spares what was written later."""
         keys = unpack_keys(frame.meta, self.config.limits.max_batch)
-        return Reply({"removed": self.engine.delete(self.tenant(session, frame.meta), keys)})
+        before = frame.meta.get("before")
+        if before is not None and (not isinstance(before, float | int) or isinstance(before, bool)):
+            raise bad("field 'before' must be a time in seconds")
+        removed = self.engine.delete(self.tenant(session, frame.meta), keys, before=before)
+        return Reply({"removed": removed})
 
     def stat(self, session: Session, frame: Frame) -> Reply:
         key = field(frame.meta, "key", bytes)
@@ -341,6 +349,10 @@ class StorageNode:
                 "used_bytes": self.engine.used_bytes,
                 "freeing_bytes": self.engine.freeing_bytes,
                 "capacity_bytes": self.engine.capacity_bytes,
+                "primary_bytes": self.engine.primary_bytes,
+                "primary_budget_bytes": self.engine.primary_budget_bytes,
+                "pinned_slots": len(self.engine.slabs.pins),
+                "evicting": sum(len(k) for t in self.engine.intents().values() for k in t.values()),
                 "high_watermark": gc.high_watermark,
                 "low_watermark": gc.low_watermark,
                 "uptime_s": time.time() - self.started,
@@ -531,11 +543,14 @@ def open_node(config_path: str, node_id: int) -> tuple[StorageNode, NodeServer]:
     if node_id not in config.nodes:
         raise cluster_mod.ConfigError(f"node {node_id} is not in {config_path}")
     node_cfg = config.nodes[node_id]
+    capacities = {nid: n.capacity_bytes for nid, n in config.nodes.items()}
     engine = ChunkEngine(
         node_cfg.data_dir,
         node_cfg.capacity_bytes,
         grace_s=config.gc.grace_s,
         high_watermark=config.gc.high_watermark,
+        primary_budget_bytes=primary_budget_bytes(config.groups, capacities, node_id),
+        room_wait_s=config.gc.room_wait_s,
     )
     node = StorageNode(config, node_id, engine)
     return node, NodeServer(node, node_cfg.host, node_cfg.port)

@@ -9,7 +9,7 @@ batch costs microseconds, not a Python loop per key.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -54,3 +54,12 @@ def key_prefixes(keys: Sequence[bytes]) -> np.ndarray:
     if len(blob) != width * len(keys) or width < 8:
         raise ValueError("keys in one batch must all have the same length (at least 8 bytes)")
     return np.frombuffer(blob, dtype=np.uint8).reshape(len(keys), width)[:, :8].copy().view("<u8").ravel()
+
+
+def primary_budget_bytes(groups: Sequence[Sequence[int]], capacities: Mapping[int, int], node_id: int) -> int:
+    """What the blocks one primary holds may take on every node of its group: the smallest capacity in the
+    group divided among the group's nodes. Every block has one shard, of one size, on each node of its
+    group, so while every primary stays within this budget no node of the group passes its capacity."""
+    group = next(g for g in groups if node_id in g)
+    nodes = set(group)
+    return min(capacities[nid] for nid in nodes) // len(nodes)

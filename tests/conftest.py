@@ -22,10 +22,15 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFa
     started: list[LocalCluster] = []
 
     def factory(capacity_bytes: int = 256 << 20, extra_toml: str = "", nodes: int = 12, gc: str = "") -> LocalCluster:
-        """``gc``: extra lines for the [gc] table; ``extra_toml``: more tables appended to the file."""
+        """``gc``: lines for the [gc] table (replacing the file's own settings of the same names);
+        ``extra_toml``: more tables appended to the file."""
         directory = tmp_path_factory.mktemp("cluster")
         path = cluster_mod.write_default(directory, nodes=nodes, capacity_bytes=capacity_bytes)
-        text = path.read_text().replace("[gc]\n", f"[gc]\n{gc}")
+        settings = {line.split("=")[0].strip() for line in gc.splitlines() if "=" in line}
+        text = "".join(
+            line for line in path.read_text().splitlines(keepends=True) if line.split("=")[0].strip() not in settings
+        )
+        text = text.replace("[gc]\n", f"[gc]\n{gc}")
         path.write_text(text + ("\n" + extra_toml + "\n" if extra_toml else ""))
         local = LocalCluster(path)
         local.start()

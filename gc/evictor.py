@@ -1,0 +1,84 @@
+"""Removing whole blocks this node is primary for: on demand when a write needs room, and for the GC worker.
+
+A removal (docs/design.md §6) is two steps with an intent in between, so a crash anywhere leaves either a
+live block or an invisible one whose shards are still being deleted, never a visible block with shards
+missing, and never orphan shards once the node is back:
+
+1. ``ChunkEngine.remove_blocks``: one LMDB transaction deletes the block records and this node's shards and
+   writes an eviction intent per block. From here readers get ``ABSENT`` from the primary.
+2. ``DELETE(before = removal time)`` to all 12 nodes of each block's group; when every node answered, the
+   intents are cleared. Otherwise they stay and ``replay`` resends them (at start-up, then every GC cycle).
+
+One removal runs at a time (the on-demand path runs in connection threads, the GC in its own), each with a
+fresh look at the budget, so two writers needing room never evict twice for the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from kvtier.kvstore.chunks import ChunkEngine
+from kvtier.kvstore.client import Client
+from kvtier.kvstore.cluster import ClusterConfig
+
+log = logging.getLogger("kvtier.gc")
+
+
+class Evictor:
+    """Removes whole blocks of one primary (see the module docstring). Thread-safe."""
+
+    def __init__(self, engine: ChunkEngine, config: ClusterConfig) -> None:
+        self.engine = engine
+        self.client = Client(config)  # the cluster token: may act for any tenant; used under the lock only
+        self._lock = threading.Lock()
+        self.evicted_on_demand = 0
+        self.deletes_replayed = 0
+
+    def make_room(self) -> None:
+        """Evict this primary's least recently used unpinned blocks until it is within its budget (or nothing
+        evictable is left; the caller refuses what still does not fit). Called by the chunk engine, without its
+        lock, when a write's shard 0s take the primary over budget."""
+        with self._lock:
+            victims = self.engine.eviction_candidates()
+            if victims:
+                self._remove(victims)
+                self.evicted_on_demand += len(victims)
+
+    def remove(self, bkeys: Sequence[bytes]) -> None:
+        """Remove blocks (keys as in the LRU index: tenant prefix + key), whole: see the module docstring."""
+        with self._lock:
+            self._remove(bkeys)
+
+    def _remove(self, bkeys: Sequence[bytes]) -> None:
+        by_tenant: dict[str, list[bytes]] = {}
+        for tenant, key in self.engine.block_keys_to_pairs(bkeys):
+            by_tenant.setdefault(tenant, []).append(key)
+        for tenant, keys in by_tenant.items():
+            when = self.engine.remove_blocks(tenant, keys)
+            log.info("removed %d blocks here; deleting their shards on the group", len(keys))
+            self._delete_everywhere(tenant, keys, when)
+
+    def _delete_everywhere(self, tenant: str, keys: list[bytes], when: float) -> bool:
+        with self.client.acting_for(tenant):
+            done = self.client.delete(keys, before=when)
+        if done:
+            self.engine.clear_intents(tenant, keys)
+        return done
+
+    def replay(self) -> int:
+        """Resend the DELETEs of removals that did not reach every node (a node was down, or this one was
+        killed mid-removal); returns how many blocks are still waiting for a node to answer."""
+        waiting = 0
+        with self._lock:
+            for tenant, by_time in self.engine.intents().items():
+                for when, keys in by_time.items():
+                    if self._delete_everywhere(tenant, keys, when):
+                        self.deletes_replayed += len(keys)
+                    else:
+                        waiting += len(keys)
+        return waiting
+
+    def close(self) -> None:
+        self.client.close()
