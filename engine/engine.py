@@ -15,8 +15,8 @@ Decode then extends the same pages and sliding state one token at a time.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from kvtier.engine.dense import forward_logits
 from kvtier.engine.fetch import FetcherPages, PageTransfer, StorePages
 from kvtier.engine.model import CausalLM
 from kvtier.engine.paged_cache import PagedKVCache, block_layout
-from kvtier.engine.reuse import Plan, Reuse, plan
+from kvtier.engine.reuse import Plan, Reuse, plan, plan_resume
 from kvtier.engine.runner import Runner
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.sliding import STATE_INTERVAL, SlidingState, state_block_bytes
@@ -73,7 +73,10 @@ class Engine:
         self.namespace = Namespace(
             model_id, str(self.dtype).removeprefix("torch."), block_tokens, block_layout(self.config, block_tokens)
         )
-        self.state_namespace = Namespace(model_id, self.namespace.kv_dtype, STATE_INTERVAL, "swa-state")
+        # StateBlock keys: a chain over the prompt at the granularity of both StateBlock positions and blocks
+        granule = math.gcd(STATE_INTERVAL, block_tokens)
+        self.state_namespace = Namespace(model_id, self.namespace.kv_dtype, granule, "swa-state")
+        self.handoff = False  # also save a StateBlock at the last block boundary (a P/D prefill worker)
         self.cache = PagedKVCache(self.config, -(-cache_tokens // block_tokens), block_tokens, self.dtype, self.device)
         self.runner = Runner(model, self.cache, chunk_tokens)
         self.store: BlockStore | None = None
@@ -126,20 +129,26 @@ class Engine:
         """Logits [len(tokens), vocab] of one full forward: no cache, no store."""
         return forward_logits(self.model, self._tensor(tokens))
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, reuse: bool = True) -> list[Result]:
-        """Greedy continuations, one :class:`Result` per prompt (in order). ``reuse=False`` neither reads
-        nor writes the store. Raises PromptError for a prompt the model cannot take (checked for every prompt
-        before any work)."""
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, reuse: bool = True, resume: bool = False
+    ) -> list[Result]:
+        """Greedy continuations, one :class:`Result` per prompt (in order).
+
+        ``reuse=False`` neither reads nor writes the store. ``resume=True`` is the decode worker's mode
+        (P/D): the prompt was prefilled elsewhere, so reuse every stored block up to the last block boundary
+        (with the prefill worker's StateBlock there), recompute at most the last block, and store nothing.
+        Raises PromptError for a prompt the model cannot take (every prompt is checked before any work).
+        """
         for p in prompts:
             self._tensor(p)
-        return [self._generate_one(list(p), max_new_tokens, reuse) for p in prompts]
+        return [self._generate_one(list(p), max_new_tokens, reuse, resume) for p in prompts]
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def _generate_one(self, prompt: list[int], max_new_tokens: int, reuse: bool) -> Result:
+    def _generate_one(self, prompt: list[int], max_new_tokens: int, reuse: bool, resume: bool) -> Result:
         seq = Sequence(prompt, SlidingState(self.config, 0, self.dtype, self.device))
         try:
-            first = self.prefill(seq, reuse)
+            first = self.prefill(seq, reuse, resume)
             token = int(first.argmax())
             budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
             while len(seq.generated) < budget:
@@ -151,71 +160,86 @@ class Engine:
         finally:
             self.cache.release(seq.pages)
 
-    def prefill(self, seq: Sequence, reuse: bool = True) -> torch.Tensor:
+    def prefill(self, seq: Sequence, reuse: bool = True, resume: bool = False) -> torch.Tensor:
         """Fill ``seq``'s cache for its prompt (reusing stored KV when ``reuse``); returns the logits [vocab]
         of its last position. ``seq.ttft_s`` counts up to the first token's logits, before publishing."""
         start = time.perf_counter()
         prompt = seq.prompt
         keys = self.store.keys(prompt) if self.store is not None and reuse else []
         matched = self.store.match(keys) if keys else 0
-        h, state = self._reuse(seq, keys, matched)
+        h, state = self._reuse(seq, keys, matched, resume)
         fetched = time.perf_counter()
         if state is not None:
             seq.sliding = SlidingState.from_state_block(self.config, state, h, self.dtype, self.device)
-        elif h:
+        elif h and self.config.sliding_layers:  # block KV without its StateBlock: bounded replay
             window = self.config.sliding_window
             seq.sliding = SlidingState(self.config, h - window, self.dtype, self.device)
             self.runner.run(seq, h - window, h, write_global=False)
             seq.replayed = True
         seq.hit_tokens = h
-        storing = bool(keys) and not seq.replayed
-        states: list[tuple[int, torch.Tensor]] = []
-        on_state: Callable[[int], None] | None = None
-        if storing and self.config.sliding_layers:
-            on_state = lambda m: states.append((m, seq.sliding.state_block(m)))  # noqa: E731
+        publishing = bool(keys) and not seq.replayed and not resume
+        states: dict[int, torch.Tensor] = {}
+        state_at = self._state_positions(h, len(prompt)) if publishing and self.config.sliding_layers else []
         computing = time.perf_counter()
-        logits = self.runner.run(seq, h, len(prompt), on_state=on_state)
+        logits = self.runner.run(
+            seq, h, len(prompt), state_at=state_at, on_state=lambda m: states.update({m: seq.sliding.state_block(m)})
+        )
         seq.ttft_s = time.perf_counter() - start
         seq.timings = {"lookup_fetch_s": fetched - start, "replay_s": computing - fetched}
         seq.timings["compute_s"] = seq.ttft_s - (computing - start)
-        if storing:
+        if publishing:
             self._publish(seq, keys, max(matched, h // self.block_tokens), states)
         return logits
 
-    def _reuse(self, seq: Sequence, keys: list[bytes], matched: int) -> tuple[int, torch.Tensor | None]:
+    def _state_positions(self, h: int, length: int) -> list[int]:
+        """Where this prefill saves StateBlocks: every multiple of 128 it computes, and with ``handoff`` the
+        last block boundary before the final token (where a decode worker resumes)."""
+        at = list(range((h // STATE_INTERVAL + 1) * STATE_INTERVAL, length + 1, STATE_INTERVAL))
+        boundary = (length - 1) // self.block_tokens * self.block_tokens
+        if self.handoff and boundary > h:
+            at.append(boundary)
+        return at
+
+    def _state_key(self, state_keys: list[bytes], m: int) -> bytes:
+        return state_keys[m // self.state_namespace.block_tokens - 1]
+
+    def _reuse(self, seq: Sequence, keys: list[bytes], matched: int, resume: bool) -> tuple[int, torch.Tensor | None]:
         """Apply the hit rule and fetch what it reuses: ``(h, StateBlock bytes or None)``. A fetch that comes
         up short re-plans with the blocks that landed."""
-        if not matched or self.transfer is None:
+        if not matched or self.transfer is None or self.store is None:
             return 0, None
         state_keys = chain(self.state_namespace, np.asarray(seq.prompt, dtype=np.uint32), self.store.hash_algo)
         buf = torch.empty(self.state_bytes, dtype=torch.uint8)
         found: dict[int, bool] = {}
 
         def has_state(h: int) -> bool:
-            if h not in found:
-                found[h] = self.state_blocks.get_into(state_keys[h // STATE_INTERVAL - 1], memoryview(buf.numpy()))
+            if h not in found:  # a lookup fills ``buf``: the last one asked is the one a plan uses
+                found.clear()
+                found[h] = self.state_blocks.get_into(self._state_key(state_keys, h), memoryview(buf.numpy()))
             return found[h]
 
+        rule = plan_resume if resume else plan
         block_hit = matched * self.block_tokens
         while True:
-            p: Plan = plan(len(seq.prompt), block_hit, self.block_tokens, self.config.sliding_window, has_state)
+            p: Plan = rule(len(seq.prompt), block_hit, self.block_tokens, self.config.sliding_window, has_state)
             if p.reuse is Reuse.NONE:
                 return 0, None
             n = p.hit_tokens // self.block_tokens
             self.runner.ensure_pages(seq, p.hit_tokens)
             landed = self.transfer.fetch(keys[:n], seq.pages[:n], seq.prompt[: n * self.block_tokens])
             if landed == n:
-                return p.hit_tokens, (buf if p.reuse is Reuse.EXACT else None)
+                exact = p.reuse is Reuse.EXACT and self.config.sliding_layers
+                return p.hit_tokens, (buf if exact and has_state(p.hit_tokens) else None)
             block_hit = landed * self.block_tokens
 
-    def _publish(self, seq: Sequence, keys: list[bytes], first: int, states: list[tuple[int, torch.Tensor]]) -> None:
+    def _publish(self, seq: Sequence, keys: list[bytes], first: int, states: dict[int, torch.Tensor]) -> None:
         """New full blocks to the store, StateBlocks to the pool (only for exactly computed sequences)."""
-        assert self.transfer is not None
+        assert self.transfer is not None and self.store is not None
         self.transfer.store_pages(keys[first:], seq.pages[first : len(keys)], seq.prompt)
         if states:
             state_keys = chain(self.state_namespace, np.asarray(seq.prompt, dtype=np.uint32), self.store.hash_algo)
-            for m, data in states:
-                self.state_blocks.put(state_keys[m // STATE_INTERVAL - 1], memoryview(data.cpu().numpy()))
+            for m, data in states.items():
+                self.state_blocks.put(self._state_key(state_keys, m), memoryview(data.cpu().numpy()))
 
     def _tensor(self, tokens: list[int]) -> torch.Tensor:
         n, limit, vocab = len(tokens), self.config.max_position_embeddings, self.config.vocab_size

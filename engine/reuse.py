@@ -47,3 +47,19 @@ def plan(
     if h == 0:
         return Plan(0, Reuse.NONE)
     return Plan(h, Reuse.EXACT if has_state(h) else Reuse.REPLAY)
+
+
+def plan_resume(
+    prompt_len: int,
+    block_hit_tokens: int,
+    block_tokens: int,
+    window: int | None,
+    has_state: Callable[[int], bool],
+) -> Plan:
+    """The decode worker's rule (P/D): the prefill worker stored every full block of this prompt and a
+    StateBlock at its last block boundary before the final token, so reuse up to there (exact) and recompute
+    at most the last block. Without that StateBlock, the prefill rule (:func:`plan`)."""
+    h = min(block_hit_tokens, prompt_len - 1) // block_tokens * block_tokens
+    if h and (window is None or has_state(h)):
+        return Plan(h, Reuse.EXACT)
+    return plan(prompt_len, block_hit_tokens, block_tokens, window, has_state)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -57,12 +57,13 @@ class Runner:
         start: int,
         end: int,
         write_global: bool = True,
+        state_at: Collection[int] = (),
         on_state: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Compute positions ``start … end-1`` of ``seq.tokens``; returns the logits of position ``end-1``.
 
         Positions before ``start`` must be in the pages (global layers) and the sliding state. ``on_state(m)``
-        is called for every multiple ``m`` of 128 in ``start+1 … end`` while the state at ``m`` is held.
+        is called for every ``m`` of ``state_at`` in ``start+1 … end`` while the sliding state at ``m`` is held.
         """
         self.ensure_pages(seq, end)
         device = self.cache.pages.device
@@ -75,7 +76,7 @@ class Runner:
             ctx = PagedContext(self.model, self.cache, seq, positions, write_global)
             hidden = self.model(tokens[pos - start : stop - start], positions, ctx)
             if on_state is not None:
-                for m in range((pos // STATE_INTERVAL + 1) * STATE_INTERVAL, stop + 1, STATE_INTERVAL):
+                for m in sorted(m for m in state_at if pos < m <= stop):
                     on_state(m)
             seq.sliding.trim()
             pos = stop

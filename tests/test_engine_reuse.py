@@ -156,3 +156,13 @@ def test_reuse_through_the_fetcher_process_is_exact(checkpoint: Path, cluster_fi
     assert (cold.hit_tokens, warm.hit_tokens, warm.replayed) == (0, 1280, False)
     assert warm.tokens == cold.tokens == e.generate([p], 16, reuse=False)[0].tokens
     assert fetched["hits"] > 0  # put through the fetcher's pool, read back from it
+
+
+def test_a_model_without_sliding_layers_reuses_up_to_the_last_block(tmp_path: Path, cluster_file: Path) -> None:
+    path = make_checkpoint(tmp_path / "llama", "tiny", seed=0, layer_types="full", family="llama")
+    e = engine(path, cluster_file)
+    p = prompt(641, seed=9)
+    cold, warm = e.generate([p], 8)[0], e.generate([p], 8)[0]
+    assert (warm.hit_tokens, warm.replayed) == (640, False)
+    assert warm.tokens == cold.tokens
+    assert (warm.first_logits - cold.first_logits).abs().max().item() <= TOLERANCE
