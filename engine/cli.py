@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.engine import baseline
+from kvtier.engine import baseline, worker
 from kvtier.engine.checkpoint import PRESETS, make_checkpoint
 
 
@@ -57,6 +57,11 @@ def parser() -> argparse.ArgumentParser:
     bl.add_argument("--refresh", action="store_true", help="regenerate the baseline file instead")
     bl.add_argument("--file", type=Path, default=baseline.DEFAULT_FILE)
     bl.set_defaults(run=_baseline)
+
+    for role, what in (("prefill", "compute prompts and store their KV"), ("decode", "generate from stored KV")):
+        w = sub.add_parser(role, help=f"P/D worker: {what} (JSON lines on stdin/stdout)")
+        worker.add_arguments(w)
+        w.set_defaults(run=lambda args, role=role: worker.serve(role, args))
     return top
 
 

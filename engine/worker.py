@@ -1,0 +1,123 @@
+"""``kvtier-engine prefill`` and ``kvtier-engine decode``: prefill/decode workers (P/D disaggregation).
+
+Each worker is its own process with its own model and paged cache; the two meet only through the store
+(block KV) and the StateBlock directory (sliding-window state, pulled from the host that holds it):
+
+- **prefill** computes a prompt (reusing any stored prefix), stores its new full blocks, and saves StateBlocks
+  at every multiple of 128 plus one at the last block boundary before the final token (the handoff);
+- **decode** fetches the whole prompt's blocks and the handoff StateBlock, recomputes at most the last block,
+  and generates greedily. Its output equals a single-process run.
+
+Protocol (stdin → stdout, one JSON object a line): the worker first prints
+``{"ready": true, "role": ..., "state_host": "HOST:PORT" | null}``, then answers each request
+``{"id": ..., "prompt": [token ids], "max_new_tokens": n}`` with one line:
+prefill ``{"id", "hit_tokens", "replayed", "ttft_s", "first_token"}``; decode ``{"id", "tokens", "hit_tokens",
+"recomputed_tokens", "replayed", "ttft_s"}``. A bad request is answered ``{"id", "error": "one line"}`` and the
+worker carries on. End of input ends the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, TextIO
+
+import torch
+
+from kvtier.engine.checkpoint import DTYPES
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.engine import Engine, PromptError
+from kvtier.engine.sliding import state_block_bytes
+from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
+from kvtier.kvstore import cluster as cluster_mod
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="Hugging Face model directory")
+    p.add_argument("--store", required=True, help="cluster file")
+    p.add_argument("--directory", help="HOST:PORT of the kvtier-directory (StateBlocks across processes)")
+    p.add_argument("--fetcher", help="Unix socket of this host's kvtier-fetcher (default: the store client)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--state-pool-bytes", type=int, default=256 << 20, help="StateBlock pool size (default 256 MiB)")
+
+
+def serve(role: str, args: argparse.Namespace, requests: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    states, host = _state_blocks(role, args, dtype)
+    try:
+        engine = Engine.from_pretrained(
+            args.checkpoint, args.device, dtype, store=args.store, fetcher=args.fetcher, state_blocks=states
+        )
+        engine.handoff = role == "prefill"
+        _say(out, {"ready": True, "role": role, "state_host": f"{host.addr[0]}:{host.addr[1]}" if host else None})
+        for line in requests:
+            if line.strip():
+                _say(out, _answer(engine, role, line))
+    finally:
+        if host is not None:
+            host.close()
+
+
+def _answer(engine: Engine, role: str, line: str) -> dict[str, Any]:
+    rid = None
+    try:
+        request = json.loads(line)
+        rid = request.get("id")
+        prompt, new = request["prompt"], int(request.get("max_new_tokens", 16))
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise PromptError("prompt must be a list of token ids")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return {"id": rid, "error": f"bad request: {e}"}
+    try:
+        if role == "prefill":
+            r = engine.generate([prompt], 1)[0]
+            return {
+                "id": rid,
+                "hit_tokens": r.hit_tokens,
+                "replayed": r.replayed,
+                "ttft_s": r.ttft_s,
+                "first_token": r.tokens[0],
+            }
+        r = engine.generate([prompt], new, resume=True)[0]
+    except PromptError as e:
+        return {"id": rid, "error": str(e)}
+    return {
+        "id": rid,
+        "tokens": r.tokens,
+        "hit_tokens": r.hit_tokens,
+        "recomputed_tokens": len(prompt) - r.hit_tokens,
+        "replayed": r.replayed,
+        "ttft_s": r.ttft_s,
+    }
+
+
+def _state_blocks(role: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[StateBlocks, Any]:
+    """This worker's StateBlock pool: shared through the directory when one is given, else private."""
+    if not args.directory:
+        return LocalStateBlocks(args.state_pool_bytes), None
+    from kvtier.transfer.stateblock import StateBlockHost
+
+    config = ModelConfig.from_dir(args.checkpoint)
+    size = state_block_bytes(config, torch.empty(0, dtype=dtype).element_size())
+    if size == 0:  # no sliding layers: nothing to share
+        return LocalStateBlocks(args.state_pool_bytes), None
+    host_name, port = args.directory.rsplit(":", 1)
+    host = StateBlockHost(
+        cluster_mod.load(args.store),
+        shm=f"kvtier-state-{role}-{os.getpid()}",
+        capacity_bytes=args.state_pool_bytes,
+        block_bytes=size,
+        host_id=f"{role}-{os.getpid()}",
+        directory=(host_name, int(port)),
+    )
+    return host, host
+
+
+def _say(out: TextIO, obj: dict[str, Any]) -> None:
+    out.write(json.dumps(obj) + "\n")
+    out.flush()
