@@ -162,6 +162,25 @@ def test_blocks_written_into_slots_are_stored_from_there_and_cached(cluster: Loc
             assert [b.status for b in again] == [BlockStatus.HIT] * 3
 
 
+def test_a_put_with_an_unknown_ttl_class_is_refused_and_keeps_the_slots(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys = [secrets.token_bytes(16)]
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        slots = client.alloc(1, BLOCK)
+        slots[0].array()[:] = 7
+        assert client.put(keys, slots, ttl_class="forever") == [False]
+        assert "unknown TTL class 'forever'" in slots[0].error and slots[0].status == BlockStatus.ALLOCATED
+        assert client.put(keys, slots, ttl_class="agent") == [True]
+
+
+def test_blocks_larger_than_a_slot_are_refused_before_anything_is_sent(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        with pytest.raises(ValueError, match="do not fit the fetcher's 16384-byte slots"):
+            client.fetch([secrets.token_bytes(16)], BLOCK + 1)
+        assert client.stats()["sessions"] == 1
+
+
 def test_a_full_pool_answers_full_for_the_blocks_it_cannot_place(cluster: LocalCluster, start_fetcher) -> None:
     fetcher = start_fetcher(size=f"{2 * BLOCK}B")
     keys, _ = stored_blocks(cluster, 3)

@@ -154,6 +154,13 @@ def test_an_existing_segment_of_another_geometry_is_refused_with_one_line(shm_na
         StagingPool.own(shm_name, 8 * SLOT, SLOT)
 
 
+def test_a_file_that_is_not_a_pool_is_refused_and_left_alone(shm_name: str) -> None:
+    staging.segment_path(shm_name).write_bytes(b"someone else's data" * 300)
+    with pytest.raises(PoolError, match="not a kvtier staging pool"):
+        StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    assert staging.segment_path(shm_name).read_bytes() == b"someone else's data" * 300
+
+
 def test_a_superseded_pinned_copy_is_freed_at_its_last_unpin(shm_name: str) -> None:
     pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
     old, old_gen = fill(pool, 1, pins=1)

@@ -169,12 +169,17 @@ class _Protocol:
             )
         return Blocks(blocks, self.release)  # type: ignore[attr-defined]
 
+    def _check_length(self, length: int) -> None:
+        if self.map is not None and length > self.map.slot_bytes:
+            raise ValueError(f"blocks of {length} B do not fit the fetcher's {self.map.slot_bytes}-byte slots")
+
     # -- calls (each public method of both clients is one of these) --------------------------------------
 
     def _fetch_call(
         self, keys: Sequence[bytes], length: int, headers: Sequence[bytes] | None, priority: int, pin: bool
     ) -> _Call[Blocks]:
         op = FetchOp.FETCH if pin else FetchOp.PREFETCH
+        self._check_length(length)
         meta = fp.fetch_meta(keys, length, headers, priority)
         return _Call(op, meta, lambda reply: self._slot_blocks(keys, length, reply, pin))
 
@@ -186,6 +191,7 @@ class _Protocol:
         return _Call(FetchOp.RELEASE, meta, lambda reply: int(reply.get("released", 0)))
 
     def _alloc_call(self, n: int, length: int) -> _Call[Blocks]:
+        self._check_length(length)
         return _Call(
             FetchOp.ALLOC,
             fp.alloc_meta(n, length),
@@ -205,8 +211,8 @@ class _Protocol:
         def finish(reply: dict[str, Any]) -> list[bool]:
             status, _, _, errors = fp.parse_slots(reply, len(keys))
             for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
-                block.key, block.pinned, block.error = key, False, errors.get(i, "")
-                block.status = BlockStatus(int(status[i]))
+                block.key, block.status, block.error = key, BlockStatus(int(status[i])), errors.get(i, "")
+                block.pinned = block.status == BlockStatus.ALLOCATED  # refused before the store: still the caller's
             return [int(s) == BlockStatus.STORED for s in status]
 
         return _Call(FetchOp.PUT, meta, finish)

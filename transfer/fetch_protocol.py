@@ -9,7 +9,8 @@ as packed arrays (:mod:`kvtier.kvstore.wire`), so a 1,200-key fetch is a few num
     PREFETCH  same as FETCH; nothing is pinned           → same
     RELEASE   slot u32[n], gen u64[n]                    → released
     ALLOC     n, length                                  → st (ALLOCATED / FULL), slot, gen: FILLING slots
-    PUT       keys, klen, length, slot, gen, ttl, [hdr]  → st (STORED / ERROR), [errors]
+    PUT       keys, klen, length, slot, gen, ttl, [hdr]  → st (STORED / ERROR / ALLOCATED: refused, still
+                                                           the caller's), [errors]
     STATS                                                → pool and fetcher counters
 
 A request the fetcher cannot parse is answered with an ERROR frame and the connection closed.

@@ -416,10 +416,16 @@ class Fetcher:
 
     def _put(self, session: Session, frame: Frame) -> None:
         request = fp.parse_put(frame.meta, self.pool.slot_bytes, self.config.limits.max_batch)
-        if request.ttl_class not in self.config.ttl_classes:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown TTL class {request.ttl_class!r}")
         entries = request.entries
         answer = Answer.of(session, frame.request_id, len(entries.keys), False)
+        if request.ttl_class not in self.config.ttl_classes:  # nothing is lost: the slots stay the caller's
+            known = ", ".join(sorted(self.config.ttl_classes))
+            answer.errors = dict.fromkeys(
+                range(len(entries.keys)), f"unknown TTL class {request.ttl_class!r} ({known})"
+            )
+            answer.status[:], answer.slots[:], answer.gens[:] = BlockStatus.ALLOCATED, entries.slots, entries.gens
+            self._answer(answer, frame.opcode)
+            return
         flights = []
         rows = zip(entries.keys, request.headers, entries.slots.tolist(), entries.gens.tolist(), strict=True)
         for i, (key, hdr, slot, gen) in enumerate(rows):

@@ -286,7 +286,12 @@ class StagingPool(SlotMap):
             else:
                 mapping = mmap.mmap(fd, size)
                 existing = _HEADER.unpack_from(mapping, 0)
-                if existing[0] == MAGIC and (existing[3], existing[5]) != (slot_bytes, slots):
+                if existing[0] != MAGIC:
+                    mapping.close()
+                    raise PoolError(
+                        f"/dev/shm/{name} exists and is not a kvtier staging pool: remove it or use another"
+                    )
+                if (existing[3], existing[5]) != (slot_bytes, slots):
                     mapping.close()
                     raise PoolError(
                         f"/dev/shm/{name} exists with {existing[5]} slots of {existing[3]} B, not {slots} of "

@@ -115,6 +115,7 @@ class StateBlockHost:
         self.addr: tuple[str, int] = self.listener.getsockname()[:2]
         self._stopping = threading.Event()
         self.heartbeat_s = heartbeat_s
+        self.heartbeat()  # the first report: everything a previous run of this host left in the pool
         self._threads = [
             threading.Thread(
                 target=serve_connections,
@@ -184,17 +185,16 @@ class StateBlockHost:
         self._evictions.append((key, slot, gen))
 
     def _report(self, keys: list[bytes], slots: list[int], gens: list[int]) -> None:
-        if self.directory is None:
+        """Tell the directory about new StateBlocks while it is reachable. While it is not, puts do not wait for
+        it: the heartbeat thread keeps trying and re-reports everything once it gets through."""
+        if self.directory is None or not self._reported:
             return
         with self._dir_lock:
             try:
-                if not self._reported:
-                    self._register_all()
-                else:
-                    self.directory.register(self.host_id, self.addr, keys, slots, gens, full=False)
+                self.directory.register(self.host_id, self.addr, keys, slots, gens, full=False)
                 self._flush_evictions()
             except DirectoryError as exc:
-                self._reported = False  # the next heartbeat that gets through re-reports everything
+                self._reported = False
                 log.warning("directory unreachable: %s", exc)
 
     def _register_all(self) -> None:
