@@ -34,6 +34,8 @@ import contextlib
 import ctypes
 import importlib.util
 import json
+import mmap
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -92,13 +94,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _segment(nbytes: int) -> Iterator[memoryview]:
-    """A fresh POSIX shared-memory segment of ``nbytes``, unlinked on exit."""
+def _segment(nbytes: int) -> Iterator[tuple[memoryview, str]]:
+    """A fresh POSIX shared-memory segment of ``nbytes`` (unlinked on exit), and what it is. Where /dev/shm has
+    less room than that (containers often give it 64 MiB), anonymous memory stands in: writing past a full tmpfs
+    would kill the process with SIGBUS."""
+    if shutil.disk_usage("/dev/shm").free < nbytes + (64 << 20):
+        with mmap.mmap(-1, nbytes) as anonymous:
+            view = memoryview(anonymous)
+            yield view, "anonymous mmap (/dev/shm too small)"
+            view.release()
+        return
     shm = shared_memory.SharedMemory(create=True, size=nbytes)
     try:
-        view = shm.buf
-        yield view
-        del view
+        yield shm.buf, "POSIX shared memory"
     finally:
         with contextlib.suppress(BufferError):  # a view outlived an error: the mapping goes with the process
             shm.close()
@@ -135,12 +143,13 @@ def _check(what: str, got: Any, want: Any) -> None:
 
 
 def _cpu(page: int, n: int, rounds: int) -> dict[str, Any]:
-    with _segment(n * page) as buf:
+    with _segment(n * page) as (buf, memory):
         times = _cpu_times(buf, page, n, rounds)  # returns holding no view of the segment, so it can close
     gbps = {name: n * page / t / 1e9 for name, t in times.items()}
     baseline = max(gbps["memcpy"], gbps["torch_copy"])
     return {
         "blocks": n,
+        "host_memory": memory,
         "gbps": gbps,
         "swap_in_vs_copy": gbps["swap_in"] / baseline,
         "swap_out_vs_copy": gbps["swap_out"] / baseline,
@@ -180,11 +189,12 @@ def _cpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
 
 
 def _gpu(page: int, n: int, rounds: int) -> dict[str, Any]:
-    with _segment(n * page) as buf:
+    with _segment(n * page) as (buf, memory):
         times = _gpu_times(buf, page, n, rounds)  # returns holding no view of the segment, so it can close
     gbps = {name: n * page / t / 1e9 for name, t in times.items()}
     return {
         "blocks": n,
+        "host_memory": memory,
         "gbps": gbps,
         "swap_in_vs_pinned_copy": gbps["swap_in"] / gbps["pinned_copy"],
         "per_block_vs_pinned_copy": gbps["per_block_memcpy"] / gbps["pinned_copy"],
