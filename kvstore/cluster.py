@@ -190,15 +190,20 @@ def _settings(kind: type[_T], table: dict[str, Any], section: str) -> _T:
     return _convert(values, kind, section)
 
 
-def load(path: str | Path) -> ClusterConfig:
-    """Read and validate a cluster file. Raises ConfigError (one line) on any problem."""
-    path = Path(path)
+def _read(path: Path) -> str:
     try:
-        doc = tomllib.loads(path.read_text())
+        return path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"cluster file {path} does not exist (create one with `kvstore init DIR`)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
+
+
+def load(path: str | Path) -> ClusterConfig:
+    """Read and validate a cluster file. Raises ConfigError (one line) on any problem."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(_read(path))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from None
     try:
@@ -377,11 +382,7 @@ def edit(path: str | Path) -> Iterator[tomlkit.TOMLDocument]:
     path = Path(os.path.realpath(path))
     with _folder_lock(path.parent):
         try:
-            doc = tomlkit.parse(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"cluster file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
+            doc = tomlkit.parse(_read(path))
         except tomlkit.exceptions.ParseError as exc:
             raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from None
         yield doc

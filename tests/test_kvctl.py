@@ -37,7 +37,7 @@ def cluster(make_cluster) -> Path:
     path.write_text(path.read_text().replace("[ttl]\n", '[ttl]\nshortlived = "1h"\nevictable = "1h"\n', 1))
     with connect(path) as kv:
         replies = kv.admin("ttl_set", classes=cluster_mod.load(path).ttl_classes)
-    assert all("error" not in r for r in replies.values()), replies
+    assert len(replies) == 12 and all("error" not in r for r in replies.values()), replies
     return path
 
 
@@ -83,8 +83,11 @@ def fails(result: subprocess.CompletedProcess[str], code: int) -> str:
 
 
 def node_ttls(path: Path) -> list[dict]:
+    """Every node's TTL table (all 12 answer)."""
     with connect(path) as kv:
-        return [info["ttl"] for info in kv.node_info().values()]
+        ttls = [info["ttl"] for info in kv.node_info().values()]
+    assert len(ttls) == 12
+    return ttls
 
 
 # --- status, nodes ----------------------------------------------------------------------------------------------

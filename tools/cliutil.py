@@ -3,13 +3,15 @@ line, and :class:`Subcommands`, through which each subcommand module registers i
 
 A subcommand module has ``register(commands: Subcommands) -> None``; it calls ``commands.add(name, help, run)``
 (or ``commands.group(name, help)`` for ``NAME ACTION`` commands) and adds its own arguments to the parser it gets
-back. The tool's entry point lists its modules in one tuple and calls ``args.run(...)`` on what was parsed.
+back. The tool's entry point lists its modules in one tuple, calls ``args.run(...)`` on what was parsed and turns
+the errors a user can cause into one line and an exit status (:func:`report_errors`).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 
@@ -42,3 +44,23 @@ class Subcommands:
 
     def _new(self, name: str, help_text: str) -> argparse.ArgumentParser:
         return self._subparsers.add_parser(name, help=help_text, description=help_text, parents=[self._common])
+
+
+def report_errors(prog: str, run: Callable[[], int], errors: Sequence[tuple[type[Exception], int, str]]) -> int:
+    """The exit status of ``run()``.
+
+    An exception of a type listed in ``errors`` (``(type, exit status, prefix)``; the first that matches wins)
+    becomes one ``PROG: PREFIX message`` line on stderr and that status; Ctrl-C is ``PROG: interrupted`` and 130.
+    Any other exception is a bug and propagates, traceback and all.
+    """
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        for kind, status, prefix in errors:
+            if isinstance(exc, kind):
+                print(f"{prog}: {prefix}{exc}", file=sys.stderr)
+                return status
+        raise

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 from collections.abc import Sequence
 
-from kvtier.tools.cliutil import Parser, Subcommands
+from kvtier.tools.cliutil import Parser, Subcommands, report_errors
 from kvtier.tools.kvbench import fetch, putget, replay, stateblock, swa_replay, swapin, ttft
 from kvtier.tools.kvbench.common import PROG, BenchError, UsageError, VerifyError
 
-SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin)  # a new subcommand: its module, plus one entry here
+# a new subcommand: its module, plus one entry here
+SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,17 +47,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)  # stop nodes and servers on the way out, as Ctrl-C does
-    try:
-        return args.run(args)
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except VerifyError as exc:
-        print(f"{PROG}: DATA MISMATCH: {exc}", file=sys.stderr)
-        return 1
-    except BenchError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    errors = [(UsageError, 2, "error: "), (VerifyError, 1, "DATA MISMATCH: "), (BenchError, 1, "")]
+    return report_errors(PROG, lambda: args.run(args), errors)

@@ -61,7 +61,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvtier.tools.cliutil import Parser, Subcommands
+from kvtier.tools.cliutil import Parser, Subcommands, report_errors
 from kvtier.tools.kvctl import drain, gc, lookup, status, top, ttl
 from kvtier.tools.kvctl.ctl import ENV_CONFIG, LONG_TIMEOUT_S, PROG, Ctl, Refused, UserError
 
@@ -101,32 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from kvtier.kvstore.transport import AuthError
 
-    ctl: Ctl | None = None
-    try:
+    def run() -> int:
+        from kvtier.kvstore.transport import AuthError
+
         ctl = Ctl(args)
-        return args.run(ctl)
-    except UserError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    except Refused as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
-    except AuthError as exc:
-        whose = "--token" if args.token else f"the token in {args.config or os.environ.get(ENV_CONFIG)}"
-        print(
-            f"{PROG}: the nodes rejected {whose} ({exc}): use the cluster file's [cluster] token or a tenant's token",
-            file=sys.stderr,
-        )
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        with contextlib.suppress(OSError):
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep Python's exit-time flush quiet
-        return 1
-    finally:
-        if ctl is not None:
+        try:
+            return args.run(ctl)
+        except AuthError as exc:
+            whose = "--token" if args.token else f"the token in {args.config or os.environ.get(ENV_CONFIG)}"
+            raise UserError(
+                f"the nodes rejected {whose} ({exc}): use the cluster file's [cluster] token or a tenant's token"
+            ) from None
+        except BrokenPipeError:  # stdout closed early (``kvctl ... | head``)
+            with contextlib.suppress(OSError):
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep Python's exit-time flush quiet
+            return 1
+        finally:
             ctl.close()
+
+    return report_errors(PROG, run, [(UserError, 2, ""), (Refused, 1, "")])
