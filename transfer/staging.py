@@ -74,6 +74,10 @@ class SlotState(enum.IntEnum):
     PINNED = 3
 
 
+# the same as plain ints: enum member access costs a microsecond in CPython 3.11, on the per-block path
+FREE, FILLING, READY, PINNED = (int(s) for s in SlotState)
+
+
 class PoolError(Exception):
     """The segment cannot be created, opened or taken over; the message says why and what to do."""
 
@@ -193,7 +197,7 @@ class SlotMap:
 
         Read it after using a slot's bytes: True proves nothing overwrote them meanwhile.
         """
-        return 0 <= slot < self.slots and int(self.gen[slot]) == generation and self.state[slot] != SlotState.FREE
+        return 0 <= slot < self.slots and int(self.gen[slot]) == generation and self.state[slot] != FREE
 
     @property
     def writer_pid(self) -> int:
@@ -201,14 +205,14 @@ class SlotMap:
 
     def stats(self) -> PoolStats:
         counts = np.bincount(self.state, minlength=4)
-        held = (self.state == SlotState.READY) | (self.state == SlotState.PINNED)
+        held = (self.state == READY) | (self.state == PINNED)
         return PoolStats(
             slots=self.slots,
             slot_bytes=self.slot_bytes,
-            free=int(counts[SlotState.FREE]),
-            filling=int(counts[SlotState.FILLING]),
-            ready=int(counts[SlotState.READY]),
-            pinned=int(counts[SlotState.PINNED]),
+            free=int(counts[FREE]),
+            filling=int(counts[FILLING]),
+            ready=int(counts[READY]),
+            pinned=int(counts[PINNED]),
             used_bytes=int(self.length[held].sum(dtype=np.uint64)),
             hits=int(self._counters[2]),
             misses=int(self._counters[3]),
@@ -312,15 +316,15 @@ class StagingPool(SlotMap):
         reclaimed = 0
         for slot in np.argsort(self.lru, kind="stable").tolist():
             state = self.state[slot]
-            if state == SlotState.FILLING:
+            if state == FILLING:
                 self._to_free(slot)
                 reclaimed += 1
                 continue
-            if state == SlotState.PINNED:  # its pinners' sessions died with the old writer
+            if state == PINNED:  # its pinners' sessions died with the old writer
                 self.pins[slot] = 0
-                self.state[slot] = SlotState.READY
+                self.state[slot] = READY
                 reclaimed += 1
-            if self.state[slot] == SlotState.READY:
+            if self.state[slot] == READY:
                 self._index[(int(self.tenant[slot]), self._key(slot))] = slot
                 self._evictable[slot] = None
             else:
@@ -342,7 +346,7 @@ class StagingPool(SlotMap):
 
     def _to_free(self, slot: int) -> None:
         self.gen[slot] += np.uint64(1)  # holders of the old generation now see a miss
-        self.state[slot] = SlotState.FREE
+        self.state[slot] = FREE
         self.pins[slot] = 0
         self.owner[slot] = 0
         self.length[slot] = 0
@@ -384,7 +388,7 @@ class StagingPool(SlotMap):
             else:
                 return None
             self.gen[slot] += np.uint64(1)
-            self.state[slot] = SlotState.FILLING
+            self.state[slot] = FILLING
             self.owner[slot] = owner_pid
             self.length[slot] = 0
             return slot, int(self.gen[slot])
@@ -396,7 +400,7 @@ class StagingPool(SlotMap):
         """
         key = self._checked(key)
         with self._lock:
-            if self.state[slot] != SlotState.FILLING:
+            if self.state[slot] != FILLING:
                 raise ValueError(f"slot {slot} is {SlotState(self.state[slot]).name}, not FILLING")
             old = self._index.get((tenant, key))
             if old is not None and old != slot:
@@ -407,7 +411,7 @@ class StagingPool(SlotMap):
             self.hdrs[slot] = np.frombuffer(hdr or bytes(HDR_BYTES), dtype=np.uint8)
             self.length[slot] = length
             self.pins[slot] = pins
-            self.state[slot] = SlotState.PINNED if pins else SlotState.READY
+            self.state[slot] = PINNED if pins else READY
             self._index[(tenant, key)] = slot
             self._tick(slot)
             if not pins:
@@ -415,7 +419,7 @@ class StagingPool(SlotMap):
 
     def _detach(self, slot: int) -> None:
         self._index.pop((int(self.tenant[slot]), self._key(slot)), None)
-        if self.state[slot] == SlotState.READY:
+        if self.state[slot] == READY:
             self._evictable.pop(slot, None)
             self._to_free(slot)
         else:
@@ -424,7 +428,7 @@ class StagingPool(SlotMap):
     def abandon(self, slot: int, generation: int) -> bool:
         """FILLING → FREE (the fill failed or its owner went away). False if ``generation`` is stale."""
         with self._lock:
-            if int(self.gen[slot]) != generation or self.state[slot] != SlotState.FILLING:
+            if int(self.gen[slot]) != generation or self.state[slot] != FILLING:
                 return False
             self._to_free(slot)
             return True
@@ -435,20 +439,20 @@ class StagingPool(SlotMap):
         with self._lock:
             if not 0 <= slot < self.slots or int(self.gen[slot]) != generation:
                 return False
-            if self.state[slot] not in (SlotState.READY, SlotState.PINNED):
+            if self.state[slot] not in (READY, PINNED):
                 return False
             if (tenant is not None and self.tenant[slot] != tenant) or (key is not None and self._key(slot) != key):
                 return False
             self._evictable.pop(slot, None)
             self.pins[slot] += np.uint32(1)
-            self.state[slot] = SlotState.PINNED
+            self.state[slot] = PINNED
             self._tick(slot)
             return True
 
     def unpin(self, slot: int, generation: int) -> bool:
         """Drop one pin; the last one makes the slot READY (evictable, most recently used) again."""
         with self._lock:
-            if int(self.gen[slot]) != generation or self.state[slot] != SlotState.PINNED:
+            if int(self.gen[slot]) != generation or self.state[slot] != PINNED:
                 return False
             self.pins[slot] -= np.uint32(1)
             if self.pins[slot] == 0:
@@ -456,7 +460,7 @@ class StagingPool(SlotMap):
                     self._detached.discard(slot)
                     self._to_free(slot)
                 else:
-                    self.state[slot] = SlotState.READY
+                    self.state[slot] = READY
                     self._evictable[slot] = None
             return True
 
