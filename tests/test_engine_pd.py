@@ -21,7 +21,11 @@ class Worker:
 
     def __init__(self, argv: list[str]) -> None:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready: Any = None
+
+    def wait_ready(self) -> Worker:
         self.ready = self.read()
+        return self
 
     def read(self) -> Any:
         assert self.proc.stdout is not None
@@ -45,13 +49,14 @@ class Worker:
 def setup(make_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Worker, Worker]]:
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", "tiny", seed=0)
     cluster = make_cluster(capacity_bytes=64 << 20).config_path
-    directory = Worker(
-        [sys.executable, "-m", "kvtier.transfer.directory", "--config", str(cluster), "--listen", "127.0.0.1:0"]
-    )
+    argv = [sys.executable, "-m", "kvtier.transfer.directory", "--config", str(cluster), "--listen", "127.0.0.1:0"]
+    directory = Worker(argv).wait_ready()
     address = directory.ready.split()[1]
     common = ["--checkpoint", str(checkpoint), "--store", str(cluster), "--directory", address]
     prefill = Worker([sys.executable, "-m", "kvtier.engine.cli", "prefill", *common])
     decode = Worker([sys.executable, "-m", "kvtier.engine.cli", "decode", *common])
+    prefill.wait_ready()  # both started before either is awaited: their imports overlap
+    decode.wait_ready()
     yield checkpoint, prefill, decode
     for w in (prefill, decode):
         w.stop()
