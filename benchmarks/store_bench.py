@@ -1,13 +1,26 @@
-"""Single-client put/get throughput and match latency on a local 12-node cluster, against a raw socket.
+"""Single-writer put and single-reader get throughput on a local 12-node cluster, against a raw socket.
 
-    python benchmarks/store_bench.py [--sizes 64KiB,1MiB,4MiB] [--batch 64MiB] [--rounds 5] [--json]
+    python benchmarks/store_bench.py [--sizes 64KiB,1MiB,4MiB] [--batch 64MiB] [--rounds 5]
+                                     [--modes fresh,capacity] [--capacity 256MiB] [--json]
 
-For every block size it times ``put`` (fresh keys each round) and ``get_into`` (into preallocated
-buffers) of one batch, and next to each, in the same run, one raw loopback TCP stream moving the same
-number of bytes (blocking ``sendall`` from a preallocated buffer in another process, ``recv_into`` a
-preallocated buffer here): the ceiling any Python client on this machine could reach. Results are
-medians over rounds and are reported as ratios to that stream. Then it times ``match`` of a 1,200-key
-chain. This is a benchmark, never a test: the machines are shared and noisy.
+Two situations, each on its own new cluster, per block size:
+
+- **fresh**: an empty cluster (2 GiB a node). Every round writes new keys, so every put lands in file
+  space the nodes have never written: what a user's new cluster does.
+- **capacity**: a small cluster (``--capacity`` a node) first filled with twice what it holds, so the
+  timed puts find it full and the store must evict (watermark GC, or on demand) to take them: what a
+  KV cache does all day. Nothing is deleted by the benchmark; the configured grace time is the default.
+
+Every round: one client (the writer) ``put``s one batch of fresh random 16-byte keys; a second client (the
+reader, which never wrote them) reads the batch with ``get_into`` into preallocated caller buffers, then
+with ``get`` (kvtier allocates the blocks); every read is checked. Next to each round, in the same run, one
+raw loopback TCP stream moves the same number of bytes (blocking ``sendall`` from a preallocated buffer in
+another process, ``recv_into`` a preallocated buffer here): the ceiling any Python client on this machine
+could reach. Round 0 warms connections and is not counted; results are medians over rounds, reported as
+ratios to the raw stream's median. A put that a full cluster refused (``CapacityError``) is reported as
+refused blocks, not hidden. Then it times ``match`` of a 1,200-key chain.
+
+This is a benchmark, never a test: the machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -17,53 +30,115 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.client import Client
+from kvtier.kvstore.client import CapacityError, Client
 from kvtier.kvstore.keys import Namespace, chain
-from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.units import format_size, parse_size
-from kvtier.tools.benchutil import raw_stream_gbps
+from kvtier.tools.benchutil import raw_stream_gbps, temp_cluster
 
-GRACE_S = 0.5
+MODES = ("fresh", "capacity")
+FRESH_CAPACITY = 2 << 30
+FILL_FACTOR = 2.0  # the capacity mode writes this many times what the cluster holds before timing
 
 
-def bench_size(client: Client, block_size: int, batch_bytes: int, rounds: int) -> dict[str, float]:
-    n = max(1, batch_bytes // block_size)
-    blocks = [np.random.default_rng(i).integers(0, 256, block_size, dtype=np.uint8).tobytes() for i in range(n)]
-    buffers = [bytearray(block_size) for _ in range(n)]
-    put_rates, get_rates, raw_rates = [], [], []
-    for round_ in range(rounds + 1):  # round 0 fills fresh slots and is not counted
-        keys = [os.urandom(16) for _ in range(n)]
-        start = time.perf_counter()
-        stored = client.put(keys, blocks)
-        if round_:
-            put_rates.append(n * block_size / (time.perf_counter() - start) / 1e9)
-        if not all(stored):
-            raise RuntimeError("a put was refused: give the nodes more capacity")
-        client.get_into(keys, buffers)  # first read of fresh data warms the nodes' buffers
-        start = time.perf_counter()
-        found = client.get_into(keys, buffers)
-        if round_:
-            get_rates.append(n * block_size / (time.perf_counter() - start) / 1e9)
-        if not all(found) or buffers[0] != blocks[0]:
-            raise RuntimeError("a read came back wrong")
-        raw_rates.append(raw_stream_gbps(n * block_size))
-        client.delete(keys)
-        time.sleep(GRACE_S)
-    put, get, raw = statistics.median(put_rates), statistics.median(get_rates), statistics.median(raw_rates)
+class Batch:
+    """One call's worth of random blocks, and the caller-owned buffers reads land in."""
+
+    def __init__(self, block_size: int, batch_bytes: int) -> None:
+        self.block_size = block_size
+        self.n = max(1, batch_bytes // block_size)
+        rng = np.random.default_rng(block_size)
+        self.blocks = [rng.integers(0, 256, block_size, dtype=np.uint8).tobytes() for _ in range(self.n)]
+        self.buffers = [bytearray(block_size) for _ in range(self.n)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.block_size
+
+    def fresh_keys(self) -> list[bytes]:
+        return [os.urandom(16) for _ in range(self.n)]
+
+
+def _timed(call: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
+
+
+def put_fresh(writer: Client, batch: Batch) -> tuple[list[bytes], float, int]:
+    """Put one batch of new keys; (keys, seconds, blocks refused for lack of space)."""
+    keys = batch.fresh_keys()
+    start = time.perf_counter()
+    try:
+        writer.put(keys, batch.blocks)
+        refused = 0
+    except CapacityError as exc:
+        refused = exc.stored.count(False)
+    return keys, time.perf_counter() - start, refused
+
+
+def bench_round(writer: Client, reader: Client, batch: Batch) -> dict[str, float]:
+    """One timed round: put of fresh keys, then ``get_into`` and ``get`` of them by the other client."""
+    keys, put_s, refused = put_fresh(writer, batch)
+    found, get_into_s = _timed(lambda: reader.get_into(keys, batch.buffers))
+    stored = [i for i, hit in enumerate(found) if hit]  # type: ignore[attr-defined]
+    if len(stored) + refused < batch.n:
+        raise RuntimeError(f"{batch.n - refused - len(stored)} stored blocks could not be read back")
+    if any(batch.buffers[i] != batch.blocks[i] for i in stored):
+        raise RuntimeError("get_into returned wrong bytes")
+    got, get_s = _timed(lambda: reader.get(keys))
+    if any(got[i] != batch.blocks[i] for i in stored):  # type: ignore[index]
+        raise RuntimeError("get returned wrong bytes")
+    read_bytes = len(stored) * batch.block_size  # a refused block is not read: its miss is not counted as speed
     return {
+        "put": (batch.n - refused) * batch.block_size / put_s / 1e9,
+        "get_into": read_bytes / get_into_s / 1e9,
+        "get": read_bytes / get_s / 1e9,
+        "raw": raw_stream_gbps(batch.nbytes),
+        "refused": refused,
+    }
+
+
+def fill(writer: Client, batch: Batch, target_bytes: float) -> int:
+    """Put fresh batches until ``target_bytes`` of blocks were offered; returns blocks refused."""
+    offered = refused = 0
+    while offered < target_bytes:
+        refused += put_fresh(writer, batch)[2]
+        offered += batch.nbytes
+    return refused
+
+
+def bench_size(mode: str, block_size: int, batch_bytes: int, rounds: int, capacity: int) -> dict[str, object]:
+    batch = Batch(block_size, batch_bytes)
+    node_capacity = FRESH_CAPACITY if mode == "fresh" else capacity
+    with (
+        temp_cluster(nodes=12, capacity_bytes=node_capacity) as local,
+        Client(local.config) as writer,
+        Client(local.config) as reader,
+    ):
+        fill_refused = 0
+        if mode == "capacity":
+            holds = 12 * node_capacity * 10 / 12  # block bytes the cluster holds (10 data of 12 shards)
+            fill_refused = fill(writer, batch, FILL_FACTOR * holds)
+        samples = [bench_round(writer, reader, batch) for _ in range(rounds + 1)][1:]
+        usage = [info.get("used_bytes", 0) / node_capacity for info in writer.node_info().values()]
+    med = {k: statistics.median(s[k] for s in samples) for k in ("put", "get_into", "get", "raw")}
+    return {
+        "mode": mode,
         "block_size": block_size,
-        "blocks_per_call": n,
-        "put_gbps": put,
-        "get_gbps": get,
-        "raw_stream_gbps": raw,
-        "put_ratio": put / raw,
-        "get_ratio": get / raw,
+        "blocks_per_call": batch.n,
+        "node_capacity": node_capacity,
+        "raw_stream_gbps": med["raw"],
+        **{f"{k}_gbps": med[k] for k in ("put", "get_into", "get")},
+        **{f"{k}_ratio": med[k] / med["raw"] for k in ("put", "get_into", "get")},
+        "refused_blocks": sum(int(s["refused"]) for s in samples),
+        "fill_refused_blocks": fill_refused,
+        "max_usage_after": max(usage, default=0.0),
+        "rounds": [{k: round(v, 3) for k, v in s.items()} for s in samples],
     }
 
 
@@ -86,33 +161,42 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="64KiB,1MiB,4MiB")
     parser.add_argument("--batch", default="64MiB", help="bytes moved per put/get call")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per size and mode (medians)")
+    parser.add_argument("--modes", default=",".join(MODES), help="fresh, capacity or both")
+    parser.add_argument("--capacity", default="256MiB", help="node capacity in the capacity mode")
+    parser.add_argument("--no-match", action="store_true", help="skip the match latency measurement")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    batch = parse_size(args.batch)
-    results: dict[str, object] = {}
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        path = cluster_mod.write_default(tmp, nodes=12, capacity_bytes=8 << 30, metrics=False)
-        # a KV cache runs full, so its writes land in slots that evictions freed, not in fresh file space:
-        # a short grace lets each round reuse the slots the previous round deleted (steady state)
-        path.write_text(path.read_text().replace("[gc]\n", f"[gc]\ngrace_s = {GRACE_S}\n"))
-        with LocalCluster(path) as local, Client(local.config) as client:
+    modes = [m.strip() for m in args.modes.split(",")]
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
+    batch, capacity = parse_size(args.batch), parse_size(args.capacity)
+    results: dict[str, object] = {
+        "batch_bytes": batch,
+        "results": [bench_size(mode, size, batch, args.rounds, capacity) for mode in modes for size in sizes],
+    }
+    if not args.no_match:
+        with temp_cluster(nodes=12, capacity_bytes=FRESH_CAPACITY) as local, Client(local.config) as client:
             results["codec_backend"] = client.codec.backend
-            results["sizes"] = [bench_size(client, size, batch, args.rounds) for size in sizes]
             results["match"] = bench_match(client)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"12-node local cluster, one client, codec {results['codec_backend']}, {format_size(batch)} per call")
-    print(f"{'block':>9} {'blocks':>7} {'raw GB/s':>9} {'put GB/s':>9} {'put/raw':>8} {'get GB/s':>9} {'get/raw':>8}")
-    for r in results["sizes"]:  # type: ignore[union-attr]
+    print(f"12-node local cluster, one writer client, one reader client, {format_size(batch)} per call, fresh keys")
+    print(
+        f"{'mode':>8} {'block':>7} {'raw GB/s':>8} {'put':>6} {'get_into':>8} {'get':>6}   "
+        f"{'put GB/s':>8} {'get_into GB/s':>13} {'refused':>7} {'usage':>5}"
+    )
+    for r in results["results"]:  # type: ignore[union-attr]
         print(
-            f"{format_size(r['block_size']):>9} {r['blocks_per_call']:>7} {r['raw_stream_gbps']:>9.2f} "
-            f"{r['put_gbps']:>9.2f} {r['put_ratio']:>7.2f}x {r['get_gbps']:>9.2f} {r['get_ratio']:>7.2f}x"
+            f"{r['mode']:>8} {format_size(r['block_size']):>7} {r['raw_stream_gbps']:>8.2f} "
+            f"{r['put_ratio']:>5.2f}x {r['get_into_ratio']:>7.2f}x {r['get_ratio']:>5.2f}x   "
+            f"{r['put_gbps']:>8.2f} {r['get_into_gbps']:>13.2f} {r['refused_blocks']:>7} {r['max_usage_after']:>5.0%}"
         )
-    m = results["match"]
-    print(f"match of a {m['keys']}-key chain: p50 {m['p50_ms']:.2f} ms, p99 {m['p99_ms']:.2f} ms")  # type: ignore[index]
+    if "match" in results:
+        m = results["match"]
+        print(f"match of a {m['keys']}-key chain: p50 {m['p50_ms']:.2f} ms, p99 {m['p99_ms']:.2f} ms")  # type: ignore[index]
     return 0
 
 

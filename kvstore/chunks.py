@@ -7,13 +7,14 @@ Layout of a node's data dir::
 
 Contract (every method is safe to call from several threads):
 
-- ``reserve``         sets aside a slot per announced shard (the node receives the payload straight into
+- ``reserve``         sets aside a slot per announced shard (the node writes the payload straight into
   it). A shard already COMMITTED under the same (tenant, key, index) is left as it is (``EXISTS``). A shard 0
   (this node is the block's primary) is charged to the primary budget; over budget, ``make_room`` (the GC's
   evictor) evicts least-recently-used unpinned blocks at once. ``NO_SPACE`` only when nothing more could be
   evicted, when the node stays full for ``room_wait_s``, or when the disk is full. ``cancel`` gives
   reservations back.
-- ``record_pending``  checksums the received shards and records them PENDING (replacing a PENDING one).
+- ``record_pending``  records the received shards PENDING with the CRC-32C computed as they arrived
+  (replacing a PENDING one).
 - ``commit``          flips PENDING shards to COMMITTED and, at the primary (and shard 1's holder), writes
   the block record that ``match`` and reads consult. A block without a record is invisible.
 - ``read``            returns committed, unexpired shards whose crc32c verifies, pinned until ``unpin``;
@@ -41,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import crc32c
 import lmdb
 
+from kvtier.kvstore import _native
 from kvtier.kvstore.lru import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
@@ -106,7 +107,7 @@ class BlockRecord(NamedTuple):
 
 @dataclass(frozen=True)
 class ShardWrite:
-    """One shard a writer announces; its bytes arrive later into ``Reservation.view``."""
+    """One shard a writer announces; its bytes arrive later at ``Reservation.fd``/``offset``."""
 
     key: bytes
     index: int
@@ -118,12 +119,18 @@ class ShardWrite:
 
 @dataclass
 class Reservation:
-    """A slot set aside for one shard; the shard exists only once ``record_pending`` ran."""
+    """A slot set aside for one shard; the shard exists only once ``record_pending`` ran.
+
+    Whoever fills the slot writes the shard at ``offset`` of the slab file ``fd`` and sets ``crc`` to its
+    CRC-32C (computed while the bytes were in hand: the engine does not read them back).
+    """
 
     write: ShardWrite
     size_class: int
     slot: int
-    view: memoryview
+    fd: int
+    offset: int
+    crc: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,7 +224,7 @@ class ChunkEngine:
     # -- writes ---------------------------------------------------------------------------------------
 
     def reserve(self, tenant: str, writes: Sequence[ShardWrite], replace: bool = False) -> list[Reservation | Status]:
-        """Set aside a slot per shard; the caller fills each ``view`` and then calls ``record_pending``.
+        """Set aside a slot per shard; the caller fills each slot (and its ``crc``), then calls ``record_pending``.
 
         Per write: a Reservation, ``EXISTS`` (a committed shard is already stored; nothing to do, unless
         ``replace``: repair rewriting a corrupt one) or ``NO_SPACE``. Reserved bytes count as used until
@@ -266,7 +273,7 @@ class ChunkEngine:
                     out.append(p)
                 else:
                     slot = slots[p].pop()
-                    out.append(Reservation(w, p, slot, self.slabs.view(p, slot, w.length, for_write=True)))
+                    out.append(Reservation(w, p, slot, *self.slabs.location(p, slot)))
         return out
 
     def _plan(self, tenant: str, writes: Sequence[ShardWrite], replace: bool) -> list[int | Status]:
@@ -323,7 +330,7 @@ class ChunkEngine:
             self._room.wait(min(remaining, max(next_free, 0.001)))
 
     def record_pending(self, tenant: str, reservations: Sequence[Reservation], replace: bool = False) -> None:
-        """The reserved slots hold their shards now: checksum them and record them PENDING.
+        """The reserved slots hold their shards now: record them PENDING with their ``crc``.
 
         A PENDING shard of the same (tenant, key, index) is replaced (a COMMITTED one only if ``replace``);
         the old slot is released after grace.
@@ -342,9 +349,8 @@ class ChunkEngine:
                             self._uncharge(skey)
                         continue
                     self._release(old_rec, now)
-                crc = crc32c.crc32c(r.view)
                 rec = ShardRecord(
-                    PENDING, w.index, r.size_class, r.slot, w.length, crc, w.block_len, now, w.header, w.ttl_class
+                    PENDING, w.index, r.size_class, r.slot, w.length, r.crc, w.block_len, now, w.header, w.ttl_class
                 )
                 txn.put(skey, rec.pack())
 
@@ -365,7 +371,8 @@ class ChunkEngine:
         statuses = []
         for r, payload in zip(reserved, data, strict=True):
             if isinstance(r, Reservation):
-                r.view[:] = payload
+                self.slabs.write(r.size_class, r.slot, payload)
+                r.crc = _native.crc32c(payload)
                 done.append(r)
                 statuses.append(Status.OK)
             else:
@@ -663,8 +670,10 @@ class ChunkEngine:
                 views.append(self.slabs.view(rec.size_class, rec.slot, rec.length) if ok else None)  # type: ignore[union-attr]
             if not probe:
                 self.slabs.pin([(r.size_class, r.slot) for r in records if r is not None])
-        for i, view in enumerate(views):
-            if view is not None and crc32c.crc32c(view) != records[i].crc:  # type: ignore[union-attr]
+        held = [i for i, view in enumerate(views) if view is not None]
+        crcs = _native.crc32c_many([views[i] for i in held])  # one call, without the GIL
+        for i, crc in zip(held, crcs, strict=True):
+            if crc != records[i].crc:  # type: ignore[union-attr]
                 statuses[i], views[i] = Status.CORRUPT, None
                 self.unpin([records[i]])
                 records[i] = None

@@ -202,6 +202,13 @@ class FrameReader:
         self._sink = views
         self._sink_index = 0
 
+    def payload_received(self) -> None:
+        """The owner received the current frame's whole payload itself (e.g. straight into files, in compiled
+        code): the frame is complete, with no ``payload`` of its own."""
+        if self.head is None or self._sink is not None:
+            raise RuntimeError("payload_received() is only allowed before any payload byte of a frame arrived")
+        self._finish_frame()
+
     def discard_payload(self, scratch: memoryview) -> None:
         """Send the rest of the current payload into ``scratch`` (reused over and over) and drop it.
 

@@ -6,8 +6,9 @@ sparsely by whole extents with ``ftruncate`` so that every mapped byte lies insi
 slots actually handed out are reserved on disk with ``posix_fallocate``. Writes into a reserved slot
 therefore cannot fail for lack of space, and a full disk shows up as :class:`NoSpace` at allocation.
 
-Nodes receive shard payloads straight into slot views (``recvmsg_into``) and send them from slot views
-(``sendmsg``): the only copies are the kernel's, between socket buffers and the page cache.
+Nodes receive shard payloads into a small reused buffer and ``pwrite`` them to their slot (``location``),
+so no slab page is mapped and zero-filled before its bytes arrive, and send them from slot views
+(``sendmsg``): the copies are the kernel's, between socket buffers, that buffer and the page cache.
 
 Free slots live in memory: rebuilt from the shard records at open, then maintained here. A released slot
 is reused only after its grace time, so a read that found it keeps valid bytes. The caller serialises
@@ -119,6 +120,17 @@ class SlabFiles:
             raise
         self.next_slot[size_class] = first + new
         return reused + list(range(first, first + new))
+
+    def location(self, size_class: int, slot: int) -> tuple[int, int]:
+        """(file descriptor, byte offset) of a slot, for ``pwrite``; the descriptor lives until ``close``."""
+        return self._fd(size_class), slot * SIZE_CLASSES[size_class]
+
+    def write(self, size_class: int, slot: int, data: bytes | memoryview) -> None:
+        """Write ``data`` at the start of a slot."""
+        fd, offset = self.location(size_class, slot)
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.pwrite(fd, view, offset + (len(data) - len(view))) :]
 
     def view(self, size_class: int, slot: int, length: int, for_write: bool = False) -> memoryview:
         """A view of the first ``length`` bytes of a slot.

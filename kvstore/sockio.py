@@ -35,9 +35,10 @@ def recv_frame(
 ) -> Frame | None:
     """The next whole frame from a blocking socket, or None when the peer closed it between frames.
 
-    ``before_recv(reader)`` runs before every receive: the node uses it to set timeouts and to point a
-    payload at its own buffers once the frame's head is parsed. Raises ``ConnectionResetError`` when the peer
-    closes mid-frame, and whatever the socket or the reader raise (timeouts, ``ProtocolError``).
+    ``before_recv(reader)`` runs before every receive: the node uses it to set timeouts and, once the frame's
+    head is parsed, to receive the payload itself (then ``reader.payload_received()`` completes the frame).
+    Raises ``ConnectionResetError`` when the peer closes mid-frame, and whatever the socket or the reader raise
+    (timeouts, ``ProtocolError``).
     """
     while True:
         frame = reader.next_frame()
@@ -45,6 +46,9 @@ def recv_frame(
             return frame
         if before_recv is not None:
             before_recv(reader)
+            frame = reader.next_frame()  # the hook may have received the payload itself
+            if frame is not None:
+                return frame
         n = sock.recvmsg_into(reader.writable()[:IOV_MAX])[0]
         if n == 0:
             if reader.in_frame:

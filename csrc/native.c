@@ -1,0 +1,464 @@
+/* kvtier._native: the store's per-byte hot loops, in C, without the GIL.
+ *
+ * - crc32c / crc32c_many: CRC-32C (Castagnoli, as the crc32c package and iSCSI compute it), with the
+ *   SSE4.2 instruction over three interleaved streams where the CPU has it, a table otherwise.
+ * - recv_to_files: receive a PUT payload from a socket in cache-sized pieces, checksum each shard while it
+ *   is hot and pwrite it into its slab slot: no page of the slab is mapped, faulted or zero-filled first.
+ * - send_all: send a list of buffers completely (sendmsg, resuming partial sends).
+ * - bytearray_uninit: a bytearray whose bytes are not zeroed first (they are about to be overwritten).
+ *
+ * Socket calls follow Python's socket timeout semantics: the timeout bounds each wait for the socket to
+ * become ready (-1: wait forever), and expiry raises TimeoutError.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KV_X86 1
+#include <nmmintrin.h>
+#endif
+
+/* ---- CRC-32C ------------------------------------------------------------------------------------- */
+
+#define POLY 0x82f63b78u
+#define LONG_BLOCK 8192
+#define SHORT_BLOCK 256
+
+static uint32_t crc_table[8][256];
+static uint32_t crc_long[4][256];  /* shift a crc over LONG_BLOCK zero bytes */
+static uint32_t crc_short[4][256]; /* ... over SHORT_BLOCK zero bytes */
+static int have_hw;
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) square[n] = gf2_times(mat, mat[n]);
+}
+
+/* The operator that appends len zero bytes to a crc (len a power of two). */
+static void zeros_op(uint32_t *even, size_t len) {
+    uint32_t odd[32], row = 1;
+    odd[0] = POLY;
+    for (int n = 1; n < 32; n++) {
+        odd[n] = row;
+        row <<= 1;
+    }
+    gf2_square(even, odd); /* 2 zero bits */
+    gf2_square(odd, even); /* 4 zero bits */
+    do {
+        gf2_square(even, odd);
+        len >>= 1;
+        if (len == 0) return;
+        gf2_square(odd, even);
+        len >>= 1;
+    } while (len);
+    memcpy(even, odd, sizeof(odd));
+}
+
+static void zeros_table(uint32_t zeros[][256], size_t len) {
+    uint32_t op[32];
+    zeros_op(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        zeros[0][n] = gf2_times(op, n);
+        zeros[1][n] = gf2_times(op, n << 8);
+        zeros[2][n] = gf2_times(op, n << 16);
+        zeros[3][n] = gf2_times(op, n << 24);
+    }
+}
+
+static inline uint32_t shift(uint32_t zeros[][256], uint32_t crc) {
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
+}
+
+static void crc_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t crc = n;
+        for (int k = 0; k < 8; k++) crc = crc & 1 ? (crc >> 1) ^ POLY : crc >> 1;
+        crc_table[0][n] = crc;
+    }
+    for (uint32_t n = 0; n < 256; n++)
+        for (int k = 1; k < 8; k++) crc_table[k][n] = (crc_table[k - 1][n] >> 8) ^ crc_table[0][crc_table[k - 1][n] & 0xff];
+    zeros_table(crc_long, LONG_BLOCK);
+    zeros_table(crc_short, SHORT_BLOCK);
+#ifdef KV_X86
+    __builtin_cpu_init();
+    have_hw = __builtin_cpu_supports("sse4.2") != 0;
+#endif
+}
+
+static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t len) {
+    uint64_t c = crc ^ 0xffffffffu;
+    while (len && ((uintptr_t)p & 7)) {
+        c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8);
+        len--;
+    }
+    while (len >= 8) {
+        uint64_t word;
+        memcpy(&word, p, 8);
+        c ^= word; /* little-endian machines only: x86-64, aarch64 */
+        c = crc_table[7][c & 0xff] ^ crc_table[6][(c >> 8) & 0xff] ^ crc_table[5][(c >> 16) & 0xff] ^
+            crc_table[4][(c >> 24) & 0xff] ^ crc_table[3][(c >> 32) & 0xff] ^ crc_table[2][(c >> 40) & 0xff] ^
+            crc_table[1][(c >> 48) & 0xff] ^ crc_table[0][c >> 56];
+        p += 8;
+        len -= 8;
+    }
+    while (len--) c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8);
+    return (uint32_t)c ^ 0xffffffffu;
+}
+
+#ifdef KV_X86
+/* Three independent streams over 3 x block bytes hide the instruction's latency; shifting merges them. */
+__attribute__((target("sse4.2"))) static uint64_t crc_hw_streams(uint64_t crc0, const unsigned char **next,
+                                                                  size_t *len, size_t block, uint32_t zeros[][256]) {
+    const unsigned char *p = *next;
+    while (*len >= 3 * block) {
+        const unsigned char *end = p + block;
+        uint64_t crc1 = 0, crc2 = 0;
+        do {
+            crc0 = _mm_crc32_u64(crc0, *(const uint64_t *)p);
+            crc1 = _mm_crc32_u64(crc1, *(const uint64_t *)(p + block));
+            crc2 = _mm_crc32_u64(crc2, *(const uint64_t *)(p + 2 * block));
+            p += 8;
+        } while (p < end);
+        crc0 = shift(zeros, (uint32_t)crc0) ^ crc1;
+        crc0 = shift(zeros, (uint32_t)crc0) ^ crc2;
+        p += 2 * block;
+        *len -= 3 * block;
+    }
+    *next = p;
+    return crc0;
+}
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *next, size_t len) {
+    uint64_t crc0 = crc ^ 0xffffffffu, word;
+    while (len && ((uintptr_t)next & 7)) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    crc0 = crc_hw_streams(crc0, &next, &len, LONG_BLOCK, crc_long);
+    crc0 = crc_hw_streams(crc0, &next, &len, SHORT_BLOCK, crc_short);
+    while (len >= 8) {
+        memcpy(&word, next, 8);
+        crc0 = _mm_crc32_u64(crc0, word);
+        next += 8;
+        len -= 8;
+    }
+    while (len--) crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+    return (uint32_t)crc0 ^ 0xffffffffu;
+}
+#endif
+
+static uint32_t crc32c_update(uint32_t crc, const void *buf, size_t len) {
+#ifdef KV_X86
+    if (have_hw) return crc_hw(crc, (const unsigned char *)buf, len);
+#endif
+    return crc_sw(crc, (const unsigned char *)buf, len);
+}
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    unsigned int crc = 0;
+    if (!PyArg_ParseTuple(args, "y*|I:crc32c", &view, &crc)) return NULL;
+    uint32_t out;
+    Py_BEGIN_ALLOW_THREADS;
+    out = crc32c_update(crc, view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(out);
+}
+
+/* Buffers of a sequence, acquired together (released by release_views). */
+static Py_buffer *acquire_views(PyObject *seq, Py_ssize_t *count, int writable) {
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence of buffers");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    if (!views) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int flags = writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &views[i], flags) < 0) {
+            for (Py_ssize_t j = 0; j < i; j++) PyBuffer_Release(&views[j]);
+            PyMem_Free(views);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    *count = n;
+    return views;
+}
+
+static void release_views(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+}
+
+static PyObject *py_crc32c_many(PyObject *self, PyObject *seq) {
+    Py_ssize_t n;
+    Py_buffer *views = acquire_views(seq, &n, 0);
+    if (!views) return NULL;
+    uint32_t *crcs = PyMem_Malloc((n ? n : 1) * sizeof(uint32_t));
+    if (!crcs) {
+        release_views(views, n);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n; i++) crcs[i] = crc32c_update(0, views[i].buf, (size_t)views[i].len);
+    Py_END_ALLOW_THREADS;
+    release_views(views, n);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+        if (!v) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, v);
+    }
+    PyMem_Free(crcs);
+    return out;
+}
+
+/* ---- sockets ------------------------------------------------------------------------------------- */
+
+/* Wait until fd is ready for events; 0, or -1 with errno (ETIMEDOUT on expiry). Called without the GIL. */
+static int wait_ready(int fd, short events, int timeout_ms) {
+    struct pollfd p = {.fd = fd, .events = events};
+    for (;;) {
+        int r = poll(&p, 1, timeout_ms);
+        if (r > 0) return 0;
+        if (r == 0) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+        if (errno != EINTR) return -1;
+    }
+}
+
+/* errno of a failed socket call -> the Python exception Python's socket module would raise. */
+static PyObject *socket_error(int err, int eof) {
+    if (eof) return PyErr_Format(PyExc_ConnectionResetError, "the peer closed the connection mid-frame");
+    if (err == ETIMEDOUT) return PyErr_Format(PyExc_TimeoutError, "timed out");
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+typedef struct {
+    int64_t fd; /* slab file, or -1: receive and drop */
+    int64_t offset;
+    int64_t length;
+} segment_t;
+
+static PyObject *py_recv_to_files(PyObject *self, PyObject *args) {
+    int sock, timeout_ms;
+    Py_buffer plan, scratch;
+    if (!PyArg_ParseTuple(args, "iiy*w*:recv_to_files", &sock, &timeout_ms, &plan, &scratch)) return NULL;
+    PyObject *out = NULL;
+    uint32_t *crcs = NULL;
+    if (plan.len % (Py_ssize_t)sizeof(segment_t) || scratch.len < 4096) {
+        PyErr_SetString(PyExc_ValueError, "plan must hold (fd, offset, length) int64 triples; scratch >= 4 KiB");
+        goto done;
+    }
+    Py_ssize_t n = plan.len / (Py_ssize_t)sizeof(segment_t);
+    const segment_t *segs = plan.buf;
+    crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
+    if (!crcs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (segs[i].length < 0 || segs[i].offset < 0) {
+            PyErr_SetString(PyExc_ValueError, "negative offset or length in plan");
+            goto done;
+        }
+    }
+    int64_t remaining = 0;
+    for (Py_ssize_t i = 0; i < n; i++) remaining += segs[i].length;
+    int err = 0, eof = 0, written_err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    unsigned char *buf = scratch.buf;
+    size_t cap = (size_t)scratch.len;
+    Py_ssize_t seg = 0;
+    int64_t seg_done = 0; /* bytes of segs[seg] already handled */
+    while (seg < n && segs[seg].length == 0) seg++;
+    while (remaining > 0) {
+        size_t want = remaining < (int64_t)cap ? (size_t)remaining : cap;
+        size_t got = 0;
+        while (got < want) {
+            ssize_t r = recv(sock, buf + got, want - got, MSG_DONTWAIT);
+            if (r > 0) {
+                got += (size_t)r;
+                continue;
+            }
+            if (r == 0) {
+                eof = 1;
+                break;
+            }
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                err = errno;
+                break;
+            }
+            if (got >= 65536 || got == want) break; /* work on what arrived while more is on its way */
+            if (wait_ready(sock, POLLIN, timeout_ms) < 0) {
+                err = errno;
+                break;
+            }
+        }
+        remaining -= (int64_t)got;
+        /* checksum and write what arrived, shard by shard */
+        size_t pos = 0;
+        while (pos < got && seg < n) {
+            size_t take = (size_t)(segs[seg].length - seg_done);
+            if (take > got - pos) take = got - pos;
+            crcs[seg] = crc32c_update(crcs[seg], buf + pos, take);
+            if (segs[seg].fd >= 0 && !written_err) {
+                size_t w = 0;
+                while (w < take) {
+                    ssize_t r = pwrite((int)segs[seg].fd, buf + pos + w, take - w, segs[seg].offset + seg_done + (int64_t)w);
+                    if (r < 0 && errno == EINTR) continue;
+                    if (r <= 0) {
+                        written_err = r < 0 ? errno : EIO;
+                        break;
+                    }
+                    w += (size_t)r;
+                }
+            }
+            pos += take;
+            seg_done += (int64_t)take;
+            while (seg < n && seg_done == segs[seg].length) {
+                seg++;
+                seg_done = 0;
+            }
+        }
+        if (eof || err) break;
+    }
+    if (!err && !eof && written_err) err = written_err;
+    Py_END_ALLOW_THREADS;
+    if (eof || err) {
+        socket_error(err, eof);
+        goto done;
+    }
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+        if (!v) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, v);
+    }
+done:
+    PyMem_Free(crcs);
+    PyBuffer_Release(&plan);
+    PyBuffer_Release(&scratch);
+    return out;
+}
+
+#define IOV_BATCH 1024
+
+static PyObject *py_send_all(PyObject *self, PyObject *args) {
+    int sock, timeout_ms;
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "iiO:send_all", &sock, &timeout_ms, &seq)) return NULL;
+    Py_ssize_t n;
+    Py_buffer *views = acquire_views(seq, &n, 0);
+    if (!views) return NULL;
+    struct iovec *iov = PyMem_Malloc((n ? n : 1) * sizeof(struct iovec));
+    if (!iov) {
+        release_views(views, n);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (views[i].len) {
+            iov[k].iov_base = views[i].buf;
+            iov[k].iov_len = (size_t)views[i].len;
+            k++;
+        }
+    }
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    Py_ssize_t first = 0;
+    while (first < k) {
+        struct msghdr msg = {0};
+        msg.msg_iov = iov + first;
+        msg.msg_iovlen = (size_t)(k - first < IOV_BATCH ? k - first : IOV_BATCH);
+        ssize_t r = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (wait_ready(sock, POLLOUT, timeout_ms) < 0) {
+                    err = errno;
+                    break;
+                }
+                continue;
+            }
+            err = errno;
+            break;
+        }
+        size_t sent = (size_t)r;
+        while (first < k && sent >= iov[first].iov_len) {
+            sent -= iov[first].iov_len;
+            first++;
+        }
+        if (sent) {
+            iov[first].iov_base = (char *)iov[first].iov_base + sent;
+            iov[first].iov_len -= sent;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    PyMem_Free(iov);
+    release_views(views, n);
+    if (err) return socket_error(err, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_bytearray_uninit(PyObject *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative size");
+        return NULL;
+    }
+    return PyByteArray_FromStringAndSize(NULL, n);
+}
+
+static PyMethodDef methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int: CRC-32C of data, continuing from crc."},
+    {"crc32c_many", py_crc32c_many, METH_O, "crc32c_many(buffers) -> list[int]: CRC-32C of each buffer."},
+    {"recv_to_files", py_recv_to_files, METH_VARARGS,
+     "recv_to_files(sock_fd, timeout_ms, plan, scratch) -> list[int]: receive exactly the plan's bytes.\n\n"
+     "plan holds int64 triples (fd, offset, length), one per shard, in payload order; each shard is written\n"
+     "at offset of fd (fd -1: received and dropped) and its CRC-32C returned. scratch is reused to receive\n"
+     "in pieces. Raises TimeoutError, ConnectionResetError (peer closed) or OSError; after an error the\n"
+     "stream is out of step and the connection must be closed."},
+    {"send_all", py_send_all, METH_VARARGS,
+     "send_all(sock_fd, timeout_ms, buffers): send every byte of buffers (sendmsg, partial sends resumed)."},
+    {"bytearray_uninit", py_bytearray_uninit, METH_O,
+     "bytearray_uninit(n) -> bytearray of n bytes, not zeroed (for buffers about to be overwritten)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvtier.kvstore._native",
+                                    "The store's per-byte hot loops in C (see csrc/native.c).", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    crc_init();
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "HW_CRC", have_hw) < 0) Py_CLEAR(m);
+    return m;
+}

@@ -1,0 +1,105 @@
+"""The compiled data-path loops (csrc/native.c) against real sockets and files, and CRC-32C against the reference
+``crc32c`` package."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import crc32c
+import numpy as np
+import pytest
+
+from kvtier.kvstore import _native
+
+# lengths around the 8-byte words and the 3-way interleaved blocks (3 × 256 and 3 × 8192 bytes)
+LENGTHS = [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 9, 104_858, 1 << 20]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_crc32c_matches_the_reference_at_any_length_and_alignment(length: int) -> None:
+    data = memoryview(os.urandom(length + 8))
+    for start in (0, 3):
+        view = data[start : start + length]
+        assert _native.crc32c(view) == crc32c.crc32c(view)
+        assert _native.crc32c(view[length // 3 :], _native.crc32c(view[: length // 3])) == crc32c.crc32c(view)
+
+
+def test_crc32c_many_checksums_each_buffer() -> None:
+    buffers = [os.urandom(n) for n in (0, 5, 4096, 100_001)]
+    assert _native.crc32c_many(buffers) == [crc32c.crc32c(b) for b in buffers]
+
+
+def _plan(*triples: tuple[int, int, int]) -> bytes:
+    return np.asarray(triples, dtype=np.int64).tobytes()
+
+
+def _send_later(sock: socket.socket, data: bytes, close: bool = False) -> threading.Thread:
+    def send() -> None:
+        for start in range(0, len(data), 100_000):  # in pieces, so the receiver waits for some of them
+            sock.sendall(data[start : start + 100_000])
+        if close:
+            sock.close()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def test_recv_to_files_writes_each_shard_at_its_offset_and_drops_refused_ones(tmp_path) -> None:
+    shards = [os.urandom(n) for n in (300_000, 7, 150_000, 64 << 10)]
+    fd = os.open(tmp_path / "slab", os.O_RDWR | os.O_CREAT)
+    a, b = socket.socketpair()
+    with a, b:
+        sender = _send_later(a, b"".join(shards))
+        plan = _plan((fd, 0, len(shards[0])), (fd, 1 << 20, 7), (-1, 0, len(shards[2])), (fd, 2 << 20, 64 << 10))
+        crcs = _native.recv_to_files(b.fileno(), 5000, plan, bytearray(16 << 10))
+        sender.join()
+    assert crcs == [crc32c.crc32c(s) for s in shards]
+    for offset, shard in ((0, shards[0]), (1 << 20, shards[1]), (2 << 20, shards[3])):
+        assert os.pread(fd, len(shard), offset) == shard
+    assert os.pread(fd, 8, 1 << 20 | 7) == bytes(8)  # nothing of the dropped shard was written
+    os.close(fd)
+
+
+def test_recv_to_files_reports_a_peer_that_closes_mid_payload(tmp_path) -> None:
+    a, b = socket.socketpair()
+    with b:
+        sender = _send_later(a, b"x" * 1000, close=True)
+        with pytest.raises(ConnectionResetError):
+            _native.recv_to_files(b.fileno(), 5000, _plan((-1, 0, 2000)), bytearray(8192))
+        sender.join()
+
+
+def test_recv_to_files_times_out_when_the_payload_stops_arriving() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"x" * 100)
+        with pytest.raises(TimeoutError):
+            _native.recv_to_files(b.fileno(), 50, _plan((-1, 0, 200)), bytearray(8192))
+
+
+def test_send_all_sends_every_buffer_through_partial_sends() -> None:
+    buffers = [os.urandom(n) for n in (5, 3 << 20, 0, 70_000)] + [b"ab"] * 2000  # more buffers than one sendmsg
+    a, b = socket.socketpair()
+    received = bytearray()
+
+    def drain() -> None:
+        while chunk := b.recv(1 << 20):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    with a:
+        _native.send_all(a.fileno(), 5000, buffers)
+    reader.join()
+    b.close()
+    assert received == b"".join(buffers)
+
+
+def test_bytearray_uninit_is_a_bytearray_of_that_size() -> None:
+    buf = _native.bytearray_uninit(1 << 20)
+    assert isinstance(buf, bytearray) and len(buf) == 1 << 20
+    with pytest.raises(ValueError):
+        _native.bytearray_uninit(-1)
