@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from typing import Any, TextIO
 
@@ -121,3 +122,44 @@ def _state_blocks(role: str, args: argparse.Namespace, dtype: torch.dtype) -> tu
 def _say(out: TextIO, obj: dict[str, Any]) -> None:
     out.write(json.dumps(obj) + "\n")
     out.flush()
+
+
+class WorkerProcess:
+    """The driving side: a child that prints one ready line and then answers one JSON line per request
+    (a ``kvtier-engine prefill|decode`` worker; ``kvtier-directory`` also fits for its ready line)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready: Any = None
+
+    @classmethod
+    def engine(cls, role: str, *args: str) -> WorkerProcess:
+        return cls([sys.executable, "-m", "kvtier.engine.cli", role, *args])
+
+    def wait_ready(self) -> WorkerProcess:
+        """Read the ready line (JSON, or the raw text of a non-JSON one); RuntimeError if the child exited."""
+        self.ready = self._read()
+        return self
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def stop(self) -> None:
+        """End of input (a worker exits when its stdin closes), then terminate whatever is still running."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            self.proc.wait()
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.proc.args[3:5]} exited with status {self.proc.wait()}")
+        return json.loads(line) if line.startswith("{") else line.strip()
