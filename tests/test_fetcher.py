@@ -147,6 +147,50 @@ def test_concurrent_requests_for_a_block_share_one_store_read(cluster: LocalClus
     assert stats["blocks_fetched"] == 8 and stats["pinned"] == 0
 
 
+def test_fetches_go_before_prefetches_and_lift_the_prefetch_they_wait_for(cluster: LocalCluster, tmp_path) -> None:
+    shm = f"kvt-test-{secrets.token_hex(6)}"
+    running, early, lifted = (stored_blocks(cluster, 2)[0] for _ in range(3))
+    order: list[str] = []
+
+    async def scenario(client: AsyncFetchClient) -> None:
+        async def until(condition: Callable[[dict], bool]) -> None:
+            deadline = time.monotonic() + 20
+            while not condition(await client.stats()):
+                assert time.monotonic() < deadline, "timed out"
+                await asyncio.sleep(0.02)
+
+        def track(name: str, coro) -> asyncio.Task:
+            task = asyncio.ensure_future(coro)
+            task.add_done_callback(lambda _: order.append(name))
+            return task
+
+        for proc in cluster.procs.values():  # the one worker is stuck on the first read until the nodes resume
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            tasks = [track("running", client.fetch(running, BLOCK))]
+            await until(lambda s: s["in_flight"] == 2 and s["queued_jobs"] == 0)
+            tasks.append(track("early prefetch", client.prefetch(early, BLOCK)))
+            tasks.append(track("lifted prefetch", client.prefetch(lifted, BLOCK)))
+            await until(lambda s: s["queued_jobs"] == 2)
+            tasks.append(track("fetch", client.fetch(lifted[:1], BLOCK)))
+            await until(lambda s: s["requests"] == 4)
+        finally:
+            for proc in cluster.procs.values():
+                proc.send_signal(signal.SIGCONT)
+        results = await asyncio.gather(*tasks)
+        assert all(b.ok for blocks in results for b in blocks)
+        await client.close()
+
+    with LocalFetcher(cluster.config_path, shm, tmp_path / "p.sock", "1MiB", f"{BLOCK}B", workers=1) as fetcher:
+        asyncio.run(_with_async_client(fetcher, cluster, scenario))
+    assert order.index("lifted prefetch") < order.index("early prefetch")
+    assert order.index("fetch") < order.index("early prefetch")
+
+
+async def _with_async_client(fetcher: LocalFetcher, cluster: LocalCluster, scenario) -> None:
+    await scenario(await AsyncFetchClient.connect(fetcher.socket_path, cluster.config.token))
+
+
 def test_blocks_written_into_slots_are_stored_from_there_and_cached(cluster: LocalCluster, start_fetcher) -> None:
     fetcher = start_fetcher()
     keys = [secrets.token_bytes(16) for _ in range(3)]

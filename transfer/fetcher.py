@@ -109,6 +109,7 @@ class Flight:
     slot: int
     gen: int
     waiters: list[tuple[Answer, int]] = field(default_factory=list)
+    job: Job | None = None
 
 
 @dataclass(eq=False)
@@ -120,6 +121,8 @@ class Job:
     length: int
     flights: list[Flight]
     ttl_class: str = ""
+    priority: int = 0
+    started: bool = False  # taken by a worker (a job may sit in the queue twice: see ``_hurry``)
     result: list[bool] | None = None
     error: str | None = None
 
@@ -147,6 +150,7 @@ class Fetcher:
         self.seq = itertools.count()
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))  # every key present: scraped from a thread
         self.sessions: set[Session] = set()
+        self._take_lock = threading.Lock()
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -344,6 +348,7 @@ class Fetcher:
         assert session.tenant is not None
         tid = tenant_id(session.tenant)
         pin = frame.opcode == FetchOp.FETCH
+        priority = request.priority + (0 if pin else PREFETCH_PENALTY)
         answer = Answer.of(session, frame.request_id, len(request.keys), pin)
         new: list[Flight] = []
         hits = 0
@@ -360,6 +365,8 @@ class Fetcher:
                 hits += 1
                 continue
             flight = self.flights.get((tid, key, hdr, request.length))
+            if flight is not None and flight.job is not None:
+                self._hurry(flight.job, priority)
             if flight is None:
                 reserved = self.pool.reserve(os.getpid())
                 if reserved is None:
@@ -374,8 +381,9 @@ class Fetcher:
         self.counters["blocks_hit"] += hits
         self.counters["requests"] += 1
         if new:
-            job = Job(False, session.tenant, request.length, new)
-            priority = request.priority + (0 if pin else PREFETCH_PENALTY)
+            job = Job(False, session.tenant, request.length, new, priority=priority)
+            for flight in new:
+                flight.job = job
             self.jobs.put((priority, next(self.seq), job))
         if answer.remaining == 0:
             self._answer(answer, frame.opcode)
@@ -457,12 +465,25 @@ class Fetcher:
 
     # -- workers ----------------------------------------------------------------------------------------
 
+    def _hurry(self, job: Job, priority: int) -> None:
+        """A request of higher priority waits for ``job``: queue it again at that priority (a FETCH joining a
+        PREFETCH's read must not wait behind every other fetch). Whichever entry a worker takes first runs it."""
+        with self._take_lock:
+            if job.started or priority >= job.priority:
+                return
+            job.priority = priority
+        self.jobs.put((priority, next(self.seq), job))
+
     def _work(self) -> None:
         clients: dict[str, Client] = {}
         while True:
             _, _, job = self.jobs.get()
             if job is None:
                 break
+            with self._take_lock:
+                if job.started:
+                    continue
+                job.started = True
             try:
                 client = clients.get(job.tenant)
                 if client is None:
