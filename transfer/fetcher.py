@@ -365,8 +365,6 @@ class Fetcher:
                 hits += 1
                 continue
             flight = self.flights.get((tid, key, hdr, request.length))
-            if flight is not None and flight.job is not None:
-                self._hurry(flight.job, priority)
             if flight is None:
                 reserved = self.pool.reserve(os.getpid())
                 if reserved is None:
@@ -376,6 +374,8 @@ class Fetcher:
                 flight = Flight(key, hdr, *reserved)
                 self.flights[(tid, key, hdr, request.length)] = flight
                 new.append(flight)
+            elif flight.job is not None:  # another request's read: wait for it, at this request's priority
+                self._hurry(flight.job, priority)
             flight.waiters.append((answer, i))
         self.pool.count(hits, len(request.keys) - hits)
         self.counters["blocks_hit"] += hits
