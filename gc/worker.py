@@ -1,17 +1,20 @@
 """The per-node GC worker: TTL expiry, watermark LRU eviction, zombie-write cleanup and repair.
 
-One worker runs in every node process, over the blocks that node is *primary* for (its LRU index), and
-talks to the other nodes of its group through an admin :class:`~kvtier.kvstore.client.Client` that acts
-for each tenant in turn. A cycle, every ``gc.interval_s`` or at once when a write pushes usage past the
-high watermark:
+One worker runs in every node process (composed in :mod:`kvtier.gc.nodeproc`), over the blocks that node is
+*primary* for (its LRU index), and talks to the other nodes of its group through an admin
+:class:`~kvtier.kvstore.client.Client` that acts for each tenant in turn. It keeps headroom so that few
+writes have to make room themselves (:class:`~kvtier.gc.evictor.Evictor`, the on-demand backstop). A cycle,
+every ``gc.interval_s`` or at once when a write pushes usage past the high watermark:
 
-1. **Reap**: slots whose grace time has passed become free; batched last-access times are written.
+1. **Reap and flush**: slots whose grace time has passed become free; batched last-access times are
+   written; removals whose DELETEs did not reach every node (a node was down, or this one crashed) are
+   resent (the first cycle runs at start-up).
 2. **Expire**: blocks past ``created + ttl[class]`` (the node's current TTL table, so a changed TTL
    applies to blocks already stored) are removed like evictions.
-3. **Evict**: each primary keeps its own blocks' shards within ``capacity / 12`` between the
-   watermarks (``gc.policy.plan_eviction`` over its LRU index): above ``high × capacity / 12`` it removes
-   least-recently-used blocks down to ``low × capacity / 12``. Since every node holds one shard of each of
-   the group's blocks, that keeps every node between the watermarks, without coordination.
+3. **Evict**: each primary keeps its own blocks' shards between the watermarks of its budget
+   (``capacity / 12`` of every node; ``gc.policy.plan_eviction`` over its LRU index): above ``high`` it
+   removes least-recently-used blocks down to ``low``. Since every node holds one shard of each of the
+   group's blocks, that keeps every node between the watermarks, without coordination.
 4. **Zombies** (every ``write_timeout_s / 4``): PENDING shards older than ``write_timeout_s`` belong to a
    writer that died. Ask the block's primary: a live record means the writer died mid-commit, so the
    shard is promoted; otherwise it is dropped.
@@ -19,9 +22,9 @@ high watermark:
    a block with missing shards but at least 10 present is read (decoded) and the missing shards rewritten,
    the primary's record included, at most ``repair_bytes_per_s``.
 
-Removing a block: its record and its shard here go first (local), then the other nodes drop their
-shards. Every removed slot stays unreadable-but-intact for ``grace_s`` (see chunks), so a read that
-already passed the primary finishes, or misses cleanly.
+Removing a block is the evictor's (record, own shard and intent in one transaction, then every other
+node's shards); a removed slot is reused once no reply sending its bytes pins it, so a read that already
+passed the primary finishes with the old bytes, or misses cleanly.
 """
 
 from __future__ import annotations
