@@ -57,9 +57,14 @@ def key_prefixes(keys: Sequence[bytes]) -> np.ndarray:
 
 
 def primary_budget_bytes(groups: Sequence[Sequence[int]], capacities: Mapping[int, int], node_id: int) -> int:
-    """What the blocks one primary holds may take on every node of its group: the smallest capacity in the
-    group divided among the group's nodes. Every block has one shard, of one size, on each node of its
-    group, so while every primary stays within this budget no node of the group passes its capacity."""
-    group = next(g for g in groups if node_id in g)
+    """What the blocks one primary holds may take on every node of its group (in slots of one shard).
+
+    A node that fills ``m`` of the group's 12 slots holds ``m`` shards, of one size, of every block of the
+    group, and primaries spread evenly over the group's ``n`` distinct nodes; so with every primary within
+    ``smallest capacity / (n × largest m)`` no node of the group passes its capacity (``capacity / 12`` for a
+    group of 12 distinct nodes).
+    """
+    group = list(next(g for g in groups if node_id in g))
     nodes = set(group)
-    return min(capacities[nid] for nid in nodes) // len(nodes)
+    most = max(group.count(nid) for nid in nodes)
+    return min(capacities[nid] for nid in nodes) // (len(nodes) * most)

@@ -25,7 +25,7 @@ from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.chunks import BlockCommit, ChunkEngine, ShardWrite
 from kvtier.kvstore.client import CapacityError, Client, connect
 from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.placement import Placement
+from kvtier.kvstore.placement import Placement, primary_budget_bytes
 from kvtier.kvstore.protocol import Op, Status, encode_head
 from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
 
@@ -78,6 +78,15 @@ def slab_bytes_on_disk(local: LocalCluster, node_id: int) -> int:
     """Bytes the node's slab files take on disk (allocated blocks, not the sparse length)."""
     slabs = Path(local.config.nodes[node_id].data_dir) / "slabs"
     return sum(f.stat().st_blocks * 512 for f in slabs.glob("slab-*.dat"))
+
+
+@pytest.mark.parametrize("group", [list(range(12)), [0, 1, 2, 3, 4, 5] * 2, [0, 1, 2, 3, 4] * 2 + [0, 1]])
+def test_primaries_within_their_budgets_keep_every_node_within_capacity(group: list[int]) -> None:
+    capacities = {nid: (8 << 20) + nid * 4096 for nid in set(group)}  # the smallest capacity decides
+    budgets = {nid: primary_budget_bytes([group], capacities, nid) for nid in set(group)}
+    # every block has group.count(node) shards on a node; each primary's blocks total at most its budget
+    for nid, capacity in capacities.items():
+        assert group.count(nid) * sum(budgets.values()) <= capacity
 
 
 def test_a_fill_of_four_times_capacity_keeps_taking_writes_and_keeps_hot_blocks(make_cluster) -> None:

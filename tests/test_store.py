@@ -156,6 +156,7 @@ def test_async_client_has_the_same_api(store: LocalCluster) -> None:
             assert await c.match(keys) == 4
             got = await c.get(keys)
             assert [bytes(b) for b in got] == blocks
+            assert (await c.stat(keys[0]))["block"]["block_len"] == 8192
 
     asyncio.run(scenario())
 
