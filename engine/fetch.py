@@ -100,7 +100,12 @@ class FetcherPages:
             return 0
 
     def _headers(self, keys: Sequence[bytes], tokens: Sequence[int]) -> list[bytes]:
-        return header_digests(self.store.namespace, np.asarray(tokens, dtype=np.uint32), keys)
+        """Header digests of ``keys``, any blocks of the chain over ``tokens`` (digests bind each block's parent,
+        so they are computed along the whole chain and picked out)."""
+        arr = np.asarray(tokens, dtype=np.uint32)
+        full = self.store.keys(arr)
+        digests = dict(zip(full, header_digests(self.store.namespace, arr, full), strict=True))
+        return [digests[k] for k in keys]
 
     def _slot_rows(self) -> torch.Tensor:
         """The fetcher's slots as ``uint8 [slots, stride]`` (as the device sees them), remapped when the

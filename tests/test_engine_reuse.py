@@ -152,8 +152,11 @@ def test_reuse_through_the_fetcher_process_is_exact(checkpoint: Path, cluster_fi
         )
         p = prompt(1500, seed=8)
         cold, warm = e.generate([p], 16)[0], e.generate([p], 16)[0]
+        longer = p + prompt(300, seed=10)
+        e.generate([longer], 1)  # puts blocks 23… of the chain: a later turn must find them
+        later = e.generate([longer + prompt(300, seed=11)], 1)[0]
         fetched = e.transfer.client.stats()
-    assert (cold.hit_tokens, warm.hit_tokens, warm.replayed) == (0, 1280, False)
+    assert (cold.hit_tokens, warm.hit_tokens, warm.replayed, later.hit_tokens) == (0, 1280, False, 1792)
     assert warm.tokens == cold.tokens == e.generate([p], 16, reuse=False)[0].tokens
     assert fetched["hits"] > 0  # put through the fetcher's pool, read back from it
 

@@ -1,131 +1,185 @@
-"""``make demo``: a local 12-node cluster doing the whole job end to end, saying what happened.
+"""``make demo``: the whole product on this machine, saying what happened.
 
-1. writes a cluster file into a temporary directory and starts 12 node processes;
-2. plays a few multi-turn conversations: each turn's prompt extends the last, so its leading blocks are a
-   prefix hit (``match``, metadata only) and only the new blocks are computed and stored (``put``);
-3. kills two nodes with SIGKILL and reads every block back, checking each byte;
+1. writes a cluster file into a temporary directory and starts 12 node processes, the host's fetcher (shared
+   memory staging pool), the StateBlock directory, and a seeded tiny checkpoint;
+2. starts a **prefill** and a **decode** worker (separate processes with their own paged caches; they meet only
+   through the store and the directory) and serves multi-turn conversations that share a system prompt. Per
+   turn: the prefill worker's hit tokens, whether it replayed, its TTFT against a full recompute (a reference
+   engine in this process, no reuse), the decode worker's reuse, and whether the P/D output equals the
+   reference's;
+3. kills two nodes with SIGKILL and asks the decode worker for every conversation's last turn again: the blocks
+   are decoded around the dead nodes and the outputs do not change;
 4. restarts them, one with its disk wiped, and repairs the cluster back to full redundancy;
-5. prints a summary with throughput.
+5. prints a summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import shutil
+import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.engine.checkpoint import make_checkpoint
+from kvtier.engine.engine import Engine
+from kvtier.engine.worker import WorkerProcess
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.client import Client
-from kvtier.kvstore.keys import Namespace, chain
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.placement import Placement
+from kvtier.transfer.fetcher import LocalFetcher
 
-BLOCK_TOKENS = 64
-BLOCK_BYTES = 1 << 20
-
-
-def synthetic_kv(key: bytes) -> bytes:
-    """Stand-in for a block's KV tensors: deterministic bytes derived from the key."""
-    seed = int.from_bytes(key[:8], "little")
-    return np.random.default_rng(seed).integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes()
+NEW_TOKENS = 16
 
 
 def play(
-    client: Client, ns: Namespace, conversations: int, turns: int, console: Console
-) -> tuple[dict[str, float], list[bytes]]:
-    """Run the conversations; returns totals and every key stored."""
+    prefill: WorkerProcess, decode: WorkerProcess, reference: Engine, conversations: int, turns: int, console: Console
+) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """Serve the conversations; returns one record per turn and every conversation's last prompt."""
     rng = np.random.default_rng(7)
-    table = Table(title="prefix reuse across turns", show_lines=False)
-    for col in ("conversation", "turn", "prompt tokens", "blocks", "hit blocks", "stored", "put MB/s"):
+    vocab = reference.config.vocab_size
+    table = Table(title="multi-turn conversations, prefill and decode workers meeting through the store")
+    for col in (
+        "conv",
+        "turn",
+        "prompt",
+        "prefill hit",
+        "replay",
+        "TTFT reuse",
+        "TTFT recompute",
+        "decode hit",
+        "match",
+    ):
         table.add_column(col, justify="right")
-    system_prompt = rng.integers(0, 32000, 6 * BLOCK_TOKENS)  # shared by every conversation
-    totals = {"blocks": 0, "hits": 0, "bytes_put": 0, "put_s": 0.0}
-    stored_keys: dict[bytes, None] = {}
+    system = rng.integers(0, vocab, 384).tolist()  # shared by every conversation
+    records, last = [], []
     for conv in range(conversations):
-        tokens = system_prompt
+        prompt = list(system)
         for turn in range(turns):
-            new = rng.integers(0, 32000, int(rng.integers(3, 9)) * BLOCK_TOKENS + int(rng.integers(0, 64)))
-            tokens = np.concatenate([tokens, new])
-            keys = chain(ns, tokens)
-            hit = client.match(keys)
-            missing = keys[hit:]
-            blocks = [synthetic_kv(k) for k in missing]
-            start = time.perf_counter()
-            stored = client.put(missing, blocks, ttl_class="chatbot", tokens=tokens, namespace=ns)
-            elapsed = time.perf_counter() - start
-            stored_keys.update(dict.fromkeys(k for k, ok in zip(missing, stored, strict=True) if ok))
-            totals["blocks"] += len(keys)
-            totals["hits"] += hit
-            totals["bytes_put"] += len(blocks) * BLOCK_BYTES
-            totals["put_s"] += elapsed
-            rate = f"{len(blocks) * BLOCK_BYTES / elapsed / 1e6:.0f}" if blocks else "-"
-            table.add_row(str(conv), str(turn), str(len(tokens)), str(len(keys)), str(hit), str(sum(stored)), rate)
+            prompt += rng.integers(0, vocab, int(rng.integers(150, 400))).tolist()  # the user's new message
+            rid = f"{conv}.{turn}"
+            pre = prefill.ask({"id": rid, "prompt": prompt})
+            out = decode.ask({"id": rid, "prompt": prompt, "max_new_tokens": NEW_TOKENS})
+            for answer in (pre, out):
+                if "error" in answer:
+                    raise RuntimeError(f"worker: {answer['error']}")
+            ref = reference.generate([prompt], NEW_TOKENS, reuse=False)[0]
+            match = out["tokens"] == ref.tokens
+            records.append({"prompt": len(prompt), **pre, "recompute_s": ref.ttft_s, "match": match, "decode": out})
+            table.add_row(
+                str(conv),
+                str(turn),
+                str(len(prompt)),
+                str(pre["hit_tokens"]),
+                "yes" if pre["replayed"] else "no",
+                f"{pre['ttft_s'] * 1e3:.0f} ms",
+                f"{ref.ttft_s * 1e3:.0f} ms",
+                f"{out['hit_tokens']} (+{out['recomputed_tokens']})",
+                "[green]yes[/]" if match else "[red]NO[/]",
+            )
+            prompt += out["tokens"]  # the answer is part of the next turn's prompt
+        last.append(prompt[: -len(out["tokens"])])
     console.print(table)
-    return totals, list(stored_keys)
-
-
-def verify_everything(client: Client, keys: Sequence[bytes]) -> tuple[int, float]:
-    """Read every key back into fresh buffers; returns how many are byte-identical, and bytes/s."""
-    buffers = [bytearray(BLOCK_BYTES) for _ in keys]
-    start = time.perf_counter()
-    found = client.get_into(keys, buffers)
-    elapsed = time.perf_counter() - start
-    intact = sum(1 for k, ok, buf in zip(keys, found, buffers, strict=True) if ok and buf == synthetic_kv(k))
-    return intact, len(keys) * BLOCK_BYTES / elapsed
+    return records, last
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvtier end-to-end demo on a local 12-node cluster")
-    parser.add_argument("--conversations", type=int, default=4)
+    parser = argparse.ArgumentParser(description="kvtier end-to-end demo: store, fetcher, directory, P/D workers")
+    parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--dir", help="keep the cluster here instead of a temporary directory")
     args = parser.parse_args(argv)
     console = Console()
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         directory = Path(args.dir or tmp)
-        path = cluster_mod.write_default(directory, nodes=12, capacity_bytes=1 << 30)
-        console.print(f"[bold]1.[/] cluster file {path}: 12 nodes, 1 GiB each, RS(10,2) placement group")
-        with LocalCluster(path) as local, Client(local.config) as client:
-            console.print(f"   12 node processes ready; codec backend: [bold]{client.codec.backend}[/]")
-            ns = Namespace("demo-model", "bf16", BLOCK_TOKENS, "paged")
-            console.print(f"[bold]2.[/] {args.conversations} conversations × {args.turns} turns, 1 MiB blocks")
-            totals, keys = play(client, ns, args.conversations, args.turns, console)
-            victims = sorted(int(n) for n in np.unique(Placement(local.config.groups).primaries(keys))[:2])
-            for nid in victims:
-                local.kill(nid)
-            console.print(f"[bold]3.[/] killed nodes {victims} with SIGKILL (both are primaries of stored blocks)")
-            intact, get_rate = verify_everything(client, keys)
-            console.print(
-                f"   read back {intact}/{len(keys)} blocks byte-identical; "
-                f"{client.stats['degraded_reads']} decoded around the dead nodes"
-            )
-            shutil.rmtree(local.config.nodes[victims[0]].data_dir / "slabs")  # as if its disk had died
-            shutil.rmtree(local.config.nodes[victims[0]].data_dir / "meta")
-            local.start(victims)
-            time.sleep(local.config.client.retry_down_after_s)
-            missing = int((~client.probe(keys)).sum())
-            client.admin("gc", repair=True)
-            console.print(
-                f"[bold]4.[/] restarted both, node {victims[0]} with an empty disk: {missing} shards missing; "
-                f"repair rewrote them, now {int((~client.probe(keys)).sum())} missing"
-            )
-            intact, get_rate = verify_everything(client, keys)
-            console.print("[bold]5.[/] summary")
-            console.print(
-                f"   prefix hit ratio {totals['hits'] / totals['blocks']:.1%} "
-                f"({int(totals['hits'])} of {int(totals['blocks'])} blocks reused instead of recomputed)\n"
-                f"   put {totals['bytes_put'] / totals['put_s'] / 1e9:.2f} GB/s, "
-                f"get {get_rate / 1e9:.2f} GB/s after repair, {intact}/{len(keys)} blocks intact "
-                f"(10+2 shards, 12 processes, this machine's cores)"
-            )
-            return 0 if intact == len(keys) else 1
+        path = cluster_mod.write_default(directory, nodes=12, capacity_bytes=256 << 20)
+        checkpoint = make_checkpoint(directory / "tiny", "tiny", seed=0)
+        shm = f"kvtier-demo-{secrets.token_hex(4)}"
+        with (
+            LocalCluster(path) as local,
+            LocalFetcher(path, shm, directory / "fetcher.sock", "64MiB", "64KiB") as fetcher,
+        ):
+            state_dir = WorkerProcess(
+                [sys.executable, "-m", "kvtier.transfer.directory", "--config", str(path), "--listen", "127.0.0.1:0"]
+            ).wait_ready()
+            common = ["--checkpoint", str(checkpoint), "--store", str(path), "--fetcher", str(fetcher.socket_path)]
+            common += ["--directory", state_dir.ready.split()[1]]
+            workers = [WorkerProcess.engine(role, *common) for role in ("prefill", "decode")]
+            try:
+                for w in workers:
+                    w.wait_ready()
+                console.print(
+                    f"[bold]1.[/] 12 node processes (RS 10+2), the fetcher ({shm}), the StateBlock directory, "
+                    f"a tiny hybrid checkpoint (2 sliding + 2 global layers, window 128) in {checkpoint}"
+                )
+                console.print(f"[bold]2.[/] {args.conversations} conversations × {args.turns} turns")
+                reference = Engine.from_pretrained(checkpoint, store=path)  # for its namespace; never reuses
+                records, last = play(*workers, reference, args.conversations, args.turns, console)
+                status = resilience(local, workers[1], reference, last, console)
+                summary(records, console)
+                return status if all(r["match"] for r in records) else 1
+            finally:
+                for w in workers:
+                    w.stop()
+                state_dir.proc.terminate()
+                state_dir.stop()
+
+
+def resilience(
+    local: LocalCluster, decode: WorkerProcess, reference: Engine, prompts: list[list[int]], console: Console
+) -> int:
+    """Kill two nodes, decode again (degraded reads), restart one with a wiped disk and repair."""
+    store = reference.store
+    assert store is not None
+    keys = [k for p in prompts for k in store.keys(p)]
+    victims = sorted(int(n) for n in np.unique(Placement(local.config.groups).primaries(keys))[:2])
+    for nid in victims:
+        local.kill(nid)
+    same = 0
+    for i, prompt in enumerate(prompts):
+        out = decode.ask({"id": f"again.{i}", "prompt": prompt, "max_new_tokens": NEW_TOKENS})
+        same += out.get("tokens") == reference.generate([prompt], NEW_TOKENS, reuse=False)[0].tokens
+    console.print(
+        f"[bold]3.[/] killed nodes {victims} (primaries of stored blocks) with SIGKILL; decoded every last turn "
+        f"again: {same}/{len(prompts)} outputs unchanged, blocks decoded around the dead nodes"
+    )
+    shutil.rmtree(local.config.nodes[victims[0]].data_dir / "slabs")  # as if its disk had died
+    shutil.rmtree(local.config.nodes[victims[0]].data_dir / "meta")
+    local.start(victims)
+    time.sleep(local.config.client.retry_down_after_s)  # the client's back-off on nodes it saw down
+    missing = int((~store.client.probe(keys)).sum())
+    store.client.admin("gc", repair=True)
+    console.print(
+        f"[bold]4.[/] restarted both, node {victims[0]} with an empty disk: {missing} shards missing; "
+        f"repair rewrote them, now {int((~store.client.probe(keys)).sum())} missing"
+    )
+    return 0 if same == len(prompts) else 1
+
+
+def summary(records: list[dict[str, Any]], console: Console) -> None:
+    prompt_tokens = sum(r["prompt"] for r in records)
+    hits = sum(r["hit_tokens"] for r in records)
+    reused = [r for r in records if r["hit_tokens"]]
+    speedups = [r["recompute_s"] / r["ttft_s"] for r in reused]
+    console.print("[bold]5.[/] summary")
+    console.print(
+        f"   prefill reused {hits} of {prompt_tokens} prompt tokens ({hits / prompt_tokens:.0%}); "
+        f"TTFT with reuse {statistics.median(speedups) if speedups else float('nan'):.1f}× faster (median over "
+        f"{len(reused)} turns with a hit); decode recomputed at most "
+        f"{max(r['decode']['recomputed_tokens'] for r in records)} tokens a turn; "
+        f"P/D outputs equal the single-process reference in {sum(r['match'] for r in records)}/{len(records)} turns"
+    )
 
 
 if __name__ == "__main__":
