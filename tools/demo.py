@@ -61,12 +61,13 @@ def play(
         "match",
     ):
         table.add_column(col, justify="right")
-    system = rng.integers(0, vocab, 384).tolist()  # shared by every conversation
+    system = rng.integers(0, vocab, 1536).tolist()  # shared by every conversation
+    reference.generate([system], 1, reuse=False)  # warm-up: first calls pay for lazy initialisation
     records, last = [], []
     for conv in range(conversations):
         prompt = list(system)
         for turn in range(turns):
-            prompt += rng.integers(0, vocab, int(rng.integers(150, 400))).tolist()  # the user's new message
+            prompt += rng.integers(0, vocab, int(rng.integers(200, 500))).tolist()  # the user's new message
             rid = f"{conv}.{turn}"
             pre = prefill.ask({"id": rid, "prompt": prompt})
             out = decode.ask({"id": rid, "prompt": prompt, "max_new_tokens": NEW_TOKENS})
