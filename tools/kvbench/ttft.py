@@ -1,9 +1,11 @@
 """``kvbench ttft``: time to first token against the prefix hit ratio, with and without reuse.
 
     kvbench [--config PATH] ttft [--checkpoint DIR | --preset tiny] [--prompt-tokens 4000] [--hits 0,50,90,96]
-                                 [--repeats 3] [--threads 1] [--device cpu] [--fetcher SOCKET] [--json]
+                                 [--repeats 3] [--threads 1] [--device cpu] [--through client|fetcher] [--json]
 
 A real cluster (``--config``, or a temporary local one of 12 node processes) and the engine in this process.
+``--through fetcher`` starts a ``kvtier-fetcher`` for the run and moves blocks through its shared-memory pool
+(blocks the prefix run put are then host-memory hits); ``client`` reads them from the nodes.
 For every hit ratio ``r`` and repeat: a fresh random prompt of ``L`` tokens; its first ``h`` tokens (``r·L``
 rounded to a multiple of 128, at most ``L − 134``) are prefilled once so the store holds their blocks and the
 StateBlock at ``h``; then, alternately, TTFT **without reuse** (``reuse=False``: full prefill) and **with
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import tempfile
 import time
@@ -31,6 +34,7 @@ from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import BenchError, UsageError
+from kvtier.transfer.fetcher import LocalFetcher
 
 if TYPE_CHECKING:  # the engine needs torch; kvbench's other commands must run without it
     from kvtier.engine.engine import Engine
@@ -48,7 +52,12 @@ def register(commands: Subcommands) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--fetcher", type=Path, help="move blocks through this fetcher socket (default: the client)")
+    p.add_argument(
+        "--through",
+        choices=["client", "fetcher"],
+        default="client",
+        help="move blocks with the store client, or through a fetcher process started for the run (its pool)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -73,17 +82,23 @@ def run(args: argparse.Namespace) -> int:
             local = LocalCluster(cluster_mod.write_default(Path(tmp) / "cluster", metrics=False))
             local.start()
             config = local.config_path
+        fetcher = None
         try:
+            if args.through == "fetcher":
+                shm = f"kvbench-ttft-{secrets.token_hex(4)}"
+                fetcher = LocalFetcher(Path(config), shm, Path(tmp) / "fetcher.sock", "1GiB", "1MiB").start()
             engine = Engine.from_pretrained(
                 checkpoint,
                 device=args.device,
                 dtype=getattr(torch, args.dtype),
                 store=config,
-                fetcher=args.fetcher,
+                fetcher=fetcher.socket_path if fetcher else None,
                 cache_tokens=2 * args.prompt_tokens + 1024,
             )
             result = _bench(engine, args.prompt_tokens, hits, args.repeats)
         finally:
+            if fetcher is not None:
+                fetcher.stop()
             if local is not None:
                 local.stop()
     result["settings"] = {
@@ -94,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         "device": args.device,
         "block_tokens": engine.block_tokens,
         "block_bytes": engine.cache.page_bytes,
-        "through": "fetcher" if args.fetcher else "client",
+        "through": args.through,
     }
     print(json.dumps(result, indent=2) if args.json else _text(result))
     return 0
