@@ -170,3 +170,19 @@ def test_a_superseded_pinned_copy_is_freed_at_its_last_unpin(shm_name: str) -> N
     pool.unpin(old, old_gen)
     assert pool.state[old] == SlotState.FREE and not pool.valid(old, old_gen)
     pool.close()
+
+
+def test_batch_lookups_pins_and_unpins_match_the_single_ones(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    slot0, _ = fill(pool, 0)
+    reserved = pool.reserve(owner_pid=1)
+    assert reserved is not None
+    pool.publish(reserved[0], TENANT, key(1), SLOT, b"h" * 16, 0)
+    found = pool.find(TENANT, [key(0), key(1), key(1), key(2), key(0)], SLOT, [None, b"h" * 16, b"x" * 16, None, None])
+    assert found.tolist() == [slot0, reserved[0], -1, -1, slot0]
+    gens = pool.pin_many(found[[0, 4]])
+    assert pool.pins[slot0] == 2 and pool.state[slot0] == SlotState.PINNED
+    assert pool.unpin_many(found[[0]], gens[:1]) == 1 and pool.state[slot0] == SlotState.PINNED
+    assert pool.unpin_many(found[[0, 0]], gens) == 1  # only one pin was left: the stale second is refused
+    assert pool.state[slot0] == SlotState.READY and pool.pins[slot0] == 0
+    pool.close()

@@ -350,20 +350,22 @@ class Fetcher:
         pin = frame.opcode == FetchOp.FETCH
         priority = request.priority + (0 if pin else PREFETCH_PENALTY)
         answer = Answer.of(session, frame.request_id, len(request.keys), pin)
-        new: list[Flight] = []
-        hits = 0
-        for i, (key, hdr) in enumerate(zip(request.keys, request.headers, strict=True)):
-            slot = self.pool.lookup(tid, key, hdr, request.length)
-            if slot is not None:
-                gen = int(self.pool.gen[slot])
-                if pin:
-                    self.pool.pin(slot, gen)
-                    session.pins[(slot, gen)] += 1
-                else:
+        found = self.pool.find(tid, request.keys, request.length, request.headers)
+        hit = np.flatnonzero(found >= 0)
+        if len(hit):
+            slots = found[hit]
+            if pin:
+                gens = self.pool.pin_many(slots)
+                session.pins.update(zip(slots.tolist(), gens.tolist(), strict=True))
+            else:
+                gens = self.pool.gen[slots]
+                for slot in slots.tolist():
                     self.pool.touch(slot)
-                self._settle(answer, i, BlockStatus.HIT, slot, gen)
-                hits += 1
-                continue
+            answer.status[hit], answer.slots[hit], answer.gens[hit] = BlockStatus.HIT, slots, gens
+            answer.remaining -= len(hit)
+        new: list[Flight] = []
+        for i in np.flatnonzero(found < 0).tolist():
+            key, hdr = request.keys[i], request.headers[i]
             flight = self.flights.get((tid, key, hdr, request.length))
             if flight is None:
                 reserved = self.pool.reserve(os.getpid())
@@ -377,8 +379,8 @@ class Fetcher:
             elif flight.job is not None:  # another request's read: wait for it, at this request's priority
                 self._hurry(flight.job, priority)
             flight.waiters.append((answer, i))
-        self.pool.count(hits, len(request.keys) - hits)
-        self.counters["blocks_hit"] += hits
+        self.pool.count(len(hit), len(request.keys) - len(hit))
+        self.counters["blocks_hit"] += len(hit)
         self.counters["requests"] += 1
         if new:
             job = Job(False, session.tenant, request.length, new, priority=priority)
@@ -398,16 +400,18 @@ class Fetcher:
 
     def _release(self, session: Session, frame: Frame) -> None:
         slots, gens = fp.parse_release(frame.meta, self.config.limits.max_batch)
+        pinned = np.zeros(len(slots), dtype=bool)
         released = 0
-        for slot, gen in zip(slots.tolist(), gens.tolist(), strict=True):
-            if session.pins[(slot, gen)] > 0:
-                session.pins[(slot, gen)] -= 1
-                if not session.pins[(slot, gen)]:
-                    del session.pins[(slot, gen)]
-                released += self.pool.unpin(slot, gen)
-            elif (slot, gen) in session.allocs:
-                session.allocs.discard((slot, gen))
-                released += self.pool.abandon(slot, gen)
+        for i, ref in enumerate(zip(slots.tolist(), gens.tolist(), strict=True)):
+            if session.pins[ref] > 0:  # only pins this connection holds: another's are not its to drop
+                session.pins[ref] -= 1
+                if not session.pins[ref]:
+                    del session.pins[ref]
+                pinned[i] = True
+            elif ref in session.allocs:
+                session.allocs.discard(ref)
+                released += self.pool.abandon(*ref)
+        released += self.pool.unpin_many(slots[pinned].astype(np.int64), gens[pinned])
         self._reply(session, frame, {"released": released})
 
     def _alloc(self, session: Session, frame: Frame) -> None:

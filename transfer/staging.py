@@ -38,7 +38,7 @@ import re
 import secrets
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -365,6 +365,48 @@ class StagingPool(SlotMap):
             if hdr is not None and bytes(self.hdrs[slot]) != hdr:
                 return None
             return slot
+
+    def find(self, tenant: int, keys: Sequence[bytes], length: int, hdrs: Sequence[bytes | None]) -> np.ndarray:
+        """:meth:`lookup` for a batch (keys already checked): per key its slot, or -1."""
+        with self._lock:
+            slots = np.fromiter((self._index.get((tenant, k), -1) for k in keys), np.int64, len(keys))
+        held = np.flatnonzero(slots >= 0)
+        found = slots[held]
+        ok = self.length[found] == length
+        checked = [i for i, j in enumerate(held.tolist()) if hdrs[j] is not None]
+        if checked:
+            wanted = np.frombuffer(b"".join(hdrs[j] for j in held[checked].tolist()), np.uint8).reshape(-1, HDR_BYTES)
+            ok[checked] &= (self.hdrs[found[checked]] == wanted).all(axis=1)
+        slots[held[~ok]] = -1
+        return slots
+
+    def pin_many(self, slots: np.ndarray) -> np.ndarray:
+        """:meth:`pin` for slots :meth:`find` just returned on this thread; returns their generations."""
+        with self._lock:
+            for slot in slots.tolist():
+                self._evictable.pop(slot, None)
+            np.add.at(self.pins, slots, 1)
+            self.state[slots] = PINNED
+            clock = int(self._counters[0])
+            self.lru[slots] = np.arange(clock + 1, clock + 1 + len(slots), dtype=np.uint64)
+            self._counters[0] = clock + len(slots)
+            return self.gen[slots].copy()
+
+    def unpin_many(self, slots: np.ndarray, gens: np.ndarray) -> int:
+        """:meth:`unpin` for a batch (a slot may appear as often as it is pinned); how many pins were dropped."""
+        with self._lock:
+            ok = (self.gen[slots] == gens) & (self.state[slots] == PINNED)
+            held, asked = np.unique(slots[ok], return_counts=True)
+            take = np.minimum(asked, self.pins[held]).astype(np.uint32)  # never more pins than there are
+            self.pins[held] -= take
+            for slot in held[self.pins[held] == 0].tolist():
+                if slot in self._detached:
+                    self._detached.discard(slot)
+                    self._to_free(slot)
+                else:
+                    self.state[slot] = READY
+                    self._evictable[slot] = None
+            return int(take.sum())
 
     def count(self, hits: int, misses: int) -> None:
         """Add to the pool's hit/miss counters (what ``stats().hit_ratio`` reports)."""
