@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+_STATUSES = {int(s): s for s in BlockStatus}  # by value, without the enum's per-call cost
+_SLOTTED = frozenset(int(s) for s in (*OK_STATUSES, BlockStatus.ALLOCATED))
 _ids = itertools.count(1)
 
 
@@ -45,7 +47,7 @@ class FetcherError(PeerError):
     """The fetcher is unreachable, refused the request, or died while it was outstanding."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     """One key's answer. ``ok`` blocks name a slot of the host pool (``slot``, ``generation``)."""
 
@@ -152,21 +154,13 @@ class _Protocol:
     def _slot_blocks(self, keys: Sequence[bytes], length: int, meta: dict[str, Any], pinned: bool) -> Blocks:
         status, slots, gens, errors = fp.parse_slots(meta, len(keys))
         blocks = []
-        for i, key in enumerate(keys):
-            st = BlockStatus(int(status[i]))
-            ok = st in OK_STATUSES or st == BlockStatus.ALLOCATED
-            blocks.append(
-                Block(
-                    key,
-                    st,
-                    int(slots[i]) if ok else -1,
-                    int(gens[i]) if ok else 0,
-                    length if ok else 0,
-                    errors.get(i, ""),
-                    ok and pinned,
-                    self.map if ok else None,
-                )
-            )
+        for i, (key, st, slot, gen) in enumerate(
+            zip(keys, status.tolist(), slots.tolist(), gens.tolist(), strict=True)
+        ):
+            if st in _SLOTTED:
+                blocks.append(Block(key, _STATUSES[st], slot, gen, length, errors.get(i, ""), pinned, self.map))
+            else:
+                blocks.append(Block(key, _STATUSES[st], error=errors.get(i, "")))
         return Blocks(blocks, self.release)  # type: ignore[attr-defined]
 
     def _check_length(self, length: int) -> None:
