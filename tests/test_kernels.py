@@ -1,6 +1,7 @@
-"""The TileLang row-copy kernel equals its torch reference bit for bit: compiled for the CPU (``target="c"``, where
-tilelang is installed) and for CUDA (where a GPU is), gathering into scattered rows and scattering back, with
-source and destination rows of different strides. CI has neither tilelang nor a GPU and skips them."""
+"""The row copies equal their torch reference bit for bit. The TileLang kernel: compiled for the CPU
+(``target="c"``, where tilelang is installed) and for CUDA (where a GPU is), rows of different strides on each
+side (CI has neither and skips those). The C host copy: streaming and plain paths (long and short rows, aligned
+and unaligned destinations, tails that are not whole cache lines)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 
+from kvtier.kernels import _hostcopy
 from kvtier.kernels.rowcopy import RowCopyKernel, copy_rows_reference
 
 needs_tilelang = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="needs tilelang")
@@ -43,3 +45,23 @@ def test_kernel_equals_reference(target: str, width: int, src_stride: int, dst_s
 def test_a_row_wider_than_a_stride_is_refused() -> None:
     with pytest.raises(ValueError, match="must be positive and fit both strides"):
         RowCopyKernel(1025, 1024, 2048, target="c")
+
+
+@pytest.mark.parametrize(("nbytes", "dst_offset"), [(16384, 0), (4096 + 48, 0), (512, 0), (4096, 4)])
+def test_host_copy_equals_reference(nbytes: int, dst_offset: int) -> None:
+    pitch = nbytes + 16
+    src = torch.randint(0, 256, (40, nbytes + 64), dtype=torch.uint8)
+    backing = torch.randint(0, 256, (dst_offset + 64 * pitch,), dtype=torch.uint8)
+    dst = backing[dst_offset:].view(64, pitch)
+    src_rows, dst_rows = torch.randperm(40)[:25], torch.randperm(64)[:25]
+    want = dst.clone()
+    copy_rows_reference(src[:, :nbytes], src_rows, want[:, :nbytes], dst_rows)
+    _hostcopy.copy_rows(dst.data_ptr(), pitch, dst_rows.numpy(), src.data_ptr(), src.shape[1], src_rows.numpy(), nbytes)
+    assert torch.equal(dst, want)
+
+
+def test_host_copy_refuses_row_lists_of_different_lengths() -> None:
+    buf = torch.zeros(4, 64, dtype=torch.uint8)
+    rows = torch.arange(3).numpy()
+    with pytest.raises(ValueError, match="equal length"):
+        _hostcopy.copy_rows(buf.data_ptr(), 64, rows, buf.data_ptr(), 64, rows[:2], 64)

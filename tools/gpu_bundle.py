@@ -7,8 +7,8 @@ packed with xz they fit (about 53 MB). Three subcommands::
 
     python3 tools/gpu_bundle.py build              # here: download the cp312 wheels, write .gpu/bundle.tar.xz
     python3 tools/gpu_bundle.py unpack DEST        # there: unpack into DEST, a folder to put on PYTHONPATH
-    python3 tools/gpu_bundle.py device OUT         # there: unpack, link kvtier's packages, run the GPU tests and
-                                                   # the swap-in benchmark; logs and JSON under OUT
+    python3 tools/gpu_bundle.py device OUT         # there: unpack, link kvtier's packages, build its C extensions,
+                                                   # run the GPU tests and the swap-in benchmark; output under OUT
 
 The device run, as one ``run`` call (carry ``.gpu``)::
 
@@ -25,6 +25,7 @@ import argparse
 import os
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import tomllib
@@ -86,8 +87,10 @@ def unpack(archive: Path, dest: Path) -> Path:
 
 def link_packages(dest: Path) -> Path:
     """kvtier's import tree (``kvtier.transfer`` → ``transfer/`` …, as pyproject maps it) made of symlinks into this
-    checkout, so the device runs the working tree without building or installing it."""
-    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    checkout, with its C extensions compiled in place for this Python: the device runs the working tree without
+    installing it."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping = setuptools["package-dir"]
     top = dest / "kvtier"
     top.mkdir(parents=True, exist_ok=True)
     for package, folder in mapping.items():
@@ -97,6 +100,14 @@ def link_packages(dest: Path) -> Path:
                 _symlink(top / item.name, item)
         else:
             _symlink(top / package.split(".", 1)[1], source)
+    for ext in setuptools.get("ext-modules", []):
+        package, module = ext["name"].rsplit(".", 1)
+        target = ROOT / mapping[package] / (module + sysconfig.get_config_var("EXT_SUFFIX"))
+        sources = [str(ROOT / source) for source in ext["sources"]]
+        include = f"-I{sysconfig.get_paths()['include']}"
+        command = ["cc", "-shared", "-fPIC", *ext.get("extra-compile-args", []), include, *sources, "-o", str(target)]
+        if subprocess.run(command).returncode != 0:
+            raise BundleError(f"building {ext['name']} failed: {' '.join(command)}")
     return dest
 
 
