@@ -136,13 +136,14 @@ def test_a_dead_writers_filling_and_pinned_slots_are_reclaimed_and_its_cache_kep
     before = SlotMap.open(shm_name)
     filling = int((before.state == SlotState.FILLING).nonzero()[0][0])
     filling_gen = int(before.gen[filling])
+    assert before.filling(filling, filling_gen)
     writer.send_signal(signal.SIGKILL)
     writer.wait()
     pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
     assert pool.reclaimed == 2
     stats = pool.stats()
     assert (stats.filling, stats.pinned, stats.ready, stats.free) == (0, 0, 2, 2)
-    assert not before.valid(filling, filling_gen)
+    assert not before.filling(filling, filling_gen)  # whoever was filling it learns it lost the slot
     assert pool.lookup(TENANT, key(1)) is not None and pool.lookup(TENANT, key(2)) is not None
     before.close()
     pool.close()
@@ -185,4 +186,47 @@ def test_batch_lookups_pins_and_unpins_match_the_single_ones(shm_name: str) -> N
     assert pool.unpin_many(found[[0]], gens[:1]) == 1 and pool.state[slot0] == SlotState.PINNED
     assert pool.unpin_many(found[[0, 0]], gens) == 1  # only one pin was left: the stale second is refused
     assert pool.state[slot0] == SlotState.READY and pool.pins[slot0] == 0
+    pool.close()
+
+
+def test_a_reader_racing_slot_reuse_never_accepts_torn_bytes(shm_name: str) -> None:
+    """The writer refills two slots with one byte value each, again and again; a reader process reads them in a
+    loop and keeps only reads whose generation held across the read: every one of those is a single value."""
+    pool = StagingPool.own(shm_name, 2 * SLOT * 16, SLOT * 16)
+    fill(pool, 0)
+    reader = run_child(
+        f"""
+        import time
+        import numpy as np
+        from kvtier.transfer.staging import READY, SlotMap
+        m = SlotMap.open({shm_name!r})
+        print("ready", flush=True)
+        kept = torn = rejected = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            for slot in range(m.slots):
+                gen = int(m.gen[slot])
+                if int(m.state[slot]) != READY:
+                    continue
+                data = np.frombuffer(m.view(slot), np.uint8).copy()
+                if not m.valid(slot, gen):
+                    rejected += 1
+                elif (data == data[0]).all():
+                    kept += 1
+                else:
+                    torn += 1
+        print(kept, torn, rejected, flush=True)
+        """
+    )
+    value = 0
+    while reader.poll() is None:
+        value = (value + 1) % 251
+        reserved = pool.reserve(owner_pid=1)
+        if reserved is None:
+            continue
+        pool.view(reserved[0])[:] = bytes([value]) * pool.slot_bytes
+        pool.publish(reserved[0], TENANT, key(value % 2), pool.slot_bytes, None, 0)
+    out, _ = reader.communicate(timeout=30)
+    kept, torn, rejected = map(int, out.split())
+    assert torn == 0 and kept > 0 and rejected > 0, (kept, torn, rejected)
     pool.close()

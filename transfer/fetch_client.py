@@ -83,7 +83,11 @@ class Block:
 
     def valid(self) -> bool:
         """The slot still holds this block. Check it after reading the bytes of a block no longer pinned."""
-        return self.ok and self._map is not None and self._map.valid(self.slot, self.generation)
+        if not self.ok or self._map is None:
+            return False
+        if self.status == BlockStatus.ALLOCATED:
+            return self._map.filling(self.slot, self.generation)
+        return self._map.valid(self.slot, self.generation)
 
 
 class Blocks(list[Block]):

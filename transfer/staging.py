@@ -193,11 +193,17 @@ class SlotMap:
         return self.buffer[start : start + (self.slot_bytes if length is None else length)]
 
     def valid(self, slot: int, generation: int) -> bool:
-        """Whether ``slot`` still holds the block it held at ``generation`` (or is still being filled under it).
+        """Whether ``slot`` holds a block (READY or PINNED) at ``generation``.
 
-        Read it after using a slot's bytes: True proves nothing overwrote them meanwhile.
+        The reader's side of the seqlock: take the generation while the slot is READY/PINNED, read the bytes, then
+        call this; True proves nothing overwrote them meanwhile (the writer marks a slot FILLING, then bumps its
+        generation, then writes; x86 keeps both orders).
         """
-        return 0 <= slot < self.slots and int(self.gen[slot]) == generation and self.state[slot] != FREE
+        return 0 <= slot < self.slots and int(self.gen[slot]) == generation and int(self.state[slot]) in (READY, PINNED)
+
+    def filling(self, slot: int, generation: int) -> bool:
+        """Whether ``slot`` is still being filled under ``generation`` (an engine's allocated slot, not reclaimed)."""
+        return 0 <= slot < self.slots and int(self.gen[slot]) == generation and int(self.state[slot]) == FILLING
 
     @property
     def writer_pid(self) -> int:
@@ -345,8 +351,8 @@ class StagingPool(SlotMap):
         self.lru[slot] = self._counters[0]
 
     def _to_free(self, slot: int) -> None:
+        self.state[slot] = FREE  # the state first, then the generation: see ``valid``
         self.gen[slot] += np.uint64(1)  # holders of the old generation now see a miss
-        self.state[slot] = FREE
         self.pins[slot] = 0
         self.owner[slot] = 0
         self.length[slot] = 0
@@ -429,8 +435,8 @@ class StagingPool(SlotMap):
                     self.on_evict(int(self.tenant[slot]), self._key(slot), slot, int(self.gen[slot]))
             else:
                 return None
+            self.state[slot] = FILLING  # the state first, then the generation: see ``valid``
             self.gen[slot] += np.uint64(1)
-            self.state[slot] = FILLING
             self.owner[slot] = owner_pid
             self.length[slot] = 0
             return slot, int(self.gen[slot])
