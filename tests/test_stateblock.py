@@ -176,9 +176,10 @@ def test_a_restarted_directory_is_rebuilt_from_the_hosts_reports(config, tmp_pat
     try:
         key = secrets.token_bytes(16)
         host.put(key, block_of(5))
-        proc.stop()
-        proc, _ = start_directory(config, port)
         reader = DirectoryClient(("127.0.0.1", port), config.token)
+        assert reader.lookup([key])[0] is not None
+        proc.stop()
+        proc, _ = start_directory(config, port)  # the reader's connection is now stale: it reconnects by itself
         _wait(lambda: reader.lookup([key])[0] is not None, "the host to re-report to the new directory")
         stats = reader.stats()
         assert (stats["hosts"], stats["entries"], stats["full_reports"]) == (1, 1, 1)

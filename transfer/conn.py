@@ -29,9 +29,15 @@ class FrameConn:
     """A lazily opened connection; ``call`` reconnects after a failure. Not thread-safe."""
 
     def __init__(
-        self, connect: Callable[[], socket.socket], token: str, what: str, error: type[PeerError] = PeerError
+        self,
+        connect: Callable[[], socket.socket],
+        token: str,
+        what: str,
+        error: type[PeerError] = PeerError,
+        idempotent: bool = False,
     ) -> None:
         self._connect = connect
+        self.idempotent = idempotent  # requests may be sent again on a fresh connection if a kept one was stale
         self.token = token
         self.what = what  # "the fetcher at PATH": for messages
         self.error = error
@@ -67,21 +73,34 @@ class FrameConn:
         self, opcode: int, meta: dict[str, Any], payload: Sequence[memoryview] = (), sink: Sink | None = None
     ) -> Frame:
         """Send one request and return its reply. ``sink(head)`` may point the reply's payload at the caller's
-        buffers. Raises ``error`` if the connection fails (then closed) or the peer answers ERROR."""
-        sock = self.open()
-        request_id = next(_ids)
-        before = None if sink is None else _sinker(sink)
+        buffers. Raises ``error`` if the connection fails (then closed) or the peer answers ERROR.
+
+        With ``idempotent``, a request that fails on a connection kept from before (the peer closed it while idle,
+        or restarted) is sent once more on a new one."""
+        kept = self.sock is not None
         try:
-            sendmsg_all(sock, [encode_head(opcode, request_id, meta, sum(len(p) for p in payload)), *payload])
-            frame = recv_frame(sock, self.reader, before)
-            if frame is None:
-                raise ConnectionResetError("connection closed")
+            frame = self._exchange(opcode, meta, payload, sink)
         except (OSError, ProtocolError) as exc:
             self.close()
-            raise self.error(f"{self.what} went away ({exc})") from None
+            if not (kept and self.idempotent):
+                raise self.error(f"{self.what} went away ({exc})") from None
+            try:
+                frame = self._exchange(opcode, meta, payload, sink)
+            except (OSError, ProtocolError) as again:
+                self.close()
+                raise self.error(f"{self.what} went away ({again})") from None
         if frame.opcode == Op.ERROR:
             self.close()
             raise self.error(f"{self.what} refused the request: {frame.meta.get('message', '')}")
+        return frame
+
+    def _exchange(self, opcode: int, meta: dict[str, Any], payload: Sequence[memoryview], sink: Sink | None) -> Frame:
+        sock = self.open()
+        head = encode_head(opcode, next(_ids), meta, sum(len(p) for p in payload))
+        sendmsg_all(sock, [head, *payload])
+        frame = recv_frame(sock, self.reader, None if sink is None else _sinker(sink))
+        if frame is None:
+            raise ConnectionResetError("connection closed")
         return frame
 
     def close(self) -> None:

@@ -169,7 +169,8 @@ class DirectoryClient:
     """A host's or engine's connection to the directory. Raises :class:`DirectoryError` when it is down."""
 
     def __init__(self, addr: tuple[str, int], token: str, timeout_s: float = 5.0) -> None:
-        self.conn = FrameConn(tcp(addr, timeout_s), token, f"the directory at {addr[0]}:{addr[1]}", DirectoryError)
+        where = f"the directory at {addr[0]}:{addr[1]}"
+        self.conn = FrameConn(tcp(addr, timeout_s), token, where, DirectoryError, idempotent=True)
 
     def register(
         self, host: str, addr: tuple[str, int], keys: list[bytes], slots: list[int], gens: list[int], full: bool

@@ -51,7 +51,8 @@ class Puller:
         conn = self._conns.get(location.addr)
         if conn is None:
             where = f"the StateBlock server at {location.addr[0]}:{location.addr[1]}"
-            conn = self._conns[location.addr] = FrameConn(tcp(location.addr, self.timeout_s), self.token, where)
+            conn = FrameConn(tcp(location.addr, self.timeout_s), self.token, where, idempotent=True)
+            self._conns[location.addr] = conn
         target = [memoryview(out).cast("B")]
 
         def sink(head: Frame) -> list[memoryview] | None:
@@ -234,6 +235,8 @@ class StateBlockHost:
     def _serve(self, tenant: str, frame: Frame, sock: socket.socket) -> None:
         if frame.opcode != StateOp.PULL:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown opcode {frame.opcode}")
+        if self._stopping.is_set():
+            raise ProtocolError(ErrorCode.BUSY, "this host is shutting down")
         key, slot, gen = sp.parse_pull(frame.meta)
         reply = Op.REPLY | StateOp.PULL
         if not self.pool.pin(slot, gen, tenant_id(tenant), key):
