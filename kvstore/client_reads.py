@@ -4,9 +4,11 @@ shards of live blocks rewritten before the call returns; see docs/design.md §5.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from kvtier.kvstore import _native
 from kvtier.kvstore.client_core import Buffer, _by_node
 from kvtier.kvstore.client_writes import Writes
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, shard_size
@@ -43,8 +45,7 @@ class ReadState:
         self.lost = np.zeros((n, TOTAL_SHARDS), dtype=bool)  # a node answered MISSING or CORRUPT: repairable
         self.absent = np.zeros(n, dtype=bool)
         self.mismatch = np.zeros(n, dtype=bool)
-        self.ttl_class: list[str | None] = [None] * n
-        self.header: list[bytes] = [NO_HEADER] * n  # as stored: repair must write it back unchanged
+        self.replies: list[tuple[np.ndarray, dict[str, Any]]] = []  # (entries, meta) of every GET reply
         self.primary_ok = np.zeros(n, dtype=bool)  # the primary answered OK: the block is live
         self.parity: dict[tuple[int, int], memoryview] = {}
         self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
@@ -60,22 +61,33 @@ class ReadState:
             lost = entries[(st == Status.MISSING) | (st == Status.CORRUPT)]
             self.lost[lost[:, 0], lost[:, 1]] = True
             self.primary_ok[entries[(st == Status.OK) & (entries[:, 1] == 0), 0]] = True
-            names, ci, hdr = frame.meta.get("classes"), frame.meta.get("ci"), frame.meta.get("hdr")
-            if isinstance(names, list) and isinstance(ci, bytes) and len(ci) == len(entries):
-                for (b, _), c in zip(entries.tolist(), ci, strict=True):
-                    if c < len(names) and isinstance(names[c], str):
-                        self.ttl_class[b] = names[c]
-            if isinstance(hdr, bytes) and len(hdr) == HEADER_DIGEST_BYTES * len(entries):
-                for j in np.flatnonzero(st == Status.OK).tolist():
-                    self.header[entries[j, 0]] = hdr[j * HEADER_DIGEST_BYTES : (j + 1) * HEADER_DIGEST_BYTES]
+            self.replies.append((entries, frame.meta))
         landed = self.receiving.pop(frame.request_id, None)
         if landed is not None and len(landed):
             self.valid[landed[:, 0], landed[:, 1]] = True
 
+    def stored_as(self, blocks: Sequence[int]) -> list[tuple[str | None, bytes]]:
+        """TTL class and header digest of ``blocks`` as stored (a repair writes them back unchanged), from
+        the replies that carried them; worked out only when a repair needs them, not on every read."""
+        wanted = np.zeros(len(self.valid), dtype=bool)
+        wanted[list(blocks)] = True
+        ttl_class: dict[int, str] = {}
+        header: dict[int, bytes] = {}
+        for entries, meta in self.replies:
+            names, ci, hdr, st = meta.get("classes"), meta.get("ci"), meta.get("hdr"), meta.get("st")
+            for j in np.flatnonzero(wanted[entries[:, 0]]).tolist():
+                b = int(entries[j, 0])
+                classes_ok = isinstance(names, list) and isinstance(ci, bytes) and len(ci) == len(entries)
+                if classes_ok and ci[j] < len(names) and isinstance(names[ci[j]], str):
+                    ttl_class[b] = names[ci[j]]
+                if isinstance(hdr, bytes) and len(hdr) == HEADER_DIGEST_BYTES * len(entries) and st[j] == Status.OK:
+                    header[b] = hdr[j * HEADER_DIGEST_BYTES : (j + 1) * HEADER_DIGEST_BYTES]
+        return [(ttl_class.get(b), header.get(b, NO_HEADER)) for b in blocks]
+
     def layout_for(self, b: int, block_len: int) -> BlockLayout | None:
         layout = self.layouts[b]
-        if layout is None and self.allocate:
-            self.buffers[b] = memoryview(bytearray(block_len))
+        if layout is None and self.allocate:  # not zeroed: a block is only returned once every byte landed
+            self.buffers[b] = memoryview(_native.bytearray_uninit(block_len))
             layout = self.layouts[b] = BlockLayout(block_len)
         if layout is None or layout.length != block_len:
             return None
@@ -157,18 +169,19 @@ class Reads(Writes):
         """Rewrite the shards that nodes reported missing or corrupt, for the blocks this read decoded and
         whose primary answered that they are live (never bring back a block the primary no longer has)."""
         lost = state.lost & (np.asarray(found) & state.primary_ok)[:, None]
-        by_class: dict[str, list[int]] = {}
-        for b in np.flatnonzero(lost.any(axis=1)).tolist():
-            if state.ttl_class[b] is not None and state.buffers[b] is not None:
-                by_class.setdefault(state.ttl_class[b], []).append(b)
-        for ttl_class, blocks in by_class.items():
-            views = [state.buffers[b] for b in blocks]
+        damaged = np.flatnonzero(lost.any(axis=1)).tolist()
+        by_class: dict[str, list[tuple[int, bytes]]] = {}
+        for b, (ttl_class, header) in zip(damaged, state.stored_as(damaged), strict=True):
+            if ttl_class is not None and state.buffers[b] is not None:
+                by_class.setdefault(ttl_class, []).append((b, header))
+        for ttl_class, stored in by_class.items():
+            blocks = [b for b, _ in stored]
             self.stats["shards_repaired"] += self.write_shards(
                 [keys[b] for b in blocks],
-                views,  # type: ignore[arg-type]
+                [state.buffers[b] for b in blocks],  # type: ignore[misc]
                 ttl_class,
                 lost[blocks],
-                [state.header[b] for b in blocks],
+                [h for _, h in stored],
             )
 
     def _read_round(

@@ -42,7 +42,8 @@ class Repairs(Reads):
         buffers: list[memoryview | None] = [None] * len(keys)
         state = ReadState(len(keys), buffers, True, trust_primary=False)
         found = self._read(keys, buffers, True, None, state=state, repair=False)
+        headers = [header for _, header in state.stored_as(range(len(keys)))]
         return [
-            (buf.obj, state.header[b]) if hit and buf is not None else None
+            (buf.obj, headers[b]) if hit and buf is not None else None
             for b, (hit, buf) in enumerate(zip(found, buffers, strict=True))
         ]
