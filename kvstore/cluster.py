@@ -92,7 +92,7 @@ class GCConfig:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    read_fanout: int = 11  # nodes asked per read; decoding starts once 10 answered
+    read_fanout: int = 10  # nodes asked per read (10: the data shards; parity only in a second round on a miss)
     min_write_shards: int = 11  # a put needs this many shards durable (and the primary's) to commit
     op_timeout_s: float = 10.0
     connect_timeout_s: float = 2.0

