@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -266,8 +267,13 @@ def test_a_restarted_node_keeps_lru_order(cluster: LocalCluster) -> None:
     with Client(cluster.config) as client:
         keys = put_in_batches(client, int(FILL * CAPACITY) // SLOT)
         hot = keys[:300]
+        read_at = time.time()
         client.get(hot)
-        settle(client)  # a cycle writes the batched access times
+        wait_for(  # access times reach LMDB in batches (every access_flush_s)
+            lambda: all(client.stat(k)["block"]["last_access"] >= read_at for k in hot[::10]),
+            5,
+            "the read's access times to be written",
+        )
         for nid in list(cluster.procs):
             cluster.kill(nid)
         cluster.start()
