@@ -297,6 +297,37 @@ def test_an_engine_that_dies_gives_its_pins_and_slots_back(cluster: LocalCluster
         assert (stats["ready"], stats["filling"], stats["free"]) == (3, 0, stats["slots"] - 3)
 
 
+def test_pins_of_a_dead_engine_whose_socket_lives_on_in_a_child_are_reclaimed(
+    cluster: LocalCluster, start_fetcher
+) -> None:
+    fetcher = start_fetcher()
+    keys, _ = stored_blocks(cluster, 2)
+    code = f"""
+import os, time
+from kvtier.transfer.fetch_client import FetchClient
+client = FetchClient({str(fetcher.socket_path)!r}, {cluster.config.token!r})
+blocks = client.fetch({keys!r}, {BLOCK})
+child = os.fork()
+if child == 0:
+    os.closerange(0, 3)  # not the test's pipes: only the inherited connection stays open
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+input()
+"""
+    engine = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert engine.stdout is not None
+    orphan = int(engine.stdout.readline())
+    try:
+        with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+            assert client.stats()["pinned"] == 2
+            engine.send_signal(signal.SIGKILL)
+            engine.communicate()
+            wait_for(lambda: client.stats()["pinned"] == 0, "the dead engine's pins to be reclaimed by pid")
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+
+
 def test_a_fetcher_killed_mid_fetch_fails_the_call_and_a_restarted_one_serves(
     cluster: LocalCluster, start_fetcher
 ) -> None:

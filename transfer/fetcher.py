@@ -38,6 +38,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ from kvtier.transfer.staging import PoolError, StagingPool, tenant_id
 
 log = logging.getLogger("kvtier.fetcher")
 PREFETCH_PENALTY = fp.MAX_PRIORITY  # a prefetch waits behind every fetch
+PEER_SWEEP_S = 1.0  # how often the pids of connected engines are checked
 COUNTERS = (
     "requests", "blocks_hit", "blocks_fetched", "blocks_missed", "blocks_failed", "blocks_full", "blocks_put",
     "bytes_fetched",
@@ -187,7 +189,11 @@ class Fetcher:
     # -- loop -------------------------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
+        next_sweep = time.monotonic() + PEER_SWEEP_S
         while not self.stopping:
+            if time.monotonic() >= next_sweep:
+                self._sweep_dead_peers()
+                next_sweep = time.monotonic() + PEER_SWEEP_S
             for key, events in self.selector.select(timeout=0.5):
                 if key.data == "listen":
                     self._accept()
@@ -202,6 +208,14 @@ class Fetcher:
                         self._receive(session)
                     if events & selectors.EVENT_WRITE and not session.closed:
                         self._flush(session)
+
+    def _sweep_dead_peers(self) -> None:
+        """Close connections whose process is gone although the socket lives on (a child inherited it): their
+        pins and allocated slots go back to the pool, as when the socket closes."""
+        for session in list(self.sessions):
+            if session.pid > 0 and not _alive(session.pid):
+                log.info("pid %d is gone but its connection stayed open: releasing what it held", session.pid)
+                self._close(session)
 
     def stop(self) -> None:
         self.stopping = True
@@ -554,6 +568,16 @@ class Fetcher:
             self._settle(answer, i, BlockStatus.ERROR, flight.slot, flight.gen)
         if answer.remaining == 0:
             self._answer(answer, FetchOp.PUT)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, as another user
+    return True
 
 
 class LocalFetcher:
