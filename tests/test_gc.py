@@ -185,10 +185,11 @@ def test_a_put_when_every_slot_is_pinned_is_refused_clearly_and_loses_nothing(ma
     local = make_cluster(capacity_bytes=capacity, gc=ON_DEMAND_ONLY)
     with Client(local.config) as client:
         kept, kept_data = fill_every_primary(client, capacity, size)
+        holders = Placement(local.config.groups).shard_nodes(kept)[client.probe(kept)]  # one per shard stored
         readers = pin_every_shard(local, kept)
         try:
             wait_for(
-                lambda: all(i["pinned_slots"] == len(kept) for i in client.node_info().values()),
+                lambda: all(i["pinned_slots"] == (holders == nid).sum() for nid, i in client.node_info().items()),
                 10,
                 "every node to be sending (and pinning) all its shards",
             )
