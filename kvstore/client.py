@@ -104,8 +104,8 @@ class AsyncClient:
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return await self._call("exists", keys)
 
-    async def delete(self, keys: Sequence[bytes]) -> None:
-        return await self._call("delete", keys)
+    async def delete(self, keys: Sequence[bytes], before: float | None = None) -> bool:
+        return await self._call("delete", keys, before)
 
     async def stat(self, key: bytes) -> dict[str, Any]:
         return await self._call("stat", key)
