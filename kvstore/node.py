@@ -1,11 +1,12 @@
 """A storage node: one process serving one data dir (chunk engine) over TCP.
 
-Each connection gets a thread running blocking ``recvmsg_into``/``sendmsg`` over the sans-IO
+Each connection gets a thread running blocking socket calls over the sans-IO
 :class:`~kvtier.kvstore.protocol.FrameReader`. A connection is one client's pipeline of batched
-requests, so per-connection threads cost nothing in parallelism, let LMDB and file I/O block without an
-event loop, and keep the payload path copy-free: a PUT's payload is received (``recvmsg_into``) straight into
-the slab slots reserved for its shards, and a GET reply is sent with one ``sendmsg`` over views of the slab
-mappings (the slots stay pinned until it is sent). Frame I/O is shared with the client (``sockio``).
+requests, so per-connection threads cost nothing in parallelism and let LMDB and file I/O block without an
+event loop. Frames' heads and metadata come in through ``sockio.recv_frame`` (shared with the client); a
+PUT's payload is received by a compiled loop in cache-sized pieces, checksummed while hot and written to
+the slab slots reserved for its shards (``receive_payload``); a GET reply is sent by a compiled loop over
+views of the slab mappings, the slots pinned until it is sent.
 (Measured in PERF.md, blocking sockets and ``asyncio.BufferedProtocol`` move bytes at the same speed.)
 
 Connection state machine:
