@@ -1,5 +1,6 @@
 /* kvtier.kernels._hostcopy: the CPU row copy, dst[dst_rows[b]] = src[src_rows[b]] (first nbytes of each row), in
- * one call without the GIL: swap-in and swap-out between host staging slots and a KV cache in host memory.
+ * one call without the GIL: swap-in and swap-out between host staging slots and a KV cache in host memory; and
+ * check_rows, the bounds and repeat check of a row list that swaps run first (a bitmap, in one pass).
  *
  * Why C: per row, a Python-level copy costs a microsecond or two of call overhead (a 16 KiB row moves in about
  * that time), and torch's index_copy_ is an element-wise loop plus a second pass for the gather. Why streaming
@@ -14,6 +15,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -80,8 +82,48 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(check_rows_doc,
+             "check_rows(rows, count, distinct) -> int\n\n"
+             "The position of the first row index (rows: a contiguous int64 buffer) outside [0, count), or, with\n"
+             "distinct, equal to an earlier one; -1 when there is none. Runs without the GIL.");
+
+static PyObject *check_rows(PyObject *self, PyObject *args) {
+    Py_buffer rows;
+    Py_ssize_t count;
+    int distinct;
+    if (!PyArg_ParseTuple(args, "y*np", &rows, &count, &distinct)) return NULL;
+    const int64_t *r = rows.buf;
+    Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t), bad = -1;
+    uint8_t *seen = distinct ? calloc((size_t)count / 8 + 1, 1) : NULL;
+    if (distinct && seen == NULL) {
+        PyBuffer_Release(&rows);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t b = 0; b < n; b++) {
+        int64_t v = r[b];
+        if (v < 0 || v >= count) {
+            bad = b;
+            break;
+        }
+        if (seen) {
+            uint8_t bit = (uint8_t)(1u << (v & 7));
+            if (seen[v >> 3] & bit) {
+                bad = b;
+                break;
+            }
+            seen[v >> 3] |= bit;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(seen);
+    PyBuffer_Release(&rows);
+    return PyLong_FromSsize_t(bad);
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, copy_rows_doc},
+    {"check_rows", check_rows, METH_VARARGS, check_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -47,7 +47,10 @@ def test_a_row_wider_than_a_stride_is_refused() -> None:
         RowCopyKernel(1025, 1024, 2048, target="c")
 
 
-@pytest.mark.parametrize(("nbytes", "dst_offset"), [(16384, 0), (4096 + 48, 0), (512, 0), (4096, 4)])
+ROW_CASES = [(16384, 0), (2 * 16384 + 3 * 64 + 5, 0), (4096 + 48, 0), (512, 0), (4096, 4)]  # (bytes, misalignment)
+
+
+@pytest.mark.parametrize(("nbytes", "dst_offset"), ROW_CASES)
 def test_host_copy_equals_reference(nbytes: int, dst_offset: int) -> None:
     pitch = nbytes + 16
     src = torch.randint(0, 256, (40, nbytes + 64), dtype=torch.uint8)
@@ -65,3 +68,11 @@ def test_host_copy_refuses_row_lists_of_different_lengths() -> None:
     rows = torch.arange(3).numpy()
     with pytest.raises(ValueError, match="equal length"):
         _hostcopy.copy_rows(buf.data_ptr(), 64, rows, buf.data_ptr(), 64, rows[:2], 64)
+
+
+@pytest.mark.parametrize(
+    ("rows", "distinct", "first_bad"),
+    [([3, 0, 2], True, -1), ([3, 0, 3], False, -1), ([3, 0, 3], True, 2), ([1, 4, -1], True, 1), ([0, -1], False, 1)],
+)
+def test_check_rows_names_the_first_bad_position(rows: list[int], distinct: bool, first_bad: int) -> None:
+    assert _hostcopy.check_rows(torch.tensor(rows).numpy(), 4, distinct) == first_bad

@@ -101,7 +101,7 @@ def test_no_ids_is_a_no_op(slots: torch.Tensor) -> None:
     [
         ([0, SLOTS], [0, 1], "slot id 12 out of range"),
         ([0, 1], [-1, 1], "page id -1 out of range"),
-        ([0, 1], [3, 3], "page ids repeat"),
+        ([0, 1], [3, 3], "page id 3 repeats"),
         ([0, 1, 2], [0, 1], "3 slot ids but 2 page ids"),
         ([0.5], [0], "slot ids must be a 1-D sequence of integers"),
         ([[0, 1]], [0, 1], "slot ids must be a 1-D sequence of integers"),
@@ -117,7 +117,7 @@ def test_bad_ids_are_refused_before_any_copy(slots: torch.Tensor, slot_ids, page
 
 def test_swap_out_refuses_two_pages_into_one_slot(slots: torch.Tensor) -> None:
     before = slots.clone()
-    with pytest.raises(SwapError, match="slot ids repeat"):
+    with pytest.raises(SwapError, match="slot id 4 repeats"):
         swap_out(random_cache(), [0, 1], slots, [4, 4])
     assert torch.equal(slots, before)
 

@@ -152,15 +152,12 @@ def _check_ids(ids: Any, count: int, what: str, distinct: bool) -> np.ndarray:
     arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise SwapError(f"{what} ids must be a 1-D sequence of integers, not {arr.dtype} of shape {arr.shape}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (arr.min() < 0 or arr.max() >= count):
-        bad = arr[(arr < 0) | (arr >= count)][0]
-        raise SwapError(f"{what} id {bad} out of range: there are {count} {what}s")
-    if distinct:
-        seen = np.zeros(count, dtype=bool)
-        seen[arr] = True
-        if np.count_nonzero(seen) != arr.size:
-            raise SwapError(f"{what} ids repeat: two blocks would be copied into one {what}")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    bad = _hostcopy.check_rows(arr, count, distinct)
+    if bad >= 0 and not 0 <= arr[bad] < count:
+        raise SwapError(f"{what} id {arr[bad]} out of range: there are {count} {what}s")
+    if bad >= 0:
+        raise SwapError(f"{what} id {arr[bad]} repeats: two blocks would be copied into one {what}")
     return arr
 
 
