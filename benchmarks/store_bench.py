@@ -16,8 +16,9 @@ reader, which never wrote them) reads the batch with ``get_into`` into prealloca
 with ``get`` (kvtier allocates the blocks); every read is checked. Next to each round, in the same run, one
 raw loopback TCP stream moves the same number of bytes (blocking ``sendall`` from a preallocated buffer in
 another process, ``recv_into`` a preallocated buffer here): the ceiling any Python client on this machine
-could reach. Round 0 warms connections and is not counted; results are medians over rounds, reported as
-ratios to the raw stream's median. A put that a full cluster refused (``CapacityError``) is reported as
+could reach. Round 0 warms connections and is not counted; results are medians over rounds of each round's
+ratio to its raw stream (the load of a shared machine drifts between rounds), with the CPU seconds per GB moved
+that this process and the node processes spent (on two idle cores, throughput is about 2 / that). A put that a full cluster refused (``CapacityError``) is reported as
 refused blocks, not hidden. Then it times ``match`` of a 1,200-key chain.
 
 This is a benchmark, never a test: the machines are shared and noisy.
@@ -41,6 +42,7 @@ from kvtier.kvstore.units import format_size, parse_size
 from kvtier.tools.benchutil import raw_stream_gbps, temp_cluster
 
 MODES = ("fresh", "capacity")
+OPS = ("put", "get_into", "get")
 FRESH_CAPACITY = 2 << 30
 FILL_FACTOR = 2.0  # the capacity mode writes this many times what the cluster holds before timing
 
@@ -63,51 +65,73 @@ class Batch:
         return [os.urandom(16) for _ in range(self.n)]
 
 
-def _timed(call: Callable[[], object]) -> tuple[object, float]:
-    start = time.perf_counter()
+class CpuMeter:
+    """CPU seconds (user + system) used by this process and the cluster's node processes: on a shared machine a
+    truer cost than wall time, since the store's throughput on two idle cores is about 2 / (CPU s per GB)."""
+
+    def __init__(self, node_pids: list[int]) -> None:
+        self.node_pids = node_pids
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def read(self) -> float:
+        total = time.process_time()
+        for pid in self.node_pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime
+        return total
+
+
+def _timed(meter: CpuMeter, call: Callable[[], object]) -> tuple[object, float, float]:
+    """``call()``'s result, wall seconds and CPU seconds."""
+    cpu, start = meter.read(), time.perf_counter()
     result = call()
-    return result, time.perf_counter() - start
+    return result, time.perf_counter() - start, meter.read() - cpu
 
 
-def put_fresh(writer: Client, batch: Batch) -> tuple[list[bytes], float, int]:
-    """Put one batch of new keys; (keys, seconds, blocks refused for lack of space)."""
+def put_fresh(writer: Client, batch: Batch) -> tuple[list[bytes], int]:
+    """Put one batch of new keys; (keys, blocks refused for lack of space)."""
     keys = batch.fresh_keys()
-    start = time.perf_counter()
     try:
         writer.put(keys, batch.blocks)
-        refused = 0
+        return keys, 0
     except CapacityError as exc:
-        refused = exc.stored.count(False)
-    return keys, time.perf_counter() - start, refused
+        return keys, exc.stored.count(False)
 
 
-def bench_round(writer: Client, reader: Client, batch: Batch) -> dict[str, float]:
-    """One timed round: put of fresh keys, then ``get_into`` and ``get`` of them by the other client."""
-    keys, put_s, refused = put_fresh(writer, batch)
-    found, get_into_s = _timed(lambda: reader.get_into(keys, batch.buffers))
+def bench_round(writer: Client, reader: Client, batch: Batch, meter: CpuMeter) -> dict[str, float]:
+    """One timed round: put of fresh keys, then ``get_into`` and ``get`` of them by the other client, and the raw
+    stream; GB/s, ratio to the raw stream of this round, and CPU seconds per GB of each."""
+    raw = raw_stream_gbps(batch.nbytes)
+    (keys, refused), put_s, put_cpu = _timed(meter, lambda: put_fresh(writer, batch))  # type: ignore[misc]
+    found, get_into_s, get_into_cpu = _timed(meter, lambda: reader.get_into(keys, batch.buffers))
     stored = [i for i, hit in enumerate(found) if hit]  # type: ignore[attr-defined]
     if len(stored) + refused < batch.n:
         raise RuntimeError(f"{batch.n - refused - len(stored)} stored blocks could not be read back")
     if any(batch.buffers[i] != batch.blocks[i] for i in stored):
         raise RuntimeError("get_into returned wrong bytes")
-    got, get_s = _timed(lambda: reader.get(keys))
+    got, get_s, get_cpu = _timed(meter, lambda: reader.get(keys))
     if any(got[i] != batch.blocks[i] for i in stored):  # type: ignore[index]
         raise RuntimeError("get returned wrong bytes")
-    read_bytes = len(stored) * batch.block_size  # a refused block is not read: its miss is not counted as speed
-    return {
-        "put": (batch.n - refused) * batch.block_size / put_s / 1e9,
-        "get_into": read_bytes / get_into_s / 1e9,
-        "get": read_bytes / get_s / 1e9,
-        "raw": raw_stream_gbps(batch.nbytes),
-        "refused": refused,
-    }
+    put_gb = (batch.n - refused) * batch.block_size / 1e9
+    read_gb = len(stored) * batch.block_size / 1e9  # a refused block is not read: its miss is not counted as speed
+    out = {"raw": raw, "refused": refused}
+    for op, gb, wall, cpu in (
+        ("put", put_gb, put_s, put_cpu),
+        ("get_into", read_gb, get_into_s, get_into_cpu),
+        ("get", read_gb, get_s, get_cpu),
+    ):
+        out[op] = gb / wall
+        out[f"{op}_ratio"] = out[op] / raw
+        out[f"{op}_cpu_s_per_gb"] = cpu / gb if gb else float("nan")
+    return out
 
 
 def fill(writer: Client, batch: Batch, target_bytes: float) -> int:
     """Put fresh batches until ``target_bytes`` of blocks were offered; returns blocks refused."""
     offered = refused = 0
     while offered < target_bytes:
-        refused += put_fresh(writer, batch)[2]
+        refused += put_fresh(writer, batch)[1]
         offered += batch.nbytes
     return refused
 
@@ -124,17 +148,19 @@ def bench_size(mode: str, block_size: int, batch_bytes: int, rounds: int, capaci
         if mode == "capacity":
             holds = 12 * node_capacity * 10 / 12  # block bytes the cluster holds (10 data of 12 shards)
             fill_refused = fill(writer, batch, FILL_FACTOR * holds)
-        samples = [bench_round(writer, reader, batch) for _ in range(rounds + 1)][1:]
+        meter = CpuMeter([proc.pid for proc in local.procs.values()])
+        samples = [bench_round(writer, reader, batch, meter) for _ in range(rounds + 1)][1:]
         usage = [info.get("used_bytes", 0) / node_capacity for info in writer.node_info().values()]
-    med = {k: statistics.median(s[k] for s in samples) for k in ("put", "get_into", "get", "raw")}
+    med = {k: statistics.median(s[k] for s in samples) for k in samples[0] if k != "refused"}
     return {
         "mode": mode,
         "block_size": block_size,
         "blocks_per_call": batch.n,
         "node_capacity": node_capacity,
         "raw_stream_gbps": med["raw"],
-        **{f"{k}_gbps": med[k] for k in ("put", "get_into", "get")},
-        **{f"{k}_ratio": med[k] / med["raw"] for k in ("put", "get_into", "get")},
+        **{f"{k}_gbps": med[k] for k in OPS},
+        **{f"{k}_ratio": med[f"{k}_ratio"] for k in OPS},  # median of the rounds' ratios: load drifts between rounds
+        **{f"{k}_cpu_s_per_gb": med[f"{k}_cpu_s_per_gb"] for k in OPS},
         "refused_blocks": sum(int(s["refused"]) for s in samples),
         "fill_refused_blocks": fill_refused,
         "max_usage_after": max(usage, default=0.0),
@@ -184,15 +210,17 @@ def main() -> int:
         print(json.dumps(results, indent=2))
         return 0
     print(f"12-node local cluster, one writer client, one reader client, {format_size(batch)} per call, fresh keys")
+    print("ratios to the raw stream (median of rounds); CPU s/GB: client + nodes (raw stream: about 0.3-0.4)")
     print(
         f"{'mode':>8} {'block':>7} {'raw GB/s':>8} {'put':>6} {'get_into':>8} {'get':>6}   "
-        f"{'put GB/s':>8} {'get_into GB/s':>13} {'refused':>7} {'usage':>5}"
+        f"{'CPU s/GB: put':>13} {'get_into':>8} {'get':>5}   {'refused':>7} {'usage':>5}"
     )
     for r in results["results"]:  # type: ignore[union-attr]
         print(
             f"{r['mode']:>8} {format_size(r['block_size']):>7} {r['raw_stream_gbps']:>8.2f} "
             f"{r['put_ratio']:>5.2f}x {r['get_into_ratio']:>7.2f}x {r['get_ratio']:>5.2f}x   "
-            f"{r['put_gbps']:>8.2f} {r['get_into_gbps']:>13.2f} {r['refused_blocks']:>7} {r['max_usage_after']:>5.0%}"
+            f"{r['put_cpu_s_per_gb']:>13.2f} {r['get_into_cpu_s_per_gb']:>8.2f} {r['get_cpu_s_per_gb']:>5.2f}   "
+            f"{r['refused_blocks']:>7} {r['max_usage_after']:>5.0%}"
         )
     if "match" in results:
         m = results["match"]
