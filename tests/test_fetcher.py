@@ -338,17 +338,21 @@ def test_a_fetcher_killed_mid_fetch_fails_the_call_and_a_restarted_one_serves(
     for proc in cluster.procs.values():  # the nodes stop answering: the fetch stays in flight
         proc.send_signal(signal.SIGSTOP)
     try:
-        caller = threading.Thread(target=lambda: outcome.append(_fetch_or_error(client, keys)))
-        caller.start()
+        callers = [
+            threading.Thread(target=lambda: outcome.append(_fetch_or_error(client, keys))),
+            threading.Thread(target=lambda: outcome.append(asyncio.run(_async_fetch_or_error(fetcher, cluster, keys)))),
+        ]
+        for caller in callers:
+            caller.start()
         with FetchClient(fetcher.socket_path, cluster.config.token) as observer:
-            wait_for(lambda: observer.stats()["in_flight"] == 5, "the fetch to be in flight")
+            wait_for(lambda: observer.stats()["requests"] == 2 and observer.stats()["in_flight"] == 5, "the fetches")
         fetcher.kill()
-        caller.join(30)
+        for caller in callers:
+            caller.join(30)
     finally:
         for proc in cluster.procs.values():
             proc.send_signal(signal.SIGCONT)
-    assert len(outcome) == 1 and isinstance(outcome[0], FetcherError)
-    assert "went away" in str(outcome[0])
+    assert len(outcome) == 2 and all(isinstance(o, FetcherError) and "went away" in str(o) for o in outcome), outcome
     restarted = start_fetcher()
     with FetchClient(restarted.socket_path, cluster.config.token) as fresh:
         stats = fresh.stats()
@@ -357,6 +361,14 @@ def test_a_fetcher_killed_mid_fetch_fails_the_call_and_a_restarted_one_serves(
         assert [b.status for b in got] == [BlockStatus.FETCHED] * 5
         assert all(np.array_equal(b.array(), x) for b, x in zip(got, blocks, strict=True))
     client.close()
+
+
+async def _async_fetch_or_error(fetcher: LocalFetcher, cluster: LocalCluster, keys: list[bytes]) -> object:
+    client = await AsyncFetchClient.connect(fetcher.socket_path, cluster.config.token)
+    try:
+        return await client.fetch(keys, BLOCK)
+    except Exception as exc:  # the assertion says which, if not the FetcherError expected
+        return exc
 
 
 def _fetch_or_error(client: FetchClient, keys: list[bytes]) -> object:
