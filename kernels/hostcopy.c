@@ -21,16 +21,23 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HC_X86 1
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #endif
 
 /* Rows shorter than this are copied with memcpy: streaming pays only over whole cache lines. */
 #define STREAM_MIN 1024
+/* Software prefetch distance in the source. Measured on the H200 host (one thread, 256 MiB, random rows, ratio to
+ * one glibc memcpy of the same bytes): no prefetch 0.67-0.71x, 256 B ahead 0.70-0.73x, 1 KiB ahead 0.75-0.79x;
+ * copying four pages line by line in turn (glibc's large-copy scheme) reached 0.77-0.85x there but ran at 0.2x
+ * on the 2-core development VM whenever the source was a shared-memory segment, so it is not used. */
+#define PREFETCH_AHEAD 1024
 
 static void copy_row(char *dst, const char *src, size_t n) {
 #ifdef HC_X86
     if (n >= STREAM_MIN && ((uintptr_t)dst & 15) == 0) {
         size_t body = n & ~(size_t)63;
         for (size_t i = 0; i < body; i += 64) {
+            _mm_prefetch(src + i + PREFETCH_AHEAD, _MM_HINT_T0); /* past the row's end it is a harmless hint */
             __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
             __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
