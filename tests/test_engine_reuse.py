@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.stateblocks import LocalStateBlocks
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.tools.kvbench import main as kvbench
 from kvtier.transfer.fetcher import LocalFetcher
 
 TOLERANCE = 1e-4
@@ -169,3 +171,26 @@ def test_a_model_without_sliding_layers_reuses_up_to_the_last_block(tmp_path: Pa
     assert (warm.hit_tokens, warm.replayed) == (640, False)
     assert warm.tokens == cold.tokens
     assert (warm.first_logits - cold.first_logits).abs().max().item() <= TOLERANCE
+
+
+# -- the benchmarks that drive the engine (what they report, not how fast) ---------------------------------
+
+
+def test_kvbench_ttft_reports_each_hit_ratio_with_its_bound(
+    cluster_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--config", str(cluster_file), *"ttft --prompt-tokens 300 --hits 0,50 --repeats 1 --json".split()]
+    assert kvbench(args) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [p["hit_tokens"] for p in points] == [0, 128]
+    assert all(p["bound_s"] > 0 and p["speedup"] > 0 for p in points)
+
+
+def test_kvbench_swa_replay_reports_the_error_of_replayed_prefills(
+    cluster_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--config", str(cluster_file), "swa-replay", "--prompts", "2", "--new-tokens", "4", "--json"]
+    assert kvbench(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["hit_tokens"] > 0 for r in result["prompts"]] == [True, True]
+    assert 0 <= result["token_agreement"] <= 1 and result["max_abs_dlogit_max"] >= 0
