@@ -179,7 +179,8 @@ def test_a_model_without_sliding_layers_reuses_up_to_the_last_block(tmp_path: Pa
 def test_kvbench_ttft_reports_each_hit_ratio_with_its_bound(
     cluster_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["--config", str(cluster_file), *"ttft --prompt-tokens 300 --hits 0,50 --repeats 1 --json".split()]
+    bench = ["ttft", "--prompt-tokens", "300", "--hits", "0,50", "--repeats", "1", "--json"]
+    args = ["--config", str(cluster_file), *bench]
     assert kvbench(args) == 0
     points = json.loads(capsys.readouterr().out)["points"]
     assert [p["hit_tokens"] for p in points] == [0, 128]
