@@ -237,6 +237,8 @@ def test_wrong_tokens_are_refused_and_the_socket_is_owner_only(cluster: LocalClu
     assert stat.S_IMODE(os.stat(fetcher.socket_path).st_mode) == 0o600
     with pytest.raises(AuthError, match="authentication failed"):
         FetchClient(fetcher.socket_path, "not-the-token-at-all")
+    with pytest.raises(AuthError, match="authentication failed"):
+        asyncio.run(AsyncFetchClient.connect(fetcher.socket_path, "not-the-token-at-all"))
     with FetchClient(fetcher.socket_path, cluster.config.token) as client:
         assert client.stats()["sessions"] == 1
 

@@ -303,21 +303,43 @@ class FetchClient(_Protocol):
 
 
 class _Replies(asyncio.Protocol):
+    """One connection's replies, matched to the requests waiting for them. A connection that fails fails its own
+    requests only (a client that reconnected meanwhile is not touched)."""
+
     def __init__(self, owner: AsyncFetchClient) -> None:
         self.owner = owner
         self.reader = FrameReader()
+        self.transport: asyncio.Transport | None = None
+        self.waiting: dict[int, asyncio.Future[Frame]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         try:
             frames = self.reader.feed(data)
         except ProtocolError as exc:
-            self.owner._fail(exc)
+            self.fail(exc)
             return
         for frame in frames:
-            self.owner._arrived(frame)
+            future = self.waiting.pop(frame.request_id, None)
+            if future is None and frame.opcode == Op.ERROR and self.waiting:  # an error about no one request
+                future = self.waiting.pop(next(iter(self.waiting)))
+            if future is not None and not future.done():
+                future.set_result(frame)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.owner._fail(exc or "connection closed")
+        self.fail(exc or "connection closed")
+
+    def fail(self, why: object) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        waiting, self.waiting = self.waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(self.owner._lost(why))
+        if self.owner._conn is self:
+            self.owner._conn = None
 
 
 class AsyncFetchClient(_Protocol):
@@ -328,8 +350,8 @@ class AsyncFetchClient(_Protocol):
 
     def __init__(self, socket_path: str | Path, token: str, timeout_s: float = 60.0) -> None:
         super().__init__(socket_path, token, timeout_s)
-        self._transport: asyncio.Transport | None = None
-        self._waiting: dict[int, asyncio.Future[Frame]] = {}
+        self._conn: _Replies | None = None
+        self._opening = asyncio.Lock()
 
     @classmethod
     async def connect(cls, socket_path: str | Path, token: str, timeout_s: float = 60.0) -> AsyncFetchClient:
@@ -337,60 +359,48 @@ class AsyncFetchClient(_Protocol):
         await client._open()
         return client
 
-    async def _open(self) -> None:
-        loop = asyncio.get_running_loop()
-        hello = loop.create_future()
-        self._waiting[0] = hello
-        try:
-            transport, _ = await loop.create_unix_connection(lambda: _Replies(self), self.socket_path)
-        except OSError as exc:
-            self._waiting.pop(0, None)
-            raise FetcherError(
-                f"cannot reach the fetcher at {self.socket_path} ({exc}): is kvtier-fetcher running?"
-            ) from None
-        transport.write(encode_head(FetchOp.HELLO, 0, {"token": self.token}))
-        try:
-            frame = await asyncio.wait_for(hello, self.timeout_s)
-            if frame.opcode == Op.ERROR:
-                message = f"{self.what}: {frame.meta.get('message', '')}"
-                if frame.meta.get("code") in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_REQUIRED):
-                    raise AuthError(message)
-                raise FetcherError(message)
-            self._adopt(frame.meta)
-        except BaseException:
-            transport.close()
-            raise
-        self._transport = transport  # type: ignore[assignment]
+    async def _open(self) -> _Replies:
+        async with self._opening:  # calls that find no connection open one together
+            if self._conn is not None:
+                return self._conn
+            loop = asyncio.get_running_loop()
+            try:
+                _, conn = await loop.create_unix_connection(lambda: _Replies(self), self.socket_path)
+            except OSError as exc:
+                raise FetcherError(
+                    f"cannot reach the fetcher at {self.socket_path} ({exc}): is kvtier-fetcher running?"
+                ) from None
+            try:
+                frame = await self._exchange(conn, FetchOp.HELLO, {"token": self.token})
+                if frame.opcode == Op.ERROR:
+                    message = f"{self.what}: {frame.meta.get('message', '')}"
+                    if frame.meta.get("code") in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_REQUIRED):
+                        raise AuthError(message)
+                    raise FetcherError(message)
+                self._adopt(frame.meta)
+            except BaseException:
+                conn.fail("HELLO failed")
+                raise
+            self._conn = conn
+            return conn
 
-    def _arrived(self, frame: Frame) -> None:
-        future = self._waiting.pop(frame.request_id, None)
-        if future is None and frame.opcode == Op.ERROR and self._waiting:
-            future = self._waiting.pop(next(iter(self._waiting)))
-        if future is not None and not future.done():
-            future.set_result(frame)
-
-    def _fail(self, why: object) -> None:
-        self._transport = None
-        waiting, self._waiting = self._waiting, {}
-        for future in waiting.values():
-            if not future.done():
-                future.set_exception(self._lost(why))
-
-    async def _run(self, call: _Call[T]) -> T:
-        if self._transport is None:
-            await self._open()
-        assert self._transport is not None
+    async def _exchange(self, conn: _Replies, opcode: int, meta: dict[str, Any]) -> Frame:
+        assert conn.transport is not None
         request_id = next(_ids)
         future = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = future
-        self._transport.write(encode_head(call.opcode, request_id, call.meta))
+        conn.waiting[request_id] = future
+        conn.transport.write(encode_head(opcode, request_id, meta))
         try:
-            frame = await asyncio.wait_for(future, self.timeout_s)
+            return await asyncio.wait_for(future, self.timeout_s)
         except TimeoutError:
-            self._waiting.pop(request_id, None)
-            raise FetcherError(f"fetcher at {self.socket_path} did not answer in {self.timeout_s:g} s") from None
+            conn.waiting.pop(request_id, None)
+            raise FetcherError(f"{self.what} did not answer in {self.timeout_s:g} s") from None
+
+    async def _run(self, call: _Call[T]) -> T:
+        conn = self._conn or await self._open()
+        frame = await self._exchange(conn, call.opcode, call.meta)
         if frame.opcode == Op.ERROR:
-            await self.close()
+            conn.fail("the fetcher refused a request")
             raise FetcherError(f"{self.what} refused the request: {frame.meta.get('message', '')}")
         return call.finish(frame.meta)
 
@@ -409,7 +419,7 @@ class AsyncFetchClient(_Protocol):
     async def release(self, blocks: Sequence[Block]) -> int:
         """See :meth:`FetchClient.release`."""
         call = self._release_call(blocks)
-        return await self._run(call) if self._transport is not None else 0
+        return await self._run(call) if self._conn is not None else 0
 
     async def alloc(self, n: int, block_bytes: int) -> Blocks:
         """See :meth:`FetchClient.alloc`."""
@@ -431,9 +441,8 @@ class AsyncFetchClient(_Protocol):
         return await self._run(self._stats_call())
 
     async def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        if self._conn is not None:
+            self._conn.fail("closed")
 
     async def __aenter__(self) -> AsyncFetchClient:
         return self
