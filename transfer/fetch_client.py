@@ -112,10 +112,6 @@ class Blocks(list[Block]):
     async def __aexit__(self, *exc: object) -> None:
         await self._release(self)
 
-    @property
-    def hits(self) -> int:
-        return sum(b.ok for b in self)
-
 
 @dataclass
 class _Call(Generic[T]):
