@@ -14,76 +14,53 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import BenchError, UsageError
-
-PRESETS = ("tiny", "small", "1b", "8b")
+from kvtier.tools.kvbench.enginebench import add_model_arguments, checkpoint_and_cluster, describe
 
 
 def register(commands: Subcommands) -> None:
     p = commands.add("swa-replay", "error of bounded SWA replay against exact prefill", run)
-    p.add_argument("--checkpoint", type=Path, help="a Hugging Face model directory (default: a seeded preset)")
-    p.add_argument("--preset", choices=PRESETS, default="tiny", help="seeded checkpoint to build (tiny)")
     p.add_argument("--prompts", type=int, default=8, help="prompts in the fixed set (default 8)")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared (default 32)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if min(args.prompts, args.new_tokens, args.threads) < 1:
         raise UsageError("--prompts, --new-tokens and --threads must be at least 1")
-    import torch
-
-    from kvtier.engine.checkpoint import make_checkpoint
     from kvtier.engine.engine import Engine
     from kvtier.engine.stateblocks import LocalStateBlocks
 
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="kvbench-swa-") as tmp:
-        checkpoint = args.checkpoint or make_checkpoint(Path(tmp) / args.preset, args.preset, seed=0)
-        local = None
-        config = getattr(args, "config", None)
-        if config is None:
-            local = LocalCluster(cluster_mod.write_default(Path(tmp) / "cluster", metrics=False))
-            local.start()
-            config = local.config_path
-        try:
-            producer = Engine.from_pretrained(checkpoint, store=config, state_blocks=LocalStateBlocks())
-            rows = []
-            for i, length in enumerate(np.linspace(600, 3000, args.prompts).astype(int).tolist()):
-                prompt = np.random.default_rng(i).integers(0, producer.config.vocab_size, length).tolist()
-                producer.generate([prompt[: int(length * 0.8)]], 1)
-                consumer = Engine.from_pretrained(checkpoint, store=config, state_blocks=LocalStateBlocks())
-                replayed = consumer.generate([prompt], args.new_tokens)[0]
-                exact = consumer.generate([prompt], args.new_tokens, reuse=False)[0]
-                if not replayed.replayed:
-                    raise BenchError(f"prompt {i}: expected a replayed hit, got hit {replayed.hit_tokens}")
-                same = [a == b for a, b in zip(replayed.tokens, exact.tokens, strict=True)]
-                rows.append(
-                    {
-                        "prompt_tokens": length,
-                        "hit_tokens": replayed.hit_tokens,
-                        "max_abs_dlogit": (replayed.first_logits - exact.first_logits).abs().max().item(),
-                        "tokens_equal": sum(same),
-                        "common_prefix": same.index(False) if False in same else len(same),
-                    }
-                )
-        finally:
-            if local is not None:
-                local.stop()
+    with checkpoint_and_cluster(args, "kvbench-swa-") as (checkpoint, config, _):
+        producer = Engine.from_pretrained(checkpoint, store=config, state_blocks=LocalStateBlocks())
+        rows = []
+        for i, length in enumerate(np.linspace(600, 3000, args.prompts).astype(int).tolist()):
+            prompt = np.random.default_rng(i).integers(0, producer.config.vocab_size, length).tolist()
+            producer.generate([prompt[: int(length * 0.8)]], 1)
+            consumer = Engine.from_pretrained(checkpoint, store=config, state_blocks=LocalStateBlocks())
+            replayed = consumer.generate([prompt], args.new_tokens)[0]
+            exact = consumer.generate([prompt], args.new_tokens, reuse=False)[0]
+            if not replayed.replayed:
+                raise BenchError(f"prompt {i}: expected a replayed hit, got hit {replayed.hit_tokens}")
+            same = [a == b for a, b in zip(replayed.tokens, exact.tokens, strict=True)]
+            rows.append(
+                {
+                    "prompt_tokens": length,
+                    "hit_tokens": replayed.hit_tokens,
+                    "max_abs_dlogit": (replayed.first_logits - exact.first_logits).abs().max().item(),
+                    "tokens_equal": sum(same),
+                    "common_prefix": same.index(False) if False in same else len(same),
+                }
+            )
     result = {
         "command": "swa-replay",
         "settings": {
-            "checkpoint": str(args.checkpoint or f"preset {args.preset} seed 0"),
+            "checkpoint": describe(args),
             "new_tokens": args.new_tokens,
         },
         "prompts": rows,

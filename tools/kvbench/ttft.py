@@ -23,33 +23,26 @@ import argparse
 import json
 import secrets
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import BenchError, UsageError
+from kvtier.tools.kvbench.enginebench import add_model_arguments, checkpoint_and_cluster, describe
 from kvtier.transfer.fetcher import LocalFetcher
 
 if TYPE_CHECKING:  # the engine needs torch; kvbench's other commands must run without it
     from kvtier.engine.engine import Engine
 
-PRESETS = ("tiny", "small", "1b", "8b")
-
 
 def register(commands: Subcommands) -> None:
     p = commands.add("ttft", "engine time to first token against prefix hit ratio, with and without reuse", run)
-    p.add_argument("--checkpoint", type=Path, help="a Hugging Face model directory (default: a seeded preset)")
-    p.add_argument("--preset", choices=PRESETS, default="tiny", help="seeded checkpoint to build (tiny)")
+    add_model_arguments(p)
     p.add_argument("--prompt-tokens", type=int, default=4000, help="prompt length L (default 4000)")
     p.add_argument("--hits", default="0,50,90,96", help="hit ratios in percent (default 0,50,90,96)")
     p.add_argument("--repeats", type=int, default=3, help="prompts per hit ratio (default 3)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument(
@@ -58,7 +51,6 @@ def register(commands: Subcommands) -> None:
         default="client",
         help="move blocks with the store client, or through a fetcher process started for the run (its pool)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,23 +62,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--hits in [0, 100), --prompt-tokens ≥ 135, --repeats and --threads ≥ 1")
     import torch
 
-    from kvtier.engine.checkpoint import make_checkpoint
     from kvtier.engine.engine import Engine
 
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="kvbench-ttft-") as tmp:
-        checkpoint = args.checkpoint or make_checkpoint(Path(tmp) / args.preset, args.preset, seed=0)
-        local = None
-        config = getattr(args, "config", None)
-        if config is None:
-            local = LocalCluster(cluster_mod.write_default(Path(tmp) / "cluster", metrics=False))
-            local.start()
-            config = local.config_path
+    with checkpoint_and_cluster(args, "kvbench-ttft-") as (checkpoint, config, scratch):
         fetcher = None
+        if args.through == "fetcher":
+            shm = f"kvbench-ttft-{secrets.token_hex(4)}"
+            fetcher = LocalFetcher(config, shm, scratch / "fetcher.sock", "1GiB", "1MiB").start()
         try:
-            if args.through == "fetcher":
-                shm = f"kvbench-ttft-{secrets.token_hex(4)}"
-                fetcher = LocalFetcher(Path(config), shm, Path(tmp) / "fetcher.sock", "1GiB", "1MiB").start()
             engine = Engine.from_pretrained(
                 checkpoint,
                 device=args.device,
@@ -99,10 +82,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if fetcher is not None:
                 fetcher.stop()
-            if local is not None:
-                local.stop()
     result["settings"] = {
-        "checkpoint": str(args.checkpoint or f"preset {args.preset} seed 0"),
+        "checkpoint": describe(args),
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,
         "threads": args.threads,
