@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,11 @@ from kvtier.engine.engine import Engine
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread() -> None:
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
     torch.set_num_threads(1)  # the baseline was computed with one thread
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,11 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread() -> None:
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
     torch.set_num_threads(1)  # two busy cores: more threads only spin
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
