@@ -34,6 +34,7 @@ writes, and any torn shard fails its crc and is treated as an erasure.
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 import time
@@ -651,23 +652,34 @@ class ChunkEngine:
         statuses: list[Status] = []
         views: list[memoryview | None] = []
         records: list[ShardRecord | None] = []
+        # the per-shard loop runs for every shard a read moves (10,000 of them for 64 MiB of 64 KiB blocks):
+        # the key prefix, the TTL cut-offs and the status values are worked out once, outside it
+        prefix = tenant_prefix(tenant)
+        cutoffs = _ExpiryCutoffs(ttl_s, now)
+        ok_, absent, missing, mismatch = Status.OK, Status.ABSENT, Status.MISSING, Status.MISMATCH
+        view, shards_db, block_entry = self.slabs.view, self.shards_db, self.lru.get
         # Look up and pin under the lock that deletes and slot reuse take: a slot found here cannot be
         # reused before it is unpinned, however long the checks and the send take.
         with self._lock, self.env.begin(buffers=True) as txn:
+            get = txn.get
             for key, index, header in wanted:
-                raw = txn.get(shard_key(tenant, key, index), db=self.shards_db)
+                raw = get(prefix + key + _INDEX_BYTES[index], db=shards_db)
                 rec = ShardRecord.unpack(raw) if raw is not None else None
-                status = Status.OK
-                if index == 0 and not self._record_alive(block_key(tenant, key), ttl_s, now):
-                    status = Status.ABSENT  # no live record: the block is gone, whatever shards remain
-                elif rec is None or rec.state != COMMITTED or not _shard_alive(rec, ttl_s, now):
-                    status = Status.MISSING
+                status = ok_
+                entry = block_entry(prefix + key) if index == 0 else None
+                if index == 0 and (entry is None or entry.created < cutoffs[entry.ttl_class]):
+                    status = absent  # no live record: the block is gone, whatever shards remain
+                elif rec is None or rec.state != COMMITTED or rec.created < cutoffs[rec.ttl_class]:
+                    status = missing
                 elif header is not None and rec.header != header:
-                    status = Status.MISMATCH
+                    status = mismatch
                 statuses.append(status)
-                records.append(rec if status == Status.OK else None)
-                ok = status == Status.OK and not probe
-                views.append(self.slabs.view(rec.size_class, rec.slot, rec.length) if ok else None)  # type: ignore[union-attr]
+                if status is ok_:
+                    records.append(rec)
+                    views.append(None if probe else view(rec.size_class, rec.slot, rec.length))  # type: ignore[union-attr]
+                else:
+                    records.append(None)
+                    views.append(None)
             if not probe:
                 self.slabs.pin([(r.size_class, r.slot) for r in records if r is not None])
         held = [i for i, view in enumerate(views) if view is not None]
@@ -742,6 +754,22 @@ def _shards_in_state(
         raw = txn.get(skey)
         if raw is not None and raw[0] == state:
             yield skey, raw
+
+
+_INDEX_BYTES = [bytes((i,)) for i in range(256)]  # the last byte of a shard's LMDB key
+
+
+class _ExpiryCutoffs(dict[str, float]):
+    """Per TTL class, the creation time before which a shard has expired at ``now`` (an unknown class: all)."""
+
+    def __init__(self, ttl_s: Callable[[str], float | None], now: float) -> None:
+        super().__init__()
+        self.ttl_s, self.now = ttl_s, now
+
+    def __missing__(self, ttl_class: str) -> float:
+        ttl = self.ttl_s(ttl_class)
+        cutoff = self[ttl_class] = math.inf if ttl is None else self.now - ttl
+        return cutoff
 
 
 def _shard_alive(rec: ShardRecord, ttl_s: Callable[[str], float | None], now: float) -> bool:

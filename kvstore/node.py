@@ -298,26 +298,23 @@ class StorageNode:
         read_primary = [k for k, i, st in zip(keys, idx.tolist(), statuses, strict=True) if i == 0 and st == 0]
         if read_primary:
             self.engine.touch(tenant, read_primary)
-        lens, block_lens, class_of, headers = [], [], [], []
+        # one column at a time over the shards found (a record is there exactly where the status is OK)
+        found = [r for r in records if r is not None]
+        ok = np.frombuffer(status_bytes, dtype=np.uint8) == Status.OK
+        lens = np.zeros(len(records), dtype="<u4")
+        lens[ok] = [r.length for r in found]
+        block_lens = np.zeros(len(records), dtype="<u8")
+        block_lens[ok] = [r.block_len for r in found]
         classes: dict[str, int] = {}
-        for r in records:
-            if r is None:
-                lens.append(0)
-                block_lens.append(0)
-                class_of.append(255)
-                headers.append(NO_HEADER)
-            else:
-                lens.append(r.length)
-                block_lens.append(r.block_len)
-                class_of.append(classes.setdefault(r.ttl_class, len(classes)))
-                headers.append(r.header)
+        class_of = np.full(len(records), 255, dtype=np.uint8)
+        class_of[ok] = [classes.setdefault(r.ttl_class, len(classes)) for r in found]
         meta = {
             "st": status_bytes,
-            "lens": np.asarray(lens, dtype="<u4").tobytes(),
-            "blen": np.asarray(block_lens, dtype="<u8").tobytes(),
+            "lens": lens.tobytes(),
+            "blen": block_lens.tobytes(),
             "classes": list(classes),
-            "ci": bytes(class_of),
-            "hdr": b"".join(headers),
+            "ci": class_of.tobytes(),
+            "hdr": b"".join([r.header if r is not None else NO_HEADER for r in records]),
         }
         return Reply(meta, [v for v in views if v is not None], on_sent=lambda: self.engine.unpin(records))
 
