@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.cluster import ClusterConfig
+from kvtier.kvstore.lru import BlockEntry
 
 log = logging.getLogger("kvtier.gc")
 
@@ -46,10 +47,15 @@ class Evictor:
                 self._remove(victims)
                 self.evicted_on_demand += len(victims)
 
-    def remove(self, bkeys: Sequence[bytes]) -> None:
-        """Remove blocks (keys as in the LRU index: tenant prefix + key), whole: see the module docstring."""
+    def remove(self, choose: Callable[[list[BlockEntry]], Sequence[bytes]]) -> int:
+        """Remove, whole (see the module docstring), the blocks ``choose`` picks from this primary's blocks
+        (least recently used first; it returns their keys). It looks at them under the removal lock, so a
+        removal on demand cannot take the same blocks meanwhile; returns how many were removed."""
         with self._lock:
-            self._remove(bkeys)
+            victims = choose(self.engine.lru_entries())
+            if victims:
+                self._remove(victims)
+            return len(victims)
 
     def _remove(self, bkeys: Sequence[bytes]) -> None:
         by_tenant: dict[str, list[bytes]] = {}

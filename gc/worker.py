@@ -42,6 +42,7 @@ from kvtier.gc.policy import expired, plan_eviction
 from kvtier.kvstore.chunks import COMMITTED, ChunkEngine
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.cluster import ClusterConfig
+from kvtier.kvstore.lru import BlockEntry
 
 log = logging.getLogger("kvtier.gc")
 
@@ -136,15 +137,9 @@ class GCWorker:
 
     # -- removal --------------------------------------------------------------------------------------
 
-    def _remove(self, bkeys: list[bytes]) -> None:
-        """Remove blocks whole: record and local shard first, then every other node's shards."""
-        self.evictor.remove(bkeys)
-
     def _expire(self) -> None:
-        gone = expired(self.engine.lru_entries(), self.ttl_classes(), self.clock())  # type: ignore[arg-type]
-        if gone:
-            self._remove(list(gone))  # type: ignore[arg-type]
-            self.stats.expirations += len(gone)
+        ttl, now = self.ttl_classes(), self.clock()
+        self.stats.expirations += self.evictor.remove(lambda entries: expired(entries, ttl, now))  # type: ignore[arg-type]
 
     def _evict_to_watermark(self) -> None:
         """Keep this primary's blocks between the watermarks of its budget (its share of every node).
@@ -156,32 +151,36 @@ class GCWorker:
         come faster than this make room themselves (``Evictor.make_room``).
         """
         gc = self.config.gc
-        entries = self.engine.lru_entries()
-        victims = plan_eviction(
-            self.engine.pending_primary_bytes + sum(entry.size_bytes for entry in entries),
-            self.engine.primary_budget_bytes,
-            gc.high_watermark,
-            gc.low_watermark,
-            ((entry.key, entry.size_bytes) for entry in entries),
-        )
-        if victims:
-            self._remove(list(victims))  # type: ignore[arg-type]
-            self.stats.evictions += len(victims)
+
+        def over_high(entries: list[BlockEntry]) -> list[bytes]:
+            return plan_eviction(  # type: ignore[return-value]
+                self.engine.pending_primary_bytes + sum(entry.size_bytes for entry in entries),
+                self.engine.primary_budget_bytes,
+                gc.high_watermark,
+                gc.low_watermark,
+                ((entry.key, entry.size_bytes) for entry in entries),
+            )
+
+        self.stats.evictions += self.evictor.remove(over_high)
 
     def evict_matching(self, ttl_class: str | None, older_than_s: float | None, dry_run: bool) -> dict[str, int]:
         """Operator eviction (``kvctl evict``) of this node's primary blocks by class and/or creation age."""
-        with self._lock:
-            now = self.clock()
-            victims = [
-                entry.key
-                for entry in self.engine.lru_entries()
+        now = self.clock()
+
+        def matching(entries: list[BlockEntry]) -> list[bytes]:
+            return [
+                entry.key  # type: ignore[misc]
+                for entry in entries
                 if (ttl_class is None or entry.ttl_class == ttl_class)
                 and (older_than_s is None or now - entry.created > older_than_s)
             ]
-            if victims and not dry_run:
-                self._remove(victims)  # type: ignore[arg-type]
-                self.stats.evictions += len(victims)
-            return {"matched": len(victims), "evicted": 0 if dry_run else len(victims)}
+
+        with self._lock:
+            if dry_run:
+                return {"matched": len(matching(self.engine.lru_entries())), "evicted": 0}
+            evicted = self.evictor.remove(matching)
+            self.stats.evictions += evicted
+            return {"matched": evicted, "evicted": evicted}
 
     # -- zombies --------------------------------------------------------------------------------------
 
