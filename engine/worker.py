@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
 from typing import Any, TextIO
@@ -128,9 +129,10 @@ class WorkerProcess:
     """The driving side: a child that prints one ready line and then answers one JSON line per request
     (a ``kvtier-engine prefill|decode`` worker; ``kvtier-directory`` also fits for its ready line)."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], timeout_s: float = 300.0) -> None:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.ready: Any = None
+        self.timeout_s = timeout_s  # for each answer (and the ready line)
 
     @classmethod
     def engine(cls, role: str, *args: str) -> WorkerProcess:
@@ -159,6 +161,8 @@ class WorkerProcess:
 
     def _read(self) -> Any:
         assert self.proc.stdout is not None
+        if not select.select([self.proc.stdout], [], [], self.timeout_s)[0]:
+            raise TimeoutError(f"{self.proc.args[3:5]} did not answer within {self.timeout_s:.0f} s")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"{self.proc.args[3:5]} exited with status {self.proc.wait()}")
