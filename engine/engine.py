@@ -10,13 +10,16 @@ Prefill of one prompt, in order:
 5. unless the sequence was replayed, its new full blocks go to the store (with their tokens) and a
    StateBlock for every multiple of 128 it computed goes to the StateBlock pool.
 
-Decode then extends the same pages and sliding state one token at a time.
+Decode then extends the same pages and sliding state one token at a time; when it ends, the blocks it
+completed (and StateBlocks at the multiples of 128 it passed) are published the same way, so a next turn
+that repeats the answer reuses it too.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,11 +154,19 @@ class Engine:
             first = self.prefill(seq, reuse, resume)
             token = int(first.argmax())
             budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
+            states: dict[int, torch.Tensor] = {}
+            save = self._saver(seq, states) if seq.publishing and self.config.sliding_layers else None
             while len(seq.generated) < budget:
                 seq.generated.append(token)
                 if len(seq.generated) < budget:
                     pos = len(seq.tokens) - 1
-                    token = int(self.runner.run(seq, pos, pos + 1).argmax())
+                    at = [pos + 1] if (pos + 1) % STATE_INTERVAL == 0 else []
+                    token = int(self.runner.run(seq, pos, pos + 1, state_at=at, on_state=save).argmax())
+            if seq.publishing and len(seq.generated) > 1:  # the blocks decode completed (the last token has no KV yet)
+                computed = seq.tokens[:-1]
+                assert self.store is not None
+                keys = self.store.keys(computed)
+                self._publish(seq, computed, keys, len(prompt) // self.block_tokens, states)
             return Result(seq.generated, seq.hit_tokens, seq.replayed, seq.ttft_s, first, seq.timings)
         finally:
             self.cache.release(seq.pages)
@@ -177,19 +188,22 @@ class Engine:
             self.runner.run(seq, h - window, h, write_global=False)
             seq.replayed = True
         seq.hit_tokens = h
-        publishing = bool(keys) and not seq.replayed and not resume
+        seq.publishing = bool(keys) and not seq.replayed and not resume
         states: dict[int, torch.Tensor] = {}
-        state_at = self._state_positions(h, len(prompt)) if publishing and self.config.sliding_layers else []
+        state_at = self._state_positions(h, len(prompt)) if seq.publishing and self.config.sliding_layers else []
         computing = time.perf_counter()
-        logits = self.runner.run(
-            seq, h, len(prompt), state_at=state_at, on_state=lambda m: states.update({m: seq.sliding.state_block(m)})
-        )
+        logits = self.runner.run(seq, h, len(prompt), state_at=state_at, on_state=self._saver(seq, states))
         seq.ttft_s = time.perf_counter() - start
         seq.timings = {"lookup_fetch_s": fetched - start, "replay_s": computing - fetched}
         seq.timings["compute_s"] = seq.ttft_s - (computing - start)
-        if publishing:
-            self._publish(seq, keys, max(matched, h // self.block_tokens), states)
+        if seq.publishing:
+            self._publish(seq, prompt, keys, max(matched, h // self.block_tokens), states)
         return logits
+
+    @staticmethod
+    def _saver(seq: Sequence, states: dict[int, torch.Tensor]) -> Callable[[int], None]:
+        """``on_state`` for the runner: keep the StateBlock of ``seq`` at each position it is called with."""
+        return lambda m: states.update({m: seq.sliding.state_block(m)})
 
     def _state_positions(self, h: int, length: int) -> list[int]:
         """Where this prefill saves StateBlocks: every multiple of 128 it computes, and with ``handoff`` the
@@ -232,12 +246,15 @@ class Engine:
                 return p.hit_tokens, (buf if exact and has_state(p.hit_tokens) else None)
             block_hit = landed * self.block_tokens
 
-    def _publish(self, seq: Sequence, keys: list[bytes], first: int, states: dict[int, torch.Tensor]) -> None:
-        """New full blocks to the store, StateBlocks to the pool (only for exactly computed sequences)."""
+    def _publish(
+        self, seq: Sequence, tokens: list[int], keys: list[bytes], first: int, states: dict[int, torch.Tensor]
+    ) -> None:
+        """Blocks ``first…`` of ``keys`` (the chain over ``tokens``, whose KV ``seq``'s pages hold) to the store,
+        ``states`` to the StateBlock pool. Only for exactly computed sequences (``seq.publishing``)."""
         assert self.transfer is not None and self.store is not None
-        self.transfer.store_pages(keys[first:], seq.pages[first : len(keys)], seq.prompt)
+        self.transfer.store_pages(keys[first:], seq.pages[first : len(keys)], tokens)
         if states:
-            state_keys = chain(self.state_namespace, np.asarray(seq.prompt, dtype=np.uint32), self.store.hash_algo)
+            state_keys = chain(self.state_namespace, np.asarray(tokens, dtype=np.uint32), self.store.hash_algo)
             for m, data in states.items():
                 self.state_blocks.put(self._state_key(state_keys, m), memoryview(data.cpu().numpy()))
 

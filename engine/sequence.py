@@ -17,6 +17,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     hit_tokens: int = 0  # prompt tokens whose KV came from the store
     replayed: bool = False  # the sliding state was rebuilt approximately: nothing of this sequence is stored
+    publishing: bool = False  # exactly computed with a store: its new blocks and StateBlocks are kept
     ttft_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 

@@ -127,6 +127,18 @@ def test_a_later_turn_reuses_the_earlier_turn_exactly(checkpoint: Path, cluster_
     assert (turn.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
 
 
+def test_the_next_turn_reuses_the_answer_decode_wrote(checkpoint: Path, cluster_file: Path) -> None:
+    e = engine(checkpoint, cluster_file)
+    first = prompt(1000, seed=12)
+    answer = e.generate([first], 200)[0].tokens  # decode computes positions up to 1198: blocks to 1151
+    second = first + answer + prompt(300, seed=13)
+    turn = e.generate([second], 16)[0]
+    assert (turn.hit_tokens, turn.replayed) == (1152, False)  # StateBlock at 1152 saved during decode
+    plain = e.generate([second], 16, reuse=False)[0]
+    assert turn.tokens == plain.tokens
+    assert (turn.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
+
+
 def test_block_kv_without_its_state_is_replayed_and_never_stored(checkpoint: Path, cluster_file: Path) -> None:
     producer = engine(checkpoint, cluster_file)
     p = prompt(2000, seed=5)
