@@ -5,6 +5,8 @@ where CUDA and tilelang are present (the lent H200); CI skips them."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import secrets
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from kvtier.kernels.rowcopy import copy_rows_reference
+from kvtier.transfer import staging
 from kvtier.transfer.swapin import CudaHostMapping, SwapError, slot_tensor, swap_in, swap_out
 
 SLOTS = 12
@@ -68,6 +71,29 @@ def test_slot_tensor_views_the_segment_without_copying(segment: shared_memory.Sh
     view[3, 7] = 201
     assert segment.buf[OFFSET + 3 * STRIDE + 7] == 201
     del view
+
+
+def test_swap_in_reads_blocks_the_staging_pool_holds() -> None:
+    name = f"kvtier-swapin-{os.getpid()}-{secrets.token_hex(4)}"
+    pool = staging.StagingPool.own(name, capacity_bytes=6 * page_bytes(), slot_bytes=page_bytes())
+    engine = staging.SlotMap.open(name)  # the engine's own mapping of the fetcher's segment
+    try:
+        blocks = {page: os.urandom(page_bytes()) for page in (7, 1, 12)}
+        slot_ids = []
+        for block in blocks.values():
+            slot, _generation = pool.reserve(os.getpid())
+            pool.view(slot)[:] = block
+            slot_ids.append(slot)
+        slots = slot_tensor(engine.buffer, stride=engine.stride, slots=engine.slots, offset=engine.data_offset)
+        cache = random_cache()
+        swap_in(slots, slot_ids, cache, list(blocks))
+        del slots
+        for page, block in blocks.items():
+            assert cache[page].view(-1).view(torch.uint8).numpy().tobytes() == block
+    finally:
+        engine.close()
+        pool.close()
+        staging.unlink(name)
 
 
 def test_swap_in_puts_each_slot_into_its_page_and_touches_no_other(slots: torch.Tensor) -> None:
