@@ -225,6 +225,29 @@ def test_blocks_larger_than_a_slot_are_refused_before_anything_is_sent(cluster: 
         assert client.stats()["sessions"] == 1
 
 
+def test_blocks_land_in_the_smallest_size_class_they_fit(cluster: LocalCluster, tmp_path: Path) -> None:
+    shm = f"kvt-test-{secrets.token_hex(6)}"
+    small_keys = [secrets.token_bytes(16) for _ in range(2)]
+    small = [np.full(4096, i + 1, np.uint8) for i in range(2)]
+    with Client(cluster.config) as store:
+        assert all(store.put(small_keys, small))
+    big_keys, big = stored_blocks(cluster, 2)
+    classes = f"4KiB,{BLOCK}B"
+    with (
+        LocalFetcher(cluster.config_path, shm, tmp_path / "c.sock", "256KiB", classes) as fetcher,
+        FetchClient(fetcher.socket_path, cluster.config.token) as client,
+    ):
+        assert [m.slot_bytes for m in client.maps] == [4096, BLOCK]
+        with client.fetch(small_keys, 4096) as a, client.fetch(big_keys, BLOCK) as b:
+            assert {x.pool for x in a} == {0} and {x.pool for x in b} == {1}
+            assert all(np.array_equal(x.array(), y) for x, y in zip([*a, *b], [*small, *big], strict=True))
+            assert client.stats()["pinned"] == 4
+        stats = client.stats()
+        assert (stats["pinned"], stats["ready"], stats["slot_sizes"]) == (0, 4, [4096, BLOCK])
+        with pytest.raises(ValueError, match="do not fit"):
+            client.alloc(1, BLOCK + 1)
+
+
 def test_a_full_pool_answers_full_for_the_blocks_it_cannot_place(cluster: LocalCluster, start_fetcher) -> None:
     fetcher = start_fetcher(size=f"{2 * BLOCK}B")
     keys, _ = stored_blocks(cluster, 3)

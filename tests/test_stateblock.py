@@ -28,8 +28,9 @@ def block_of(seed: int) -> np.ndarray:
 class Proc:
     """A child process that prints one line when ready and then answers one line per line it is sent."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], stops_at_eof: bool = False) -> None:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.stops_at_eof = stops_at_eof  # else SIGTERM stops it
         self.ready = self.read()
 
     def read(self) -> str:
@@ -45,9 +46,14 @@ class Proc:
         return self.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """End of input (a host closes, removing its segment) or SIGTERM; anything still running is killed."""
+        if not self.stops_at_eof:
+            self.proc.terminate()
+        try:
+            self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.proc.communicate()
+            self.proc.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +98,7 @@ def start_host(config: cluster_mod.ClusterConfig, directory_port: int, capacity:
         host.close()
         """
     )
-    return Proc([sys.executable, "-c", code])
+    return Proc([sys.executable, "-c", code], stops_at_eof=True)
 
 
 @pytest.fixture

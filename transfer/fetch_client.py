@@ -58,6 +58,7 @@ class Block:
     length: int = 0
     error: str = ""
     pinned: bool = False  # this connection holds a pin (or, for ALLOCATED, the slot itself)
+    pool: int = 0  # the size class whose segment holds the slot
     _map: SlotMap | None = field(default=None, repr=False)
 
     @property
@@ -129,8 +130,7 @@ class _Protocol:
         self.socket_path = str(socket_path)
         self.token = token
         self.timeout_s = timeout_s
-        self.map: SlotMap | None = None
-        self.epoch: bytes = b""
+        self.maps: list[SlotMap] = []  # one per size class, smallest slots first
         self.hash_algo = ""
         self.tenant = ""
 
@@ -138,14 +138,29 @@ class _Protocol:
     def what(self) -> str:
         return f"the fetcher at {self.socket_path}"
 
+    @property
+    def map(self) -> SlotMap | None:
+        """The pool's segment (with several size classes: the smallest class's; see :meth:`map_for`)."""
+        return self.maps[0] if self.maps else None
+
+    def map_for(self, block_bytes: int) -> tuple[int, SlotMap]:
+        """The size class, and its segment, that blocks of ``block_bytes`` live in."""
+        cls = fp.size_class([m.slot_bytes for m in self.maps], block_bytes)
+        if cls is None:
+            largest = self.maps[-1].slot_bytes if self.maps else 0
+            raise ValueError(f"blocks of {block_bytes} B do not fit the fetcher's {largest}-byte slots")
+        return cls, self.maps[cls]
+
     def _adopt(self, meta: dict[str, Any]) -> None:
-        """Map the pool the fetcher's HELLO reply names (again, if a restarted fetcher made a new one)."""
-        if self.map is None or meta["epoch"] != self.epoch or meta["shm"] != self.map.name:
-            try:
-                self.map = SlotMap.open(meta["shm"])
-            except PoolError as exc:
-                raise FetcherError(str(exc)) from None
-            self.epoch = meta["epoch"]
+        """Map the segments the fetcher's HELLO reply names (again, if a restarted fetcher made new ones)."""
+        known = {(m.name, m.epoch): m for m in self.maps}
+        maps = []
+        try:
+            for name, epoch, _slot_bytes in meta["pools"]:
+                maps.append(known.get((name, epoch)) or SlotMap.open(name))
+        except PoolError as exc:
+            raise FetcherError(str(exc)) from None
+        self.maps = maps
         self.hash_algo, self.tenant = meta["hash"], meta["tenant"]
 
     def _lost(self, why: object) -> FetcherError:
@@ -153,19 +168,20 @@ class _Protocol:
 
     def _slot_blocks(self, keys: Sequence[bytes], length: int, meta: dict[str, Any], pinned: bool) -> Blocks:
         status, slots, gens, errors = fp.parse_slots(meta, len(keys))
+        cls, segment = self.map_for(length)
         blocks = []
         for i, (key, st, slot, gen) in enumerate(
             zip(keys, status.tolist(), slots.tolist(), gens.tolist(), strict=True)
         ):
             if st in _SLOTTED:
-                blocks.append(Block(key, _STATUSES[st], slot, gen, length, errors.get(i, ""), pinned, self.map))
+                blocks.append(Block(key, _STATUSES[st], slot, gen, length, errors.get(i, ""), pinned, cls, segment))
             else:
                 blocks.append(Block(key, _STATUSES[st], error=errors.get(i, "")))
         return Blocks(blocks, self.release)  # type: ignore[attr-defined]
 
     def _check_length(self, length: int) -> None:
-        if self.map is not None and length > self.map.slot_bytes:
-            raise ValueError(f"blocks of {length} B do not fit the fetcher's {self.map.slot_bytes}-byte slots")
+        if self.maps:
+            self.map_for(length)
 
     # -- calls (each public method of both clients is one of these) --------------------------------------
 
@@ -181,7 +197,7 @@ class _Protocol:
         held = [b for b in blocks if b.pinned]
         for block in held:
             block.pinned = False
-        meta = fp.release_meta([b.slot for b in held], [b.generation for b in held])
+        meta = fp.release_meta([b.slot for b in held], [b.generation for b in held], [b.pool for b in held])
         return _Call(FetchOp.RELEASE, meta, lambda reply: int(reply.get("released", 0)))
 
     def _alloc_call(self, n: int, length: int) -> _Call[Blocks]:

@@ -1,13 +1,17 @@
 """The fetcher's Unix-socket protocol, sans-IO: request and reply metadata to and from dicts. No sockets here.
 
+A fetcher may serve several size classes, one segment each; a block of ``length`` bytes always lives in the
+smallest class it fits (:func:`size_class`), so FETCH, ALLOC and PUT name no pool; RELEASE does.
+
 Frames are the store's (:mod:`kvtier.kvstore.protocol`: header + msgpack metadata; no payload here, because
 block bytes never cross the socket: they sit in the shared-memory slots the replies name). Batches travel
 as packed arrays (:mod:`kvtier.kvstore.wire`), so a 1,200-key fetch is a few numpy calls to encode.
 
-    HELLO     token, pid                                 → shm, epoch, slots, slot_bytes, hash, fetcher pid
+    HELLO     token                                      → pools [[shm, epoch, slot_bytes], …] by slot size,
+                                                           hash, fetcher pid, tenant
     FETCH     keys, klen, length, [hdr], prio            → st u8[n], slot u32[n], gen u64[n], [errors]
     PREFETCH  same as FETCH; nothing is pinned           → same
-    RELEASE   slot u32[n], gen u64[n]                    → released
+    RELEASE   pool u8[n], slot u32[n], gen u64[n]        → released
     ALLOC     n, length                                  → st (ALLOCATED / FULL), slot, gen: FILLING slots
     PUT       keys, klen, length, slot, gen, ttl, [hdr]  → st (STORED / ERROR / ALLOCATED: refused, still
                                                            the caller's), [errors]
@@ -152,15 +156,31 @@ def parse_slots(meta: dict[str, Any], n: int) -> tuple[np.ndarray, np.ndarray, n
     )
 
 
-def release_meta(slots: Sequence[int], gens: Sequence[int]) -> dict[str, Any]:
-    return {"slot": np.asarray(slots, "<u4").tobytes(), "gen": np.asarray(gens, "<u8").tobytes()}
+def size_class(slot_sizes: Sequence[int], length: int) -> int | None:
+    """Index of the smallest slot size (ascending list) that holds ``length`` bytes; None if none does."""
+    for i, size in enumerate(slot_sizes):
+        if length <= size:
+            return i
+    return None
 
 
-def parse_release(meta: dict[str, Any], max_batch: int) -> tuple[np.ndarray, np.ndarray]:
+def release_meta(slots: Sequence[int], gens: Sequence[int], pools: Sequence[int] | None = None) -> dict[str, Any]:
+    meta = {"slot": np.asarray(slots, "<u4").tobytes(), "gen": np.asarray(gens, "<u8").tobytes()}
+    if pools is not None:
+        meta["pool"] = np.asarray(pools, "u1").tobytes()
+    return meta
+
+
+def parse_release(meta: dict[str, Any], max_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pool, slot, generation) arrays of a RELEASE."""
     n = len(wire.field(meta, "slot", bytes)) // 4
     if n > max_batch:
         raise wire.bad(f"batch of {n} slots exceeds the limit of {max_batch}")
-    return wire.unpack_array(meta, "slot", "<u4", n), wire.unpack_array(meta, "gen", "<u8", n)
+    return (
+        wire.unpack_array(meta, "pool", "u1", n),
+        wire.unpack_array(meta, "slot", "<u4", n),
+        wire.unpack_array(meta, "gen", "<u8", n),
+    )
 
 
 def alloc_meta(n: int, length: int) -> dict[str, Any]:

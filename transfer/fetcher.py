@@ -56,7 +56,7 @@ from kvtier.transfer import staging
 from kvtier.transfer.conn import parse_addr
 from kvtier.transfer.fetch_protocol import BlockStatus, FetchOp
 from kvtier.transfer.metrics import serve_metrics
-from kvtier.transfer.staging import PoolError, StagingPool, tenant_id
+from kvtier.transfer.staging import PoolError, PoolStats, StagingPool, class_names, tenant_id
 
 log = logging.getLogger("kvtier.fetcher")
 PREFETCH_PENALTY = fp.MAX_PRIORITY  # a prefetch waits behind every fetch
@@ -77,8 +77,8 @@ class Session:
     reader: FrameReader = field(default_factory=FrameReader)
     tenant: str | None = None
     out: bytearray = field(default_factory=bytearray)
-    pins: collections.Counter[tuple[int, int]] = field(default_factory=collections.Counter)
-    allocs: set[tuple[int, int]] = field(default_factory=set)
+    pins: collections.Counter[tuple[int, int, int]] = field(default_factory=collections.Counter)  # pool, slot, gen
+    allocs: set[tuple[int, int, int]] = field(default_factory=set)
     closed: bool = False
 
 
@@ -108,6 +108,7 @@ class Flight:
 
     key: bytes
     hdr: bytes | None  # header digest the store checks (None: no check)
+    pool: int  # size class
     slot: int
     gen: int
     waiters: list[tuple[Answer, int]] = field(default_factory=list)
@@ -121,6 +122,7 @@ class Job:
     put: bool
     tenant: str
     length: int
+    pool: int
     flights: list[Flight]
     ttl_class: str = ""
     priority: int = 0
@@ -140,10 +142,11 @@ class Fetcher:
     """The server: a selectors loop on the main thread, store calls on ``workers`` threads."""
 
     def __init__(
-        self, config: cluster_mod.ClusterConfig, pool: StagingPool, socket_path: Path, workers: int = 2
+        self, config: cluster_mod.ClusterConfig, pools: Sequence[StagingPool], socket_path: Path, workers: int = 2
     ) -> None:
         self.config = config
-        self.pool = pool
+        self.pools = sorted(pools, key=lambda p: p.slot_bytes)  # size classes, smallest first
+        self.slot_sizes = [p.slot_bytes for p in self.pools]
         self.socket_path = socket_path
         self.selector = selectors.DefaultSelector()
         self.flights: dict[tuple[int, bytes, bytes | None, int], Flight] = {}
@@ -303,11 +306,11 @@ class Fetcher:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(session.sock)
         session.sock.close()
-        for (slot, gen), count in session.pins.items():
+        for (pool, slot, gen), count in session.pins.items():
             for _ in range(count):
-                self.pool.unpin(slot, gen)
-        for slot, gen in session.allocs:
-            self.pool.abandon(slot, gen)
+                self.pools[pool].unpin(slot, gen)
+        for pool, slot, gen in session.allocs:
+            self.pools[pool].abandon(slot, gen)
         session.pins.clear()
         session.allocs.clear()
 
@@ -342,15 +345,11 @@ class Fetcher:
             log.warning("refused pid %d: unknown token", session.pid)
             raise ProtocolError(ErrorCode.AUTH_FAILED, "authentication failed: unknown token")
         session.tenant = tenant
-        pool = self.pool
         self._reply(
             session,
             frame,
             {
-                "shm": pool.name,
-                "epoch": pool.epoch,
-                "slots": pool.slots,
-                "slot_bytes": pool.slot_bytes,
+                "pools": [[p.name, p.epoch, p.slot_bytes] for p in self.pools],
                 "hash": self.config.hash_algo,
                 "pid": os.getpid(),
                 "tenant": tenant,
@@ -358,23 +357,25 @@ class Fetcher:
         )
 
     def _fetch(self, session: Session, frame: Frame) -> None:
-        request = fp.parse_fetch(frame.meta, self.pool.slot_bytes, self.config.limits.max_batch)
+        request = fp.parse_fetch(frame.meta, self.slot_sizes[-1], self.config.limits.max_batch)
         assert session.tenant is not None
         tid = tenant_id(session.tenant)
+        cls = self._class_of(request.length)
+        pool = self.pools[cls]
         pin = frame.opcode == FetchOp.FETCH
         priority = request.priority + (0 if pin else PREFETCH_PENALTY)
         answer = Answer.of(session, frame.request_id, len(request.keys), pin)
-        found = self.pool.find(tid, request.keys, request.length, request.headers)
+        found = pool.find(tid, request.keys, request.length, request.headers)
         hit = np.flatnonzero(found >= 0)
         if len(hit):
             slots = found[hit]
             if pin:
-                gens = self.pool.pin_many(slots)
-                session.pins.update(zip(slots.tolist(), gens.tolist(), strict=True))
+                gens = pool.pin_many(slots)
+                session.pins.update((cls, s, g) for s, g in zip(slots.tolist(), gens.tolist(), strict=True))
             else:
-                gens = self.pool.gen[slots]
+                gens = pool.gen[slots]
                 for slot in slots.tolist():
-                    self.pool.touch(slot)
+                    pool.touch(slot)
             answer.status[hit], answer.slots[hit], answer.gens[hit] = BlockStatus.HIT, slots, gens
             answer.remaining -= len(hit)
         new: list[Flight] = []
@@ -382,27 +383,32 @@ class Fetcher:
             key, hdr = request.keys[i], request.headers[i]
             flight = self.flights.get((tid, key, hdr, request.length))
             if flight is None:
-                reserved = self.pool.reserve(os.getpid())
+                reserved = pool.reserve(os.getpid())
                 if reserved is None:
                     self._settle(answer, i, BlockStatus.FULL)
                     self.counters["blocks_full"] += 1
                     continue
-                flight = Flight(key, hdr, *reserved)
+                flight = Flight(key, hdr, cls, *reserved)
                 self.flights[(tid, key, hdr, request.length)] = flight
                 new.append(flight)
             elif flight.job is not None:  # another request's read: wait for it, at this request's priority
                 self._hurry(flight.job, priority)
             flight.waiters.append((answer, i))
-        self.pool.count(len(hit), len(request.keys) - len(hit))
+        pool.count(len(hit), len(request.keys) - len(hit))
         self.counters["blocks_hit"] += len(hit)
         self.counters["requests"] += 1
         if new:
-            job = Job(False, session.tenant, request.length, new, priority=priority)
+            job = Job(False, session.tenant, request.length, cls, new, priority=priority)
             for flight in new:
                 flight.job = job
             self.jobs.put((priority, next(self.seq), job))
         if answer.remaining == 0:
             self._answer(answer, frame.opcode)
+
+    def _class_of(self, length: int) -> int:
+        cls = fp.size_class(self.slot_sizes, length)
+        assert cls is not None  # the parsers refused lengths beyond the largest slot
+        return cls
 
     def _settle(self, answer: Answer, i: int, status: BlockStatus, slot: int = 0, gen: int = 0) -> None:
         answer.status[i], answer.slots[i], answer.gens[i] = status, slot, gen
@@ -413,10 +419,10 @@ class Fetcher:
         self._send(answer.session, encode_head(opcode | Op.REPLY, answer.request_id, meta))
 
     def _release(self, session: Session, frame: Frame) -> None:
-        slots, gens = fp.parse_release(frame.meta, self.config.limits.max_batch)
+        pools, slots, gens = fp.parse_release(frame.meta, self.config.limits.max_batch)
         pinned = np.zeros(len(slots), dtype=bool)
         released = 0
-        for i, ref in enumerate(zip(slots.tolist(), gens.tolist(), strict=True)):
+        for i, ref in enumerate(zip(pools.tolist(), slots.tolist(), gens.tolist(), strict=True)):
             if session.pins[ref] > 0:  # only pins this connection holds: another's are not its to drop
                 session.pins[ref] -= 1
                 if not session.pins[ref]:
@@ -424,24 +430,29 @@ class Fetcher:
                 pinned[i] = True
             elif ref in session.allocs:
                 session.allocs.discard(ref)
-                released += self.pool.abandon(*ref)
-        released += self.pool.unpin_many(slots[pinned].astype(np.int64), gens[pinned])
+                released += self.pools[ref[0]].abandon(ref[1], ref[2])
+        for cls, pool in enumerate(self.pools):
+            mine = pinned & (pools == cls)
+            if mine.any():
+                released += pool.unpin_many(slots[mine].astype(np.int64), gens[mine])
         self._reply(session, frame, {"released": released})
 
     def _alloc(self, session: Session, frame: Frame) -> None:
-        n, _length = fp.parse_alloc(frame.meta, self.pool.slot_bytes, self.config.limits.max_batch)
+        n, length = fp.parse_alloc(frame.meta, self.slot_sizes[-1], self.config.limits.max_batch)
+        cls = self._class_of(length)
         status = np.full(n, BlockStatus.FULL, np.uint8)
         slots, gens = np.zeros(n, "<u4"), np.zeros(n, "<u8")
         for i in range(n):
-            reserved = self.pool.reserve(session.pid)
+            reserved = self.pools[cls].reserve(session.pid)
             if reserved is None:
                 break
             status[i], (slots[i], gens[i]) = BlockStatus.ALLOCATED, reserved
-            session.allocs.add(reserved)
+            session.allocs.add((cls, *reserved))
         self._reply(session, frame, fp.slots_meta(status, slots, gens, {}))
 
     def _put(self, session: Session, frame: Frame) -> None:
-        request = fp.parse_put(frame.meta, self.pool.slot_bytes, self.config.limits.max_batch)
+        request = fp.parse_put(frame.meta, self.slot_sizes[-1], self.config.limits.max_batch)
+        cls = self._class_of(request.length)
         entries = request.entries
         answer = Answer.of(session, frame.request_id, len(entries.keys), False)
         if request.ttl_class not in self.config.ttl_classes:  # nothing is lost: the slots stay the caller's
@@ -455,15 +466,15 @@ class Fetcher:
         flights = []
         rows = zip(entries.keys, request.headers, entries.slots.tolist(), entries.gens.tolist(), strict=True)
         for i, (key, hdr, slot, gen) in enumerate(rows):
-            if (slot, gen) not in session.allocs:
+            if (cls, slot, gen) not in session.allocs:
                 answer.errors[i] = f"slot {slot} generation {gen} was not allocated to this connection (or is stale)"
                 self._settle(answer, i, BlockStatus.ERROR, slot, gen)
                 continue
-            session.allocs.discard((slot, gen))
-            flights.append(Flight(key, hdr, slot, gen, [(answer, i)]))
+            session.allocs.discard((cls, slot, gen))
+            flights.append(Flight(key, hdr, cls, slot, gen, [(answer, i)]))
         if flights:
             assert session.tenant is not None
-            job = Job(True, session.tenant, request.length, flights, request.ttl_class)
+            job = Job(True, session.tenant, request.length, cls, flights, request.ttl_class)
             self.jobs.put((0, next(self.seq), job))
         if answer.remaining == 0:
             self._answer(answer, frame.opcode)
@@ -473,7 +484,8 @@ class Fetcher:
 
     def stats(self) -> dict[str, Any]:
         return {
-            **self.pool.stats().as_dict(),
+            **PoolStats.total([p.stats() for p in self.pools]).as_dict(),
+            "slot_sizes": self.slot_sizes,
             "in_flight": len(self.flights),
             "queued_jobs": self.jobs.qsize(),
             "sessions": len(self.sessions),
@@ -507,7 +519,7 @@ class Fetcher:
                 if client is None:
                     client = clients[job.tenant] = Client(self.config, token=self.config.tenants[job.tenant])
                 keys = [f.key for f in job.flights]
-                views = [self.pool.view(f.slot, job.length) for f in job.flights]
+                views = [self.pools[job.pool].view(f.slot, job.length) for f in job.flights]
                 if job.put:
                     job.result = client.put(keys, views, job.ttl_class, headers=job.headers)
                 else:
@@ -539,17 +551,17 @@ class Fetcher:
         live = [(a, i) for a, i in flight.waiters if not a.session.closed]
         if ok:
             pins = sum(1 for a, _ in live if a.pin)
-            self.pool.publish(flight.slot, tid, flight.key, length, flight.hdr, pins)
+            self.pools[job.pool].publish(flight.slot, tid, flight.key, length, flight.hdr, pins)
             self.counters["blocks_fetched"] += 1
             self.counters["bytes_fetched"] += length
             status = BlockStatus.FETCHED
         else:
-            self.pool.abandon(flight.slot, flight.gen)
+            self.pools[job.pool].abandon(flight.slot, flight.gen)
             status = BlockStatus.MISS if job.error is None else BlockStatus.ERROR
             self.counters["blocks_missed" if job.error is None else "blocks_failed"] += 1
         for answer, i in flight.waiters:
             if ok and answer.pin and not answer.session.closed:
-                answer.session.pins[(flight.slot, flight.gen)] += 1
+                answer.session.pins[(job.pool, flight.slot, flight.gen)] += 1
             if status == BlockStatus.ERROR:
                 answer.errors[i] = job.error or ""
             self._settle(answer, i, status, flight.slot if ok else 0, flight.gen if ok else 0)
@@ -559,11 +571,11 @@ class Fetcher:
     def _complete_put(self, job: Job, flight: Flight, ok: bool) -> None:
         answer, i = flight.waiters[0]
         if ok:
-            self.pool.publish(flight.slot, tenant_id(job.tenant), flight.key, job.length, flight.hdr, 0)
+            self.pools[job.pool].publish(flight.slot, tenant_id(job.tenant), flight.key, job.length, flight.hdr, 0)
             self.counters["blocks_put"] += 1
             self._settle(answer, i, BlockStatus.STORED, flight.slot, flight.gen)
         else:
-            self.pool.abandon(flight.slot, flight.gen)
+            self.pools[job.pool].abandon(flight.slot, flight.gen)
             answer.errors[i] = job.error or "the store did not commit the block (too few nodes took it)"
             self._settle(answer, i, BlockStatus.ERROR, flight.slot, flight.gen)
         if answer.remaining == 0:
@@ -599,6 +611,7 @@ class LocalFetcher:
             *extra_args,
         ]  # fmt: skip
         self.shm = shm
+        self.slot_sizes = sorted({parse_size(s) for s in slot_size.split(",")})
         self.socket_path = socket_path
         self.log_path = socket_path.with_name(socket_path.name + ".log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -623,9 +636,10 @@ class LocalFetcher:
             self.proc = None
 
     def stop(self) -> None:
-        """Stop it cleanly (SIGTERM) and remove its segment."""
+        """Stop it cleanly (SIGTERM) and remove its segments (also when it had died: they outlive a crash)."""
         self.kill(signal.SIGTERM)
-        staging.unlink(self.shm)
+        for segment in class_names(self.shm, self.slot_sizes):
+            staging.unlink(segment)
 
     def __enter__(self) -> LocalFetcher:
         return self.start()
@@ -642,8 +656,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="cluster file (the store, and the tokens engines present)")
     parser.add_argument("--socket", required=True, type=Path, help="Unix socket engines connect to")
     parser.add_argument("--shm", help="shared-memory segment name (under /dev/shm)")
-    parser.add_argument("--size", default="1GiB", help="pool capacity, e.g. 8GiB")
-    parser.add_argument("--slot-size", default="1MiB", help="slot size: the largest block served")
+    parser.add_argument("--size", default="1GiB", help="pool capacity, e.g. 8GiB (shared equally by the size classes)")
+    parser.add_argument(
+        "--slot-size", default="1MiB", help="slot size, or size classes (64KiB,1MiB): a block takes the smallest fit"
+    )
     parser.add_argument("--workers", type=int, default=2, help="threads calling the store")
     parser.add_argument("--metrics", help="serve /metrics and /health on HOST:PORT")
     parser.add_argument("--json", action="store_true", help="status: print JSON")
@@ -659,13 +675,13 @@ def main(argv: list[str] | None = None) -> int:
             return _status(args, config)
         if not args.shm:
             raise ValueError("--shm NAME is required to serve")
-        pool = StagingPool.own(args.shm, parse_size(args.size), parse_size(args.slot_size))
+        pools = _own_pools(args.shm, parse_size(args.size), args.slot_size)
     except (ValueError, PoolError, OSError) as exc:
         print(f"kvtier-fetcher: {exc}", file=sys.stderr)
         return 2
     logs.configure(component="fetcher", shm=args.shm)
     try:
-        fetcher = Fetcher(config, pool, args.socket, max(1, args.workers))
+        fetcher = Fetcher(config, pools, args.socket, max(1, args.workers))
     except (PoolError, OSError) as exc:
         print(f"kvtier-fetcher: {exc}", file=sys.stderr)
         return 2
@@ -678,20 +694,38 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     signal.signal(signal.SIGTERM, lambda *_: fetcher.stop())
     signal.signal(signal.SIGINT, lambda *_: fetcher.stop())
-    log.info(
-        "serving %s on %s (%d slots of %s; %d reclaimed)",
-        args.shm,
-        args.socket,
-        pool.slots,
-        format_size(pool.slot_bytes),
-        pool.reclaimed,
-    )
+    for pool in pools:
+        log.info(
+            "serving %s on %s: %d slots of %s (%d reclaimed)",
+            pool.name,
+            args.socket,
+            pool.slots,
+            format_size(pool.slot_bytes),
+            pool.reclaimed,
+        )
     print("ready", flush=True)
     fetcher.serve_forever()
     fetcher.close()
-    pool.close()
-    staging.unlink(args.shm)  # a clean stop gives the memory back; after a crash the next fetcher takes it over
+    for pool in pools:  # a clean stop gives the memory back; after a crash the next fetcher takes it over
+        pool.close()
+        staging.unlink(pool.name)
     return 0
+
+
+def _own_pools(name: str, capacity_bytes: int, slot_sizes: str) -> list[StagingPool]:
+    """One segment per size class (``--slot-size 64KiB,1MiB``), each with an equal share of the capacity."""
+    sizes = sorted({parse_size(s) for s in slot_sizes.split(",")})
+    if len(sizes) > 255:
+        raise ValueError("at most 255 size classes")
+    pools: list[StagingPool] = []
+    try:
+        for segment, size in zip(class_names(name, sizes), sizes, strict=True):
+            pools.append(StagingPool.own(segment, capacity_bytes // len(sizes), size))
+    except BaseException:
+        for pool in pools:
+            pool.close()
+        raise
+    return pools
 
 
 def _status(args: argparse.Namespace, config: cluster_mod.ClusterConfig) -> int:
@@ -708,7 +742,7 @@ def _status(args: argparse.Namespace, config: cluster_mod.ClusterConfig) -> int:
         return 0
     used = stats["slots"] - stats["free"]
     print(
-        f"pool      {used}/{stats['slots']} slots of {format_size(stats['slot_bytes'])} "
+        f"pool      {used}/{stats['slots']} slots of {', '.join(format_size(s) for s in stats['slot_sizes'])} "
         f"({format_size(stats['used_bytes'])} held): {stats['ready']} ready, {stats['pinned']} pinned, "
         f"{stats['filling']} filling"
     )

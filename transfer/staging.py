@@ -111,6 +111,11 @@ def segment_path(name: str) -> Path:
     return SHM_DIR / check_name(name)
 
 
+def class_names(name: str, slot_sizes: Sequence[int]) -> list[str]:
+    """Segment names of a pool's size classes: ``name`` itself for one class, ``name-<slot bytes>`` for several."""
+    return [name] if len(slot_sizes) == 1 else [f"{name}-{size}" for size in slot_sizes]
+
+
 def unlink(name: str) -> None:
     """Remove the segment's name (mappings that exist stay valid until unmapped)."""
     with contextlib.suppress(FileNotFoundError):
@@ -130,16 +135,24 @@ class PoolStats:
     misses: int
     evictions: int
     writer_pid: int
+    capacity_bytes: int
 
     @property
     def hit_ratio(self) -> float:
         asked = self.hits + self.misses
         return self.hits / asked if asked else 0.0
 
+    @classmethod
+    def total(cls, parts: Sequence[PoolStats]) -> PoolStats:
+        """The pools of several size classes counted as one (``slot_bytes``: the largest)."""
+        summed = {f: sum(getattr(p, f) for p in parts) for f in cls.__dataclass_fields__ if f != "slot_bytes"}
+        summed["writer_pid"] = parts[0].writer_pid
+        return cls(slot_bytes=max(p.slot_bytes for p in parts), **summed)
+
     def as_dict(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(self.__dict__)
         out["hit_ratio"] = self.hit_ratio
-        out["capacity_bytes"] = self.slots * self.slot_bytes
+        out["capacity_bytes"] = self.capacity_bytes
         return out
 
 
@@ -224,6 +237,7 @@ class SlotMap:
             misses=int(self._counters[3]),
             evictions=int(self._counters[1]),
             writer_pid=self.writer_pid,
+            capacity_bytes=self.slots * self.slot_bytes,
         )
 
     def close(self) -> None:

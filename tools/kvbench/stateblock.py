@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -101,8 +102,12 @@ def _bench(config: cluster_mod.ClusterConfig, size: int, args: argparse.Namespac
             samples = _measure(raw, host_b, location, key, size, expected, args)
     finally:
         for proc in procs:
-            proc.kill()
-            proc.communicate()
+            proc.terminate()
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
     stats = {name: latency_percentiles(values) for name, values in samples.items()}
     return {
         "command": "stateblock",
@@ -191,6 +196,7 @@ def _host_a(config_path: str, size: str, directory_port: str) -> None:
     config = cluster_mod.load(Path(config_path))
     n = int(size)
     shm = f"kvbench-sb-{os.getpid()}-{secrets.token_hex(4)}"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave through the ``with``: the segment is removed
     with StateBlockHost(config, shm, n, n, "host-a", directory=("127.0.0.1", int(directory_port))) as host:
         key = secrets.token_bytes(16)
         host.put(key, np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8))
