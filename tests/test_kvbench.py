@@ -83,6 +83,19 @@ def test_putget_json_degraded_reads_everything_back() -> None:
     assert report["verified_blocks"] == 2 * kv["put"]["blocks"]
 
 
+def test_putget_at_capacity_evicts_to_take_every_timed_put_and_reads_them_all_back() -> None:
+    args = ["--block-size", "64KiB", "--batch-bytes", "1MiB", "--duration", "1", "--max-bytes", "8MiB"]
+    result = kvbench_run("putget", *args, "--at-capacity", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["cluster"]["at_capacity"] is True and report["settings"]["fill"] is False
+    kv = report["kvtier"]
+    for phase in ("put", "get", "get_alloc"):
+        check_phase(kv[phase], kv["raw_stream_gbps"])
+    assert kv["get"]["blocks"] == kv["get_alloc"]["blocks"] == kv["put"]["blocks"]
+    assert report["verified_blocks"] == 2 * kv["put"]["blocks"]
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_vs_redis() -> None:
     pytest.importorskip("redis")
@@ -95,7 +108,8 @@ def test_vs_redis() -> None:
     for phase in ("put", "get"):
         check_phase(redis[phase], redis["raw_stream_gbps"])
     assert redis["get"]["blocks"] == redis["put"]["blocks"]
-    assert report["verified_blocks"] == report["kvtier"]["get"]["blocks"] + redis["get"]["blocks"]
+    kv = report["kvtier"]
+    assert report["verified_blocks"] == kv["get"]["blocks"] + kv["get_alloc"]["blocks"] + redis["get"]["blocks"]
 
 
 # --- errors a user can cause: one line on stderr, exit status 2 ---

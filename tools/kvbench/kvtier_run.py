@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,29 @@ from kvtier.kvstore.codec import DATA_SHARDS, PARITY_SHARDS
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.transport import AuthError
 from kvtier.tools.benchutil import raw_stream_gbps, temp_cluster
-from kvtier.tools.kvbench.common import PROG, BenchError, ProgressView, UsageError, last_line
-from kvtier.tools.kvbench.phases import KEY_BYTES, Session, Spec, Worker, block_views, run_putget, with_raw
+from kvtier.tools.kvbench.common import PROG, BenchError, ProgressView, UsageError, VerifyError, last_line
+from kvtier.tools.kvbench.phases import (
+    KEY_BYTES,
+    Calls,
+    Session,
+    Spec,
+    Worker,
+    block_views,
+    phase_summary,
+    run_putget,
+    with_raw,
+)
 
 GRACE_S = 0.5  # [gc] grace_s of the temporary cluster: deleted blocks' slots are reused soon (steady state)
+FILL_FACTOR = 1.5  # --at-capacity: the untimed fill offers this many times what the cluster holds
 
 
 class KvtierSession(Session):
+    """Puts through one client, reads through a second that never wrote the blocks (as another process would)."""
+
     def __init__(self, config: cluster_mod.ClusterConfig) -> None:
         self.client = Client(config)
+        self.reader = Client(config)
         self.settle_s = config.gc.grace_s + 0.5  # a deleted block's slots are reused after the grace time
 
     def attach(self, src: bytearray, dst: bytearray, spec: Spec) -> None:
@@ -46,13 +61,57 @@ class KvtierSession(Session):
             )
 
     def get(self, keys: list[bytes]) -> list[bool]:
-        return self.client.get_into(keys, self.dst_views)
+        return self.reader.get_into(keys, self.dst_views)
 
     def delete(self, keys: list[bytes]) -> None:
         self.client.delete(keys)
 
     def close(self) -> None:
         self.client.close()
+        self.reader.close()
+
+
+def get_alloc_phase(system: str, workers: Sequence[Worker]) -> dict[str, Any]:
+    """The get phase again, with ``get`` (kvtier allocates the blocks it returns) instead of ``get_into``: every
+    batch each worker stored, read once through its reader client, one worker after another, checked byte for
+    byte."""
+    calls = []
+    started = time.perf_counter()
+    for w in workers:
+        assert isinstance(w.session, KvtierSession)
+        done = Calls()
+        for keys in w.batches:
+            w.stamp(keys)
+            start = time.perf_counter()
+            blocks = w.session.reader.get(keys)
+            done.intervals.append((start, time.perf_counter()))
+            done.bytes += w.spec.batch_bytes
+            done.blocks += len(keys)
+            for key, block, want in zip(keys, blocks, block_views(w.src, w.spec.block_size), strict=True):
+                if block != want:
+                    raise VerifyError(f"{system} get (allocating): block {key.hex()} missing or wrong")
+        calls.append(done)
+    return phase_summary(calls, time.perf_counter() - started)
+
+
+def prefill_past_capacity(config: cluster_mod.ClusterConfig, spec: Spec, progress: ProgressView) -> None:
+    """Untimed: put fresh blocks until the cluster has taken FILL_FACTOR times what it holds, so that every
+    timed put afterwards finds it full and the store evicts to take it."""
+    holds = sum(n.capacity_bytes for n in config.nodes.values()) * DATA_SHARDS // (DATA_SHARDS + PARITY_SHARDS)
+    block = bytes(spec.block_size)
+    label = "kvtier fill past capacity (untimed)"
+    progress.start(label, FILL_FACTOR * holds)
+    offered = 0
+    with Client(config) as client:
+        while offered < FILL_FACTOR * holds:
+            keys = [os.urandom(KEY_BYTES) for _ in range(spec.blocks_per_call)]
+            try:
+                client.put(keys, [block] * len(keys))
+            except CapacityError as exc:
+                raise BenchError(f"kvtier: a full cluster refused writes: {exc}") from None
+            offered += spec.batch_bytes
+            progress.update(label, offered)
+    progress.finish(label)
 
 
 def _probe_cluster(config: cluster_mod.ClusterConfig, path: str) -> list[str]:
@@ -106,6 +165,7 @@ def run_kvtier(args: argparse.Namespace, spec: Spec, progress: ProgressView) -> 
         workers: list[Worker] = []
         try:
             result, _ = run_putget("kvtier", sessions, run_spec, progress, keep=workers)
+            result["get_alloc"] = get_alloc_phase("kvtier", workers)
         finally:
             _cleanup(sessions, workers)
         cluster = {
@@ -114,12 +174,19 @@ def run_kvtier(args: argparse.Namespace, spec: Spec, progress: ProgressView) -> 
             "nodes": len(config.nodes),
             "codec_backend": sessions[0].client.codec.backend,
             "killed_nodes": [],
+            "at_capacity": False,
         }
     else:
         # each node holds about a tenth of the data plus parity and slot slack; stay far below the watermarks
         capacity = max(1 << 30, -(-spec.max_bytes * 2 // 10 // (1 << 20)) << 20)
+        if args.at_capacity:
+            # the timed blocks (at most --max-bytes) take under half of what the cluster holds, so none of them is
+            # evicted before the get phase reads it back: the evictions fall on the untimed fill's blocks
+            capacity = -(-spec.max_bytes * 2 * (DATA_SHARDS + PARITY_SHARDS) // DATA_SHARDS // 12 // (1 << 20)) << 20
         killed: list[int] = []
         with temp_cluster(12, capacity, grace_s=GRACE_S, prefix="kvbench-") as local:
+            if args.at_capacity:
+                prefill_past_capacity(local.config, spec, progress)
             sessions = [KvtierSession(local.config) for _ in range(spec.concurrency)]
 
             def degrade() -> None:
@@ -129,7 +196,9 @@ def run_kvtier(args: argparse.Namespace, spec: Spec, progress: ProgressView) -> 
                 killed.extend(victims)
 
             try:
-                result, _ = run_putget("kvtier", sessions, spec, progress, degrade if args.degraded else None)
+                result, workers = run_putget("kvtier", sessions, spec, progress, degrade if args.degraded else None)
+                if not args.degraded:  # with nodes killed the degraded phase already re-read everything
+                    result["get_alloc"] = get_alloc_phase("kvtier", workers)
             except BenchError as exc:
                 raise type(exc)(f"{exc}{_node_trouble(local, killed)}") from None
             finally:
@@ -141,6 +210,8 @@ def run_kvtier(args: argparse.Namespace, spec: Spec, progress: ProgressView) -> 
                 "nodes": len(local.config.nodes),
                 "codec_backend": sessions[0].client.codec.backend,
                 "killed_nodes": killed,
+                "at_capacity": bool(args.at_capacity),
+                "node_capacity": capacity,
             }
     return with_raw(result, raw_stream_gbps(result["put"]["bytes"])), cluster
 

@@ -220,7 +220,7 @@ def _run_workers(
     return wall
 
 
-def _phase_summary(calls: list[Calls], wall: float) -> dict[str, Any]:
+def phase_summary(calls: list[Calls], wall: float) -> dict[str, Any]:
     intervals = [iv for c in calls for iv in c.intervals]
     busy = busy_seconds(intervals)
     total_bytes = sum(c.bytes for c in calls)
@@ -286,7 +286,7 @@ def run_putget(
 
     wall = _run_workers(workers, put, lambda: progress.update(label, time.perf_counter() - started), stop)
     progress.finish(label)
-    result = {"put": _phase_summary([w.calls["put"] for w in workers], wall)}
+    result = {"put": phase_summary([w.calls["put"] for w in workers], wall)}
     result["put"]["stopped_by"] = "max_bytes" if budget.exhausted else "duration"
     if not result["put"]["calls"]:
         raise BenchError(f"{system}: the put phase completed no call in {spec.duration_s:g} s; raise --duration")
@@ -311,7 +311,7 @@ def run_putget(
             workers, get, lambda label=label, phase=phase: progress.update(label, _done(workers, phase)), stop
         )
         progress.finish(label)
-        result[phase] = _phase_summary([w.calls[phase] for w in workers], wall)
+        result[phase] = phase_summary([w.calls[phase] for w in workers], wall)
     return result, workers
 
 
@@ -347,11 +347,11 @@ def _done(workers: list[Worker], phase: str) -> int:
 
 def with_raw(result: dict[str, Any], raw_gbps: float) -> dict[str, Any]:
     result["raw_stream_gbps"] = raw_gbps
-    for phase in ("put", "get", "get_degraded"):
+    for phase in ("put", "get", "get_degraded", "get_alloc"):
         if phase in result:
             result[phase]["ratio_to_raw"] = result[phase]["gbps"] / raw_gbps if raw_gbps > 0 else None
     return result
 
 
 def verified_blocks(result: dict[str, Any]) -> int:
-    return sum(result[p]["blocks"] for p in ("get", "get_degraded") if p in result)
+    return sum(result[p]["blocks"] for p in ("get", "get_degraded", "get_alloc") if p in result)

@@ -3,8 +3,8 @@ Mooncake Store on the same machine, every figure also as a ratio to one raw loop
 measured in the same run.
 
     kvbench [--config PATH] putget [--block-size SIZE] [--concurrency N] [--duration S] [--batch-bytes SIZE]
-                                   [--max-bytes SIZE] [--fresh] [--vs-redis] [--vs-mooncake] [--degraded K]
-                                   [--json]
+                                   [--max-bytes SIZE] [--fresh | --at-capacity] [--vs-redis] [--vs-mooncake]
+                                   [--degraded K] [--json]
 
 **putget.** Without ``--config`` kvbench starts a temporary local 12-node cluster (real node processes) and stops
 and removes it at the end; with ``--config`` it uses the running cluster that file describes (and deletes the
@@ -19,10 +19,18 @@ blocks it wrote when done). ``N`` worker threads, one client each, run:
    16-byte keys, ``--batch-bytes`` per call, for ``--duration`` seconds across the workers, or until ``--max-bytes``
    are stored (warm-up included; a cap that keeps Redis's and Mooncake's memory and the cluster's capacity
    bounded: ``stopped_by`` says which ended the phase);
-4. *get phase*: each worker reads back every batch it stored, once, with ``get_into`` into a preallocated buffer,
-   and checks every byte (each block carries its key every 4 KiB, or at least once per erasure-code shard); a
-   miss or a wrong byte stops kvbench with ``DATA MISMATCH`` and exit status 1;
-5. with ``--degraded K`` (1 or 2; only on the temporary cluster): SIGKILL ``K`` nodes, then the get phase again.
+4. *get phase*: each worker reads back every batch it stored, once, with ``get_into`` into a preallocated buffer
+   (kvtier: through a second client that never wrote the blocks), and checks every byte (each block carries its
+   key every 4 KiB, or at least once per erasure-code shard); a miss or a wrong byte stops kvbench with
+   ``DATA MISMATCH`` and exit status 1;
+5. kvtier only, without ``--degraded``: the get phase again with ``get``, which allocates the blocks it returns
+   (``get_alloc``), the workers one after another;
+6. with ``--degraded K`` (1 or 2; only on the temporary cluster): SIGKILL ``K`` nodes, then the get phase again.
+
+``--fresh`` measures a new cluster (every put lands in file space never written); ``--at-capacity`` (temporary
+cluster only) measures a full one: kvtier's cluster is sized so that it holds twice ``--max-bytes``, filled
+past its capacity with other blocks first (untimed, instead of step 2), and every timed put must evict to make
+room (the evictions fall on the fill's blocks, so every timed block is still there to read back).
 
 Throughput is bytes over *busy time*: the time during which at least one call was in flight (key stamping and
 verification between calls are not counted). Latencies are per call (one call moves one batch), nearest-rank
@@ -37,8 +45,10 @@ after another, never at the same time.
     {"command": "putget",
      "settings": {"block_size", "batch_bytes", "blocks_per_call", "concurrency", "duration_s", "max_bytes",
                   "fill", "degraded"},
-     "cluster": {"kind": "temporary" | "config", "path", "nodes", "codec_backend", "killed_nodes"},
-     "kvtier":   {"raw_stream_gbps", "put": PHASE, "get": PHASE, "get_degraded": PHASE (with --degraded)},
+     "cluster": {"kind": "temporary" | "config", "path", "nodes", "codec_backend", "killed_nodes", "at_capacity",
+                 "node_capacity" (temporary)},
+     "kvtier":   {"raw_stream_gbps", "put": PHASE, "get": PHASE, "get_alloc": PHASE (without --degraded),
+                  "get_degraded": PHASE (with --degraded)},
      "redis":    {"raw_stream_gbps", "version", "put": PHASE, "get": PHASE}          (with --vs-redis)
      "mooncake": {"raw_stream_gbps", "version", "put": PHASE, "get": PHASE}          (with --vs-mooncake)
      "verified_blocks": every block read back and checked, all systems and get phases}
@@ -91,6 +101,11 @@ def register(commands: Subcommands) -> None:
         action="store_true",
         help="skip the untimed fill pass: the timed puts land in space the store never used (first-touch costs)",
     )
+    p.add_argument(
+        "--at-capacity",
+        action="store_true",
+        help="kvtier's temporary cluster is first filled past its capacity (untimed), so the timed puts evict",
+    )
     p.add_argument("--vs-redis", action="store_true", help="run the same phases against a local redis-server")
     p.add_argument("--vs-mooncake", action="store_true", help="run the same phases against a local Mooncake Store")
     p.add_argument(
@@ -136,7 +151,7 @@ def _spec_from_args(args: argparse.Namespace) -> Spec:
     except ValueError as exc:
         raise UsageError(f"--duration: {exc}") from None
     max_bytes = size("--max-bytes", args.max_bytes)
-    spec = Spec(block, per_call, concurrency, duration, max_bytes, fill=not args.fresh)
+    spec = Spec(block, per_call, concurrency, duration, max_bytes, fill=not (args.fresh or args.at_capacity))
     if max_bytes < 2 * concurrency * spec.batch_bytes:
         raise UsageError(
             f"--max-bytes {args.max_bytes}: must hold at least two batches per worker "
@@ -157,6 +172,8 @@ def putget(args: argparse.Namespace) -> int:
         raise UsageError(
             "--degraded kills nodes, which kvbench only does to a cluster it started itself; leave out --config"
         )
+    if args.at_capacity and args.config is not None:
+        raise UsageError("--at-capacity fills a cluster past its capacity, which kvbench only does to one it started")
     redis_exe = check_redis() if args.vs_redis else None
     mooncake_folder = check_mooncake() if args.vs_mooncake else None
 
@@ -218,6 +235,7 @@ def _print_report(report: dict[str, Any]) -> None:
     names = {
         "put": "put",
         "get": "get",
+        "get_alloc": "get (allocating)",
         "get_degraded": f"get, node{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} killed",
     }
     labels = {"kvtier": "kvtier", "redis": "redis (SET/MGET)", "mooncake": "mooncake (zero-copy)"}
@@ -225,7 +243,7 @@ def _print_report(report: dict[str, Any]) -> None:
         if system not in report:
             continue
         result = report[system]
-        for phase in ("put", "get", "get_degraded"):
+        for phase in ("put", "get", "get_alloc", "get_degraded"):
             if phase not in result:
                 continue
             r = result[phase]
@@ -253,7 +271,12 @@ def _print_report(report: dict[str, Any]) -> None:
         notes.append(
             f"put phase stopped before {settings['duration_s']:g} s at --max-bytes ({cap}): {', '.join(capped)}"
         )
-    if not settings["fill"]:
+    if cluster.get("at_capacity"):
+        notes.append(
+            f"--at-capacity: kvtier's cluster ({format_size(cluster['node_capacity'])} a node) was filled past its "
+            "capacity first; every timed put made room by evicting"
+        )
+    elif not settings["fill"]:
         notes.append("--fresh: the timed puts went into space the stores had never used")
     notes.append(f"{report['verified_blocks']:,} blocks read back and verified byte for byte")
     notes.append("x raw: GB/s over that of one raw loopback TCP stream of the same bytes, measured in the same run")
