@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.transport import AuthError
-from kvtier.transfer.directory import DirectoryClient
+from kvtier.transfer.directory import DirectoryClient, DirectoryError
 from kvtier.transfer.state_protocol import Location
 from kvtier.transfer.stateblock import Puller, StateBlockHost, stateblock_bytes
 
@@ -230,3 +230,29 @@ def _wait(condition, what: str, deadline_s: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def test_connections_beyond_the_limit_are_answered_busy(tmp_path: Path) -> None:
+    path = cluster_mod.write_default(tmp_path, nodes=12)
+    path.write_text(path.read_text() + "\n[limits]\nmax_connections = 2\n")
+    config = cluster_mod.load(path)
+    proc, port = start_directory(config)
+    try:
+        first, second = (DirectoryClient(("127.0.0.1", port), config.token) for _ in range(2))
+        assert first.stats()["hosts"] == second.stats()["hosts"] == 0
+        third = DirectoryClient(("127.0.0.1", port), config.token)
+        with pytest.raises(DirectoryError, match="too many connections"):
+            third.stats()
+        first.close()
+        _wait(lambda: _answers(third), "a connection to be given back")
+        second.close()
+        third.close()
+    finally:
+        proc.stop()
+
+
+def _answers(client: DirectoryClient) -> bool:
+    try:
+        return client.stats()["hosts"] == 0
+    except DirectoryError:
+        return False

@@ -149,8 +149,10 @@ def serve_connections(
 ) -> None:
     """Accept on ``listener`` until ``stopping``; a thread per connection: HELLO with a token of ``config``
     (constant-time compare), then ``handle(tenant, frame, sock)`` per request, which returns (reply meta,
-    payload) or None if it replied itself. A malformed request gets an ERROR frame and the connection closes."""
+    payload) or None if it replied itself. A malformed request gets an ERROR frame and the connection closes.
+    Beyond ``config.limits.max_connections`` at once, a connection is answered ERROR(BUSY) and closed."""
     listener.settimeout(0.2)
+    slots = threading.BoundedSemaphore(config.limits.max_connections)
     while not stopping.is_set():
         try:
             sock, _ = listener.accept()
@@ -158,10 +160,30 @@ def serve_connections(
             continue
         except OSError:
             return
-        threading.Thread(target=_serve_one, args=(sock, config, handle, log, idle_timeout_s), daemon=True).start()
+        if not slots.acquire(blocking=False):
+            with contextlib.suppress(OSError), sock:
+                sock.sendall(encode_error(0, ErrorCode.BUSY, "too many connections; try again later"))
+            continue
+        threading.Thread(
+            target=_serve_one, args=(sock, config, handle, log, idle_timeout_s, slots.release), daemon=True
+        ).start()
 
 
 def _serve_one(
+    sock: socket.socket,
+    config: cluster_mod.ClusterConfig,
+    handle: Handler,
+    log: logging.Logger,
+    timeout_s: float,
+    done: Callable[[], None],
+) -> None:
+    try:
+        _session(sock, config, handle, log, timeout_s)
+    finally:
+        done()
+
+
+def _session(
     sock: socket.socket, config: cluster_mod.ClusterConfig, handle: Handler, log: logging.Logger, timeout_s: float
 ) -> None:
     limits: Limits = config.limits
