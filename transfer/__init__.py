@@ -16,6 +16,7 @@ API for engines (the contracts in full are in each class's docstring and in ``do
     out = fc.alloc(n, block_bytes)          # slots for swap-out: write into out[i].array() ...
     fc.put(keys, out, ttl_class="chatbot")  # ... then the fetcher stores them from the slots (no copy)
     fc.stats()                              # pool usage, hit ratio, in-flight
+    fc.map, fc.map_for(block_bytes)         # the mapped segment (per size class): .buffer, .stride, .slots
     AsyncFetchClient: the same calls as coroutines; several requests in flight on one connection.
 
 Contracts in one paragraph: a miss is an answer, never an exception. A slot handed out as ``ok`` is pinned
