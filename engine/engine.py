@@ -18,6 +18,8 @@ that repeats the answer reuses it too.
 from __future__ import annotations
 
 import math
+import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
 from kvtier.engine.store import BlockStore
 from kvtier.kvstore.keys import Namespace, chain
 from kvtier.transfer.fetch_client import FetchClient
+from kvtier.transfer.stateblock import StateBlockHost
 
 
 class PromptError(ValueError):
@@ -87,6 +90,7 @@ class Engine:
         if store is not None:
             self.attach_store(store)
         self.state_blocks = state_blocks if state_blocks is not None else LocalStateBlocks()
+        self._state_host: StateBlockHost | None = None
         self.state_bytes = state_block_bytes(self.config, self.cache.pages.element_size())
 
     def attach_store(self, store: BlockStore, fetcher: FetchClient | None = None) -> None:
@@ -109,22 +113,62 @@ class Engine:
         *,
         token: str | None = None,
         fetcher: str | Path | None = None,
+        directory: str | None = None,
+        host_id: str | None = None,
         state_blocks: StateBlocks | None = None,
+        state_pool_bytes: int = 256 << 20,
         block_tokens: int = 64,
         cache_tokens: int = 1 << 16,
         chunk_tokens: int = 512,
     ) -> Engine:
-        """Load the checkpoint at ``path``; ``store``: a cluster file to reuse and keep prefix KV in (as the
-        tenant of ``token``, default the cluster's); ``fetcher``: the Unix socket of this host's fetcher, to
-        move blocks through its shared-memory pool."""
+        """Load the checkpoint at ``path``.
+
+        ``store``: a cluster file to reuse and keep prefix KV in (as the tenant of ``token``, default the
+        cluster's); ``fetcher``: the Unix socket of this host's fetcher, to move blocks through its
+        shared-memory pool; ``directory``: ``HOST:PORT`` of the StateBlock directory, to share StateBlocks
+        with other processes and hosts (this engine then serves its own, as ``host_id``, from a pool of
+        ``state_pool_bytes``); otherwise ``state_blocks``, or a private in-process pool. ``close`` releases
+        what this made.
+        """
         model = load(path, device, dtype)
-        mid = model_id(path)
-        engine = cls(model, mid, None, state_blocks, block_tokens, cache_tokens, chunk_tokens)
-        if store is not None:
-            blocks = BlockStore.open(store, engine.namespace, token)
-            client = FetchClient(fetcher, token or blocks.client.config.token) if fetcher is not None else None
-            engine.attach_store(blocks, client)
+        engine = cls(model, model_id(path), None, state_blocks, block_tokens, cache_tokens, chunk_tokens)
+        if store is None:
+            if fetcher is not None or directory is not None:
+                raise ValueError("fetcher= and directory= need store= (the cluster file)")
+            return engine
+        blocks = BlockStore.open(store, engine.namespace, token)
+        config = blocks.client.config
+        client = FetchClient(fetcher, token or config.token) if fetcher is not None else None
+        engine.attach_store(blocks, client)
+        if directory is not None and engine.state_bytes:
+            name, port = directory.rsplit(":", 1)
+            host_id = host_id or f"engine-{os.getpid()}"
+            engine.state_blocks = engine._state_host = StateBlockHost(
+                config,
+                shm=f"kvtier-state-{host_id}-{secrets.token_hex(3)}",
+                capacity_bytes=state_pool_bytes,
+                block_bytes=engine.state_bytes,
+                host_id=host_id,
+                directory=(name, int(port)),
+                token=token,
+            )
         return engine
+
+    def close(self) -> None:
+        """Close the store and fetcher connections and the StateBlock host this engine made."""
+        if self._state_host is not None:
+            self._state_host.close()
+            self._state_host = None
+        if self.store is not None:
+            self.store.close()
+        if isinstance(self.transfer, FetcherPages):
+            self.transfer.client.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- public API -----------------------------------------------------------------------------------
 

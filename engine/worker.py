@@ -29,11 +29,7 @@ from typing import Any, TextIO
 import torch
 
 from kvtier.engine.checkpoint import DTYPES
-from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine, PromptError
-from kvtier.engine.sliding import state_block_bytes
-from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
-from kvtier.kvstore import cluster as cluster_mod
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,20 +45,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def serve(role: str, args: argparse.Namespace, requests: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
     torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
-    states, host = _state_blocks(role, args, dtype)
-    try:
-        engine = Engine.from_pretrained(
-            args.checkpoint, args.device, dtype, store=args.store, fetcher=args.fetcher, state_blocks=states
-        )
+    with Engine.from_pretrained(
+        args.checkpoint,
+        args.device,
+        DTYPES[args.dtype],
+        store=args.store,
+        fetcher=args.fetcher,
+        directory=args.directory,
+        host_id=f"{role}-{os.getpid()}",
+        state_pool_bytes=args.state_pool_bytes,
+    ) as engine:
         engine.handoff = role == "prefill"
-        _say(out, {"ready": True, "role": role, "state_host": f"{host.addr[0]}:{host.addr[1]}" if host else None})
+        host = getattr(engine.state_blocks, "addr", None)  # a StateBlockHost serves at this address
+        _say(out, {"ready": True, "role": role, "state_host": f"{host[0]}:{host[1]}" if host else None})
         for line in requests:
             if line.strip():
                 _say(out, _answer(engine, role, line))
-    finally:
-        if host is not None:
-            host.close()
 
 
 def _answer(engine: Engine, role: str, line: str) -> dict[str, Any]:
@@ -96,28 +94,6 @@ def _answer(engine: Engine, role: str, line: str) -> dict[str, Any]:
         "replayed": r.replayed,
         "ttft_s": r.ttft_s,
     }
-
-
-def _state_blocks(role: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[StateBlocks, Any]:
-    """This worker's StateBlock pool: shared through the directory when one is given, else private."""
-    if not args.directory:
-        return LocalStateBlocks(args.state_pool_bytes), None
-    from kvtier.transfer.stateblock import StateBlockHost
-
-    config = ModelConfig.from_dir(args.checkpoint)
-    size = state_block_bytes(config, torch.empty(0, dtype=dtype).element_size())
-    if size == 0:  # no sliding layers: nothing to share
-        return LocalStateBlocks(args.state_pool_bytes), None
-    host_name, port = args.directory.rsplit(":", 1)
-    host = StateBlockHost(
-        cluster_mod.load(args.store),
-        shm=f"kvtier-state-{role}-{os.getpid()}",
-        capacity_bytes=args.state_pool_bytes,
-        block_bytes=size,
-        host_id=f"{role}-{os.getpid()}",
-        directory=(host_name, int(port)),
-    )
-    return host, host
 
 
 def _say(out: TextIO, obj: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""Prefill and decode as separate worker processes that meet only through the store and the StateBlock directory."""
+"""Prefill and decode as separate worker processes that meet only through the store and the StateBlock directory;
+StateBlocks shared between engines through the directory."""
 
 from __future__ import annotations
 
@@ -14,15 +15,36 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.worker import WorkerProcess
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # two busy cores: more threads only spin
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def setup(
-    make_cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, WorkerProcess, WorkerProcess]]:
-    checkpoint = make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", "tiny", seed=0)
-    cluster = make_cluster(capacity_bytes=64 << 20).config_path
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster) -> Path:
+    return make_cluster(capacity_bytes=64 << 20).config_path
+
+
+@pytest.fixture(scope="module")
+def address(cluster: Path) -> Iterator[str]:
+    """HOST:PORT of a ``kvtier-directory`` process."""
     argv = [sys.executable, "-m", "kvtier.transfer.directory", "--config", str(cluster), "--listen", "127.0.0.1:0"]
     directory = WorkerProcess(argv).wait_ready()
-    address = directory.ready.split()[1]
+    yield directory.ready.split()[1]
+    directory.proc.terminate()
+    directory.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoint: Path, cluster: Path, address: str) -> Iterator[tuple[Path, WorkerProcess, WorkerProcess]]:
     common = ["--checkpoint", str(checkpoint), "--store", str(cluster), "--directory", address]
     prefill = WorkerProcess.engine("prefill", *common)
     decode = WorkerProcess.engine("decode", *common)
@@ -31,8 +53,6 @@ def setup(
     yield checkpoint, prefill, decode
     for w in (prefill, decode):
         w.stop()
-    directory.proc.terminate()
-    directory.stop()
 
 
 def test_decode_reads_what_prefill_stored_and_matches_one_process(
@@ -43,7 +63,6 @@ def test_decode_reads_what_prefill_stored_and_matches_one_process(
     prompt = torch.randint(0, 512, (1000,), generator=torch.Generator().manual_seed(11)).tolist()
     stored = prefill.ask({"id": "a", "prompt": prompt})
     out = decode.ask({"id": "a", "prompt": prompt, "max_new_tokens": 24})
-    torch.set_num_threads(1)
     alone = Engine.from_pretrained(checkpoint).generate([prompt], 24)[0]
     assert stored["hit_tokens"] == 0
     assert (out["hit_tokens"], out["recomputed_tokens"], out["replayed"]) == (960, 40, False)
@@ -58,3 +77,19 @@ def test_a_bad_request_is_one_error_line_and_the_worker_carries_on(
     assert decode.ask({"id": "x", "prompt": "not tokens"})["error"].startswith("bad request")
     assert "longer than the model's context" in decode.ask({"id": "y", "prompt": [1] * 40000})["error"]
     assert len(decode.ask({"id": "z", "prompt": [1, 2, 3], "max_new_tokens": 2})["tokens"]) == 2
+
+
+def test_an_engine_reuses_another_process_state_exactly_through_the_directory(
+    checkpoint: Path, cluster: Path, address: str
+) -> None:
+    """Without the directory this is a bounded replay (see test_engine_reuse); with it, exact reuse."""
+    p = torch.randint(0, 512, (2000,), generator=torch.Generator().manual_seed(14)).tolist()
+    longer = p + torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(15)).tolist()
+    with Engine.from_pretrained(checkpoint, store=cluster, directory=address, host_id="a") as a:
+        a.generate([p], 1)
+        with Engine.from_pretrained(checkpoint, store=cluster, directory=address, host_id="b") as b:
+            result = b.generate([longer], 16)[0]
+            plain = b.generate([longer], 16, reuse=False)[0]
+    assert (result.hit_tokens, result.replayed) == (1920, False)
+    assert result.tokens == plain.tokens
+    assert (result.first_logits - plain.first_logits).abs().max().item() <= 1e-4
