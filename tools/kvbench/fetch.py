@@ -33,6 +33,7 @@ import numpy as np
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client
+from kvtier.kvstore.local import NodeStartError
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.tools.benchutil import temp_cluster
 from kvtier.tools.cliutil import Subcommands
@@ -59,10 +60,17 @@ def run(args: argparse.Namespace) -> int:
     if block <= 0 or args.blocks <= 0 or args.rounds <= 0:
         raise UsageError("--block-size, --blocks and --rounds must be positive")
     if getattr(args, "config", None):
-        result = _bench(cluster_mod.load(args.config), block, args)
+        try:
+            config = cluster_mod.load(args.config)
+        except cluster_mod.ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        result = _bench(config, block, args)
     else:
-        with temp_cluster(capacity_bytes=max(1 << 30, 8 * args.blocks * block // 10)) as local:
-            result = _bench(local.config, block, args)
+        try:
+            with temp_cluster(capacity_bytes=max(1 << 30, 8 * args.blocks * block // 10)) as local:
+                result = _bench(local.config, block, args)
+        except NodeStartError as exc:
+            raise BenchError(f"the temporary cluster did not start: {exc}") from None
     if args.json:
         print(json.dumps(result, indent=2))
     else:
