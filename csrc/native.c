@@ -370,6 +370,7 @@ done:
 }
 
 #define IOV_BATCH 1024
+#define IOV_SCATTER 64 /* pieces one recv_scatter call offers the kernel */
 
 static PyObject *py_send_all(PyObject *self, PyObject *args) {
     int sock, timeout_ms;
@@ -428,6 +429,59 @@ static PyObject *py_send_all(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* recv_scatter(sock_fd, plan, done) -> int: one non-blocking recvmsg into the plan's (address, length) pieces,
+ * starting done bytes into them. The caller guarantees that every address stays valid and writable. */
+static PyObject *py_recv_scatter(PyObject *self, PyObject *args) {
+    int sock;
+    Py_buffer plan;
+    long long done;
+    if (!PyArg_ParseTuple(args, "iy*L:recv_scatter", &sock, &plan, &done)) return NULL;
+    Py_ssize_t n = plan.len / (Py_ssize_t)(2 * sizeof(int64_t));
+    const int64_t *pieces = plan.buf;
+    struct iovec iov[IOV_SCATTER];
+    int k = 0;
+    for (Py_ssize_t i = 0; i < n && k < IOV_SCATTER; i++) {
+        int64_t len = pieces[2 * i + 1];
+        if (done >= len) {
+            done -= len;
+            continue;
+        }
+        iov[k].iov_base = (char *)(uintptr_t)pieces[2 * i] + done;
+        iov[k].iov_len = (size_t)(len - done);
+        done = 0;
+        k++;
+    }
+    PyBuffer_Release(&plan);
+    if (k == 0) return PyLong_FromLong(0);
+    ssize_t r;
+    Py_BEGIN_ALLOW_THREADS;
+    struct msghdr msg = {0};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)k;
+    do {
+        r = recvmsg(sock, &msg, MSG_DONTWAIT);
+    } while (r < 0 && errno == EINTR);
+    Py_END_ALLOW_THREADS;
+    if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return PyErr_SetFromErrno(PyExc_BlockingIOError);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(r);
+}
+
+static PyObject *py_addresses(PyObject *self, PyObject *seq) {
+    Py_ssize_t n;
+    Py_buffer *views = acquire_views(seq, &n, 1);
+    if (!views) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out) {
+        int64_t *at = (int64_t *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++) at[i] = (int64_t)(uintptr_t)views[i].buf;
+    }
+    release_views(views, n);
+    return out;
+}
+
 static PyObject *py_bytearray_uninit(PyObject *self, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n < 0) {
@@ -448,6 +502,13 @@ static PyMethodDef methods[] = {
      "stream is out of step and the connection must be closed."},
     {"send_all", py_send_all, METH_VARARGS,
      "send_all(sock_fd, timeout_ms, buffers): send every byte of buffers (sendmsg, partial sends resumed)."},
+    {"recv_scatter", py_recv_scatter, METH_VARARGS,
+     "recv_scatter(sock_fd, plan, done) -> int: one non-blocking recvmsg into the pieces of plan (int64 pairs\n"
+     "(address, length)), skipping the first done bytes of them; bytes received, 0 when the peer closed.\n"
+     "Raises BlockingIOError when nothing is waiting. The caller keeps every address valid and writable."},
+    {"addresses", py_addresses, METH_O,
+     "addresses(buffers) -> bytes: the start address of each writable, C-contiguous buffer as int64s (valid\n"
+     "while the caller keeps the buffer exported, e.g. through a memoryview, so it cannot move or be freed)."},
     {"bytearray_uninit", py_bytearray_uninit, METH_O,
      "bytearray_uninit(n) -> bytearray of n bytes, not zeroed (for buffers about to be overwritten)."},
     {NULL, NULL, 0, NULL},

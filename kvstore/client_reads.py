@@ -49,6 +49,14 @@ class ReadState:
         self.primary_ok = np.zeros(n, dtype=bool)  # the primary answered OK: the block is live
         self.parity: dict[tuple[int, int], memoryview] = {}
         self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
+        # where replies land, by address (a plan per reply: see Reads._sink): each destination block's start and
+        # length (-1: none yet), and the scratch memory each reply's plan points into, kept until the read ends
+        self.base = np.zeros(n, dtype=np.int64)
+        self.length = np.full(n, -1, dtype=np.int64)
+        self.scratch: dict[int, bytearray] = {}
+        known = [b for b, buf in enumerate(buffers) if buf is not None]
+        if known:
+            self._place(known, [len(buffers[b]) for b in known])  # type: ignore[arg-type]
 
     def arrived(self, frame: Frame, entries: np.ndarray) -> None:
         """A GET reply for ``entries`` is complete: its shards are in place, its verdicts known."""
@@ -84,14 +92,25 @@ class ReadState:
                     header[b] = hdr[j * HEADER_DIGEST_BYTES : (j + 1) * HEADER_DIGEST_BYTES]
         return [(ttl_class.get(b), header.get(b, NO_HEADER)) for b in blocks]
 
-    def layout_for(self, b: int, block_len: int) -> BlockLayout | None:
-        layout = self.layouts[b]
-        if layout is None and self.allocate:  # not zeroed: a block is only returned once every byte landed
-            self.buffers[b] = memoryview(_native.bytearray_uninit(block_len))
-            layout = self.layouts[b] = BlockLayout(block_len)
-        if layout is None or layout.length != block_len:
-            return None
-        return layout
+    def _place(self, blocks: Sequence[int], lengths: Sequence[int]) -> None:
+        """Record where ``blocks`` land; the buffers stay exported by ``self.buffers``, so they cannot move."""
+        self.base[blocks] = np.frombuffer(_native.addresses([self.buffers[b] for b in blocks]), dtype=np.int64)
+        self.length[blocks] = lengths
+
+    def destinations(self, blocks: np.ndarray, block_lens: np.ndarray) -> np.ndarray:
+        """Per shard of a reply: whether its block has a destination of the block length the node reported. A
+        ``get`` allocates a block at its first shard (not zeroed: a block is returned only once every byte
+        landed); a later reply that disagrees about its length goes to scratch."""
+        if self.allocate:
+            fresh = self.length[blocks] < 0
+            new, first = np.unique(blocks[fresh], return_index=True)
+            if len(new):
+                lengths = block_lens[fresh][first].tolist()
+                for b, length in zip(new.tolist(), lengths, strict=True):
+                    self.buffers[b] = memoryview(_native.bytearray_uninit(length))
+                    self.layouts[b] = BlockLayout(length)
+                self._place(new.tolist(), lengths)
+        return self.length[blocks] == block_lens
 
     def decodable(self) -> bool:
         have = self.valid.sum(axis=1)
@@ -207,43 +226,45 @@ class Reads(Writes):
             )
         exchange.run(self.config.client.op_timeout_s, until=state.decodable if early else None)
 
-    def _sink(self, frame: Frame, entries: np.ndarray, state: ReadState) -> list[memoryview] | None:
-        """Where each OK shard of a GET reply goes: its place in the destination block, or scratch."""
+    def _sink(self, frame: Frame, entries: np.ndarray, state: ReadState) -> np.ndarray | None:
+        """Where each OK shard of a GET reply goes, as a plan of (address, length) pieces that the transport
+        receives into in compiled code: a data shard at its place in the destination block (the zero padding
+        of a tail shard into a shared pad), a parity shard or one that does not fit its block into scratch."""
         meta = frame.meta
         raw = [meta.get("st"), meta.get("lens"), meta.get("blen")]
         n = len(entries)
         if not all(isinstance(r, bytes) for r in raw) or [len(r) for r in raw] != [n, 4 * n, 8 * n]:
             return None
-        statuses = np.frombuffer(raw[0], dtype=np.uint8)
-        ok = np.flatnonzero(statuses == Status.OK)
-        lens = np.frombuffer(raw[1], dtype="<u4").tolist()
-        blens = np.frombuffer(raw[2], dtype="<u8").tolist()
-        pairs = entries.tolist()
-        parity_bytes = sum(lens[j] for j in ok.tolist() if pairs[j][1] >= DATA_SHARDS)
-        parity_pool = memoryview(bytearray(parity_bytes))
-        sinks: list[memoryview] = []
-        landed: list[int] = []
-        for j in ok.tolist():
-            b, i = pairs[j]
-            length = lens[j]
-            layout = state.layout_for(b, blens[j])
-            buf = state.buffers[b]
-            if layout is None or buf is None or length != layout.shard:
-                sinks.append(_scratch(length))
-                continue
-            if i < DATA_SHARDS:
-                start = min(i * length, layout.length)
-                end = min(start + length, layout.length)
-                sinks.append(buf[start:end])
-                if end - start < length:  # the zero padding of the tail shard is not needed
-                    sinks.append(_PAD[: length - (end - start)])
-            else:
-                state.parity[(b, i)] = parity_pool[:length]
-                sinks.append(parity_pool[:length])
-                parity_pool = parity_pool[length:]
-            landed.append(j)
-        state.receiving[frame.request_id] = entries[landed]
-        return sinks
+        ok = np.flatnonzero(np.frombuffer(raw[0], dtype=np.uint8) == Status.OK)
+        lens = np.frombuffer(raw[1], dtype="<u4")[ok].astype(np.int64)
+        block_lens = np.frombuffer(raw[2], dtype="<u8")[ok].astype(np.int64)
+        blocks, index = entries[ok, 0], entries[ok, 1]
+        fits = state.destinations(blocks, block_lens) & (lens == np.maximum(1, -(-block_lens // DATA_SHARDS)))
+        data = fits & (index < DATA_SHARDS)
+        pieces = np.zeros((len(ok), 2, 2), dtype=np.int64)  # per shard: (address, length) of its bytes, of padding
+        start = index[data] * lens[data]
+        held = np.clip(state.length[blocks[data]] - start, 0, lens[data])  # bytes of the shard inside the block
+        pieces[data, 0] = np.stack([state.base[blocks[data]] + start, held], axis=1)
+        pieces[data, 1] = np.stack([np.full(len(held), _PAD_ADDRESS), lens[data] - held], axis=1)
+        elsewhere = ~data
+        if elsewhere.any():
+            scratch = state.scratch[frame.request_id] = _native.bytearray_uninit(int(lens[elsewhere].sum()))
+            offsets = np.cumsum(lens[elsewhere]) - lens[elsewhere]
+            base = np.frombuffer(_native.addresses([scratch]), dtype=np.int64)[0]
+            pieces[elsewhere, 0] = np.stack([base + offsets, lens[elsewhere]], axis=1)
+            view = memoryview(scratch)
+            parity = fits[elsewhere]  # what fits its block but is not a data shard: parity, kept for decoding
+            for b, i, at, length in zip(
+                blocks[elsewhere][parity].tolist(),
+                index[elsewhere][parity].tolist(),
+                offsets[parity].tolist(),
+                lens[elsewhere][parity].tolist(),
+                strict=True,
+            ):
+                state.parity[(b, i)] = view[at : at + length]
+        state.receiving[frame.request_id] = entries[ok[fits]]
+        plan = pieces.reshape(-1, 2)
+        return np.ascontiguousarray(plan[plan[:, 1] > 0])
 
     def _assemble(self, state: ReadState) -> list[bool]:
         out = []
@@ -299,8 +320,6 @@ class Reads(Writes):
             region[:] = scratch[: len(region)]
 
 
-def _scratch(n: int) -> memoryview:
-    return memoryview(bytearray(n))
-
-
-_PAD = memoryview(bytearray(DATA_SHARDS))  # a tail shard is padded by fewer than 10 bytes
+_PAD = bytearray(DATA_SHARDS)  # a tail shard is padded by fewer than 10 bytes: they land here, never read
+_PAD_VIEW = memoryview(_PAD)  # kept exported, so the pad never moves
+_PAD_ADDRESS = int(np.frombuffer(_native.addresses([_PAD_VIEW]), dtype=np.int64)[0])

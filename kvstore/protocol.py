@@ -168,6 +168,7 @@ class FrameReader:
         self._frame: Frame | None = None
         self._sink: list[memoryview] | None = None
         self._sink_index = 0
+        self._plan: Any = None  # an (address, length) int64 array chosen by sink_plan, instead of _sink views
         self._ready: Frame | None = None
 
     @property
@@ -202,6 +203,23 @@ class FrameReader:
         self._sink = views
         self._sink_index = 0
 
+    def sink_plan(self, plan: Any) -> None:
+        """Receive the current frame's payload into raw memory: ``plan`` is an int64 array of (address, length)
+        rows, in payload order, adding up to the payload; the I/O layer receives with ``scatter`` (compiled
+        code, no Python object per piece). The owner keeps every address valid until the frame completes or
+        ``discard_payload`` redirects it."""
+        frame = self.head
+        if frame is None or self._sink is not None:
+            raise RuntimeError("sink_plan() is only allowed before any payload byte of a frame arrived")
+        if int(plan[:, 1].sum()) != frame.payload_len or (len(plan) and int(plan[:, 1].min()) < 0):
+            raise ValueError("sink plan does not add up to the payload length")
+        self._plan, self._sink, self._sink_index, self._filled = plan, [], 0, 0
+
+    @property
+    def scatter(self) -> tuple[Any, int] | None:
+        """(plan, bytes of it already received) while a ``sink_plan`` payload is arriving, else None."""
+        return (self._plan, self._filled) if self._plan is not None else None
+
     def payload_received(self) -> None:
         """The owner received the current frame's whole payload itself (e.g. straight into files, in compiled
         code): the frame is complete, with no ``payload`` of its own."""
@@ -217,7 +235,9 @@ class FrameReader:
         frame = self.head
         if frame is None:
             return
-        if self._sink is None:
+        if self._plan is not None:
+            remaining, self._plan = frame.payload_len - self._filled, None
+        elif self._sink is None:
             remaining = frame.payload_len
         else:
             remaining = sum(len(v) for v in self._sink[self._sink_index :]) - self._filled
@@ -233,6 +253,8 @@ class FrameReader:
             return [memoryview(self._header)[self._filled :]]
         if self._state == self._META:
             return [memoryview(self._meta_buf)[self._filled :]]
+        if self._plan is not None:
+            raise RuntimeError("this payload goes to a sink plan: receive it with scatter")
         if self._sink is None:  # nobody claimed the payload: it gets a buffer of its own
             assert self._frame is not None
             buf = memoryview(bytearray(self._frame.payload_len))
@@ -257,6 +279,13 @@ class FrameReader:
                 self._stage_done()
 
     def _advance_payload(self, n: int) -> int:
+        if self._plan is not None:
+            assert self._frame is not None
+            take = min(n, self._frame.payload_len - self._filled)
+            self._filled += take
+            if self._filled == self._frame.payload_len:
+                self._finish_frame()
+            return n - take
         assert self._sink is not None
         while n and self._sink_index < len(self._sink):
             current = self._sink[self._sink_index]
@@ -289,7 +318,7 @@ class FrameReader:
     def _finish_frame(self) -> None:
         self._ready, self._frame = self._frame, None
         self._state, self._filled = self._HEADER, 0
-        self._sink, self._sink_index = None, 0
+        self._sink, self._sink_index, self._plan = None, 0, None
 
     def next_frame(self) -> Frame | None:
         """The frame completed by the last ``advance``, once; None while one is still in progress."""

@@ -27,6 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from kvtier.kvstore import _native
 from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
@@ -50,7 +53,8 @@ class AuthError(Exception):
     """A node rejected this client's token: wrong token for the cluster, or an unknown tenant."""
 
 
-Sink = Callable[[Frame], Sequence[memoryview] | None]
+# where a reply's payload goes: buffers, an (address, length) plan (FrameReader.sink_plan), or None (its own buffer)
+Sink = Callable[[Frame], "Sequence[memoryview] | np.ndarray | None"]
 
 
 @dataclass(eq=False)
@@ -370,12 +374,17 @@ class Exchange:
                     if pending.abandoned:
                         reader.discard_payload(_SCRATCH)
                     elif pending.sink is not None and head.opcode != Op.ERROR:
-                        buffers = pending.sink(head)
-                        if buffers is not None:
-                            reader.sink(buffers)
-            buffers = reader.writable()
+                        where = pending.sink(head)
+                        if isinstance(where, np.ndarray):
+                            reader.sink_plan(where)
+                        elif where is not None:
+                            reader.sink(where)
+            scatter = reader.scatter
             try:
-                n = conn.sock.recvmsg_into(buffers[:RECV_IOV])[0]
+                if scatter is not None:  # compiled: no Python object per shard
+                    n = _native.recv_scatter(conn.sock.fileno(), *scatter)
+                else:
+                    n = conn.sock.recvmsg_into(reader.writable()[:RECV_IOV])[0]
             except BlockingIOError:
                 return
             except OSError as exc:

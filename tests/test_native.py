@@ -103,3 +103,24 @@ def test_bytearray_uninit_is_a_bytearray_of_that_size() -> None:
     assert isinstance(buf, bytearray) and len(buf) == 1 << 20
     with pytest.raises(ValueError):
         _native.bytearray_uninit(-1)
+
+
+def test_recv_scatter_lands_each_piece_at_its_address_and_resumes_where_it_stopped() -> None:
+    first, second = bytearray(10), bytearray(6)
+    views = [memoryview(first), memoryview(second)]  # exported while the plan points at them
+    bases = np.frombuffer(_native.addresses(views), dtype=np.int64)
+    plan = np.asarray([(bases[0] + 2, 5), (bases[1], 6)], dtype=np.int64)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"abc")
+        assert _native.recv_scatter(b.fileno(), plan, 0) == 3
+        with pytest.raises(BlockingIOError):  # nothing waiting
+            _native.recv_scatter(b.fileno(), plan, 3)
+        a.sendall(b"defghijk")
+        assert _native.recv_scatter(b.fileno(), plan, 3) == 8
+    assert first == b"\0\0abcde\0\0\0" and second == b"fghijk"
+
+
+def test_addresses_refuses_a_read_only_buffer() -> None:
+    with pytest.raises(BufferError):
+        _native.addresses([b"read-only"])
