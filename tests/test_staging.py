@@ -9,6 +9,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from kvtier.transfer import staging
@@ -229,4 +230,16 @@ def test_a_reader_racing_slot_reuse_never_accepts_torn_bytes(shm_name: str) -> N
     out, _ = reader.communicate(timeout=30)
     kept, torn, rejected = map(int, out.split())
     assert torn == 0 and kept > 0 and rejected > 0, (kept, torn, rejected)
+    pool.close()
+
+
+def test_a_batch_that_publishes_one_key_twice_keeps_the_last_copy(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    slots, _ = pool.reserve_many(2, owner_pid=1)
+    pool.publish_many(slots, TENANT, [key(1), key(1)], SLOT, [b"a" * 16, b"b" * 16], np.zeros(2, np.uint32))
+    assert pool.lookup(TENANT, key(1), hdr=b"b" * 16) == slots[1]
+    assert pool.state[slots[0]] == SlotState.FREE
+    stats = pool.stats()
+    assert (stats.ready, stats.free) == (1, pool.slots - 1)
+    assert len(pool.reserve_many(pool.slots, owner_pid=1)[0]) == pool.slots  # all reusable, nothing dangling
     pool.close()

@@ -61,6 +61,13 @@ from kvtier.transfer.staging import PoolError, PoolStats, StagingPool, class_nam
 log = logging.getLogger("kvtier.fetcher")
 PREFETCH_PENALTY = fp.MAX_PRIORITY  # a prefetch waits behind every fetch
 PEER_SWEEP_S = 1.0  # how often the pids of connected engines are checked
+_COUNTER_OF = {
+    (False, BlockStatus.FETCHED): "blocks_fetched",
+    (False, BlockStatus.MISS): "blocks_missed",
+    (False, BlockStatus.ERROR): "blocks_failed",
+    (True, BlockStatus.STORED): "blocks_put",
+    (True, BlockStatus.ERROR): "blocks_failed",
+}
 COUNTERS = (
     "requests", "blocks_hit", "blocks_fetched", "blocks_missed", "blocks_failed", "blocks_full", "blocks_put",
     "bytes_fetched",
@@ -378,22 +385,25 @@ class Fetcher:
                     pool.touch(slot)
             answer.status[hit], answer.slots[hit], answer.gens[hit] = BlockStatus.HIT, slots, gens
             answer.remaining -= len(hit)
-        new: list[Flight] = []
+        wanted: dict[tuple[int, bytes, bytes | None, int], list[int]] = {}  # blocks no read is under way for
         for i in np.flatnonzero(found < 0).tolist():
-            key, hdr = request.keys[i], request.headers[i]
-            flight = self.flights.get((tid, key, hdr, request.length))
+            block = (tid, request.keys[i], request.headers[i], request.length)
+            flight = self.flights.get(block)
             if flight is None:
-                reserved = pool.reserve(os.getpid())
-                if reserved is None:
-                    self._settle(answer, i, BlockStatus.FULL)
-                    self.counters["blocks_full"] += 1
-                    continue
-                flight = Flight(key, hdr, cls, *reserved)
-                self.flights[(tid, key, hdr, request.length)] = flight
-                new.append(flight)
-            elif flight.job is not None:  # another request's read: wait for it, at this request's priority
+                wanted.setdefault(block, []).append(i)
+                continue
+            if flight.job is not None:  # another request's read: wait for it, at this request's priority
                 self._hurry(flight.job, priority)
             flight.waiters.append((answer, i))
+        slots, gens = pool.reserve_many(len(wanted), os.getpid())
+        new: list[Flight] = []
+        for (block, indices), slot, gen in zip(wanted.items(), slots.tolist(), gens.tolist(), strict=False):
+            flight = self.flights[block] = Flight(block[1], block[2], cls, slot, gen, [(answer, i) for i in indices])
+            new.append(flight)
+        for _, indices in list(wanted.items())[len(slots) :]:  # no slot left: every one is pinned or filling
+            for i in indices:
+                self._settle(answer, i, BlockStatus.FULL)
+                self.counters["blocks_full"] += 1
         pool.count(len(hit), len(request.keys) - len(hit))
         self.counters["blocks_hit"] += len(hit)
         self.counters["requests"] += 1
@@ -538,48 +548,43 @@ class Fetcher:
     def _complete(self) -> None:
         while self.done:
             job = self.done.popleft()
-            for i, flight in enumerate(job.flights):
-                ok = job.result is not None and job.result[i]
-                if job.put:
-                    self._complete_put(job, flight, ok)
-                else:
-                    self._complete_get(job, flight, ok)
+            ok = job.result if job.result is not None else [False] * len(job.flights)
+            stored = [f for f, done in zip(job.flights, ok, strict=True) if done]
+            if not job.put:
+                for flight in job.flights:
+                    self.flights.pop((tenant_id(job.tenant), flight.key, flight.hdr, job.length), None)
+            # pins: one per waiting FETCH whose connection is still there (a PUT's slot is left unpinned)
+            pins = np.array([sum(a.pin and not a.session.closed for a, _ in f.waiters) for f in stored], np.uint32)
+            pool = self.pools[job.pool]
+            if stored:
+                slots = np.array([f.slot for f in stored], dtype=np.int64)
+                hdrs = [f.hdr for f in stored]
+                pool.publish_many(slots, tenant_id(job.tenant), [f.key for f in stored], job.length, hdrs, pins)
+            for flight, done in zip(job.flights, ok, strict=True):
+                if not done:
+                    pool.abandon(flight.slot, flight.gen)
+                self._settle_flight(job, flight, done)
 
-    def _complete_get(self, job: Job, flight: Flight, ok: bool) -> None:
-        tid, length = tenant_id(job.tenant), job.length
-        self.flights.pop((tid, flight.key, flight.hdr, length), None)
-        live = [(a, i) for a, i in flight.waiters if not a.session.closed]
-        if ok:
-            pins = sum(1 for a, _ in live if a.pin)
-            self.pools[job.pool].publish(flight.slot, tid, flight.key, length, flight.hdr, pins)
-            self.counters["blocks_fetched"] += 1
-            self.counters["bytes_fetched"] += length
-            status = BlockStatus.FETCHED
+    def _settle_flight(self, job: Job, flight: Flight, done: bool) -> None:
+        """Answer every request waiting for ``flight`` with what the store call did for it."""
+        if job.put:
+            status = BlockStatus.STORED if done else BlockStatus.ERROR
+            error = job.error or "the store did not commit the block (too few nodes took it)"
         else:
-            self.pools[job.pool].abandon(flight.slot, flight.gen)
-            status = BlockStatus.MISS if job.error is None else BlockStatus.ERROR
-            self.counters["blocks_missed" if job.error is None else "blocks_failed"] += 1
+            status = BlockStatus.FETCHED if done else BlockStatus.MISS if job.error is None else BlockStatus.ERROR
+            error = job.error or ""
+        self.counters[_COUNTER_OF[(job.put, status)]] += 1
+        if done and not job.put:
+            self.counters["bytes_fetched"] += job.length
         for answer, i in flight.waiters:
-            if ok and answer.pin and not answer.session.closed:
+            if done and answer.pin and not answer.session.closed:
                 answer.session.pins[(job.pool, flight.slot, flight.gen)] += 1
             if status == BlockStatus.ERROR:
-                answer.errors[i] = job.error or ""
-            self._settle(answer, i, status, flight.slot if ok else 0, flight.gen if ok else 0)
+                answer.errors[i] = error
+            keep = done or job.put
+            self._settle(answer, i, status, flight.slot if keep else 0, flight.gen if keep else 0)
             if answer.remaining == 0:
-                self._answer(answer, FetchOp.FETCH if answer.pin else FetchOp.PREFETCH)
-
-    def _complete_put(self, job: Job, flight: Flight, ok: bool) -> None:
-        answer, i = flight.waiters[0]
-        if ok:
-            self.pools[job.pool].publish(flight.slot, tenant_id(job.tenant), flight.key, job.length, flight.hdr, 0)
-            self.counters["blocks_put"] += 1
-            self._settle(answer, i, BlockStatus.STORED, flight.slot, flight.gen)
-        else:
-            self.pools[job.pool].abandon(flight.slot, flight.gen)
-            answer.errors[i] = job.error or "the store did not commit the block (too few nodes took it)"
-            self._settle(answer, i, BlockStatus.ERROR, flight.slot, flight.gen)
-        if answer.remaining == 0:
-            self._answer(answer, FetchOp.PUT)
+                self._answer(answer, FetchOp.PUT if job.put else FetchOp.FETCH if answer.pin else FetchOp.PREFETCH)
 
 
 def _alive(pid: int) -> bool:

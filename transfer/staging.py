@@ -261,6 +261,7 @@ class StagingPool(SlotMap):
         super().__init__(name, fd, mapping)
         self._lock = threading.RLock()
         self._index: dict[tuple[int, bytes], int] = {}  # (tenant, key) -> READY/PINNED slot
+        self._held: dict[int, tuple[int, bytes]] = {}  # the reverse: slot -> (tenant, key)
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # READY, oldest first
         self._free: list[int] = []
         self._detached: set[int] = set()  # superseded by a newer copy of their key: freed at last unpin
@@ -345,7 +346,8 @@ class StagingPool(SlotMap):
                 self.state[slot] = READY
                 reclaimed += 1
             if self.state[slot] == READY:
-                self._index[(int(self.tenant[slot]), self._key(slot))] = slot
+                held = (int(self.tenant[slot]), self._key(slot))
+                self._index[held], self._held[slot] = slot, held
                 self._evictable[slot] = None
             else:
                 self._free.append(slot)
@@ -438,49 +440,78 @@ class StagingPool(SlotMap):
     def reserve(self, owner_pid: int) -> tuple[int, int] | None:
         """A slot to fill, as (slot, generation): a free one, else the least recently used READY one
         (evicted: its old generation becomes a miss). None when every slot is FILLING or PINNED."""
+        slots, gens = self.reserve_many(1, owner_pid)
+        return (int(slots[0]), int(gens[0])) if len(slots) else None
+
+    def reserve_many(self, n: int, owner_pid: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`reserve` for up to ``n`` slots (fewer when the rest are FILLING or PINNED): (slots, generations)."""
         with self._lock:
-            if self._free:
-                slot = self._free.pop()
-            elif self._evictable:
+            take = self._free[len(self._free) - min(n, len(self._free)) :]
+            del self._free[len(self._free) - len(take) :]
+            while len(take) < n and self._evictable:
                 slot, _ = self._evictable.popitem(last=False)
-                self._counters[1] += np.uint64(1)
-                self._index.pop((int(self.tenant[slot]), self._key(slot)), None)
+                tenant, key = self._held.pop(slot)
+                del self._index[(tenant, key)]
                 if self.on_evict is not None:
-                    self.on_evict(int(self.tenant[slot]), self._key(slot), slot, int(self.gen[slot]))
-            else:
-                return None
-            self.state[slot] = FILLING  # the state first, then the generation: see ``valid``
-            self.gen[slot] += np.uint64(1)
-            self.owner[slot] = owner_pid
-            self.length[slot] = 0
-            return slot, int(self.gen[slot])
+                    self.on_evict(tenant, key, slot, int(self.gen[slot]))
+                self._counters[1] += np.uint64(1)
+                take.append(slot)
+            slots = np.array(take, dtype=np.int64)
+            self.state[slots] = FILLING  # the state first, then the generation: see ``valid``
+            self.gen[slots] += np.uint64(1)
+            self.owner[slots] = owner_pid
+            self.length[slots] = 0
+            return slots, self.gen[slots]
 
     def publish(self, slot: int, tenant: int, key: bytes, length: int, hdr: bytes | None, pins: int) -> None:
         """FILLING → READY (``pins`` = 0) or PINNED: the slot now holds ``key``'s block of ``length`` bytes.
 
         A READY copy of the same key is superseded (freed now, or at its last unpin if pinned).
         """
-        key = self._checked(key)
+        self.publish_many(np.array([slot]), tenant, [key], length, [hdr], np.array([pins]))
+
+    def publish_many(
+        self,
+        slots: np.ndarray,
+        tenant: int,
+        keys: Sequence[bytes],
+        length: int,
+        hdrs: Sequence[bytes | None],
+        pins: np.ndarray,
+    ) -> None:
+        """:meth:`publish` for a batch of distinct slots and keys."""
+        for key in keys:
+            self._checked(key)
         with self._lock:
-            if self.state[slot] != FILLING:
-                raise ValueError(f"slot {slot} is {SlotState(self.state[slot]).name}, not FILLING")
-            old = self._index.get((tenant, key))
-            if old is not None and old != slot:
-                self._detach(old)
-            self.tenant[slot] = tenant
-            self.keys[slot] = np.frombuffer(key.ljust(KEY_BYTES, b"\0"), dtype=np.uint8)
-            self.klen[slot] = len(key)
-            self.hdrs[slot] = np.frombuffer(hdr or bytes(HDR_BYTES), dtype=np.uint8)
-            self.length[slot] = length
-            self.pins[slot] = pins
-            self.state[slot] = PINNED if pins else READY
-            self._index[(tenant, key)] = slot
-            self._tick(slot)
-            if not pins:
-                self._evictable[slot] = None
+            if (self.state[slots] != FILLING).any():
+                raise ValueError(f"slots {slots[self.state[slots] != FILLING].tolist()} are not FILLING")
+            for slot, key in zip(slots.tolist(), keys, strict=True):
+                old = self._index.get((tenant, key))
+                if old is not None and old != slot:
+                    self._detach(old)
+                self._index[(tenant, key)] = slot
+                self._held[slot] = (tenant, key)
+            self.tenant[slots] = tenant
+            padded = b"".join(key.ljust(KEY_BYTES, b"\0") for key in keys)
+            self.keys[slots] = np.frombuffer(padded, dtype=np.uint8).reshape(-1, KEY_BYTES)
+            self.klen[slots] = [len(key) for key in keys]
+            hdr_bytes = b"".join(hdr or bytes(HDR_BYTES) for hdr in hdrs)
+            self.hdrs[slots] = np.frombuffer(hdr_bytes, dtype=np.uint8).reshape(-1, HDR_BYTES)
+            self.length[slots] = length
+            self.pins[slots] = pins
+            clock = int(self._counters[0])
+            self.lru[slots] = np.arange(clock + 1, clock + 1 + len(slots), dtype=np.uint64)
+            self._counters[0] = clock + len(slots)
+            self.state[slots] = np.where(pins > 0, PINNED, READY)  # last: the bytes and the table are in place
+            for slot in slots[pins == 0].tolist():
+                if slot in self._detached:  # superseded within this very batch (one key, two header digests)
+                    self._detached.discard(slot)
+                    self._to_free(slot)
+                else:
+                    self._evictable[slot] = None
 
     def _detach(self, slot: int) -> None:
-        self._index.pop((int(self.tenant[slot]), self._key(slot)), None)
+        self._index.pop(self._held.pop(slot), None)
         if self.state[slot] == READY:
             self._evictable.pop(slot, None)
             self._to_free(slot)
