@@ -109,6 +109,36 @@ def test_a_fill_of_four_times_capacity_keeps_taking_writes_and_keeps_hot_blocks(
         assert sum(i["gc"]["evictions"] + i["gc"]["evictions_on_demand"] for i in info) >= 2 * capacity // SLOT
 
 
+def test_reads_racing_removals_get_the_block_or_a_miss_never_other_bytes(make_cluster) -> None:
+    capacity = 2 << 20
+    local = make_cluster(capacity_bytes=capacity, gc="interval_s = 0.2\n")
+    with Client(local.config) as client:
+        keys, data = blocks(capacity // SLOT // 2)
+        for start in range(0, len(keys), 16):
+            client.put(keys[start : start + 16], data[start : start + 16])
+        stop = threading.Event()
+        results: list[tuple[int, bytearray | None]] = []
+
+        def read_while_removing() -> None:
+            with Client(local.config) as reader:
+                while not stop.is_set():
+                    for start in range(0, len(keys), 16):
+                        got = reader.get(keys[start : start + 16])
+                        results.extend((start + j, g) for j, g in enumerate(got))
+
+        thread = threading.Thread(target=read_while_removing)
+        thread.start()
+        try:  # each removal frees slots that the next put takes at once (no grace time): reads race both
+            for start in range(0, len(keys), 8):
+                client.delete(keys[start : start + 8])
+                client.put(*blocks(8))
+        finally:
+            stop.set()
+            thread.join()
+        assert all(got is None or bytes(got) == data[i] for i, got in results)
+        assert any(got is None for _, got in results) and any(got is not None for _, got in results)
+
+
 def test_usage_never_exceeds_capacity_and_settles_between_watermarks(cluster: LocalCluster) -> None:
     with Client(cluster.config) as client:
         peak = 0
