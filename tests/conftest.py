@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.local import LocalCluster, NodeStartError
 
 ClusterFactory = Callable[..., LocalCluster]
 
@@ -23,19 +23,33 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFa
 
     def factory(capacity_bytes: int = 256 << 20, extra_toml: str = "", nodes: int = 12, gc: str = "") -> LocalCluster:
         """``gc``: lines for the [gc] table (replacing the file's own settings of the same names);
-        ``extra_toml``: more tables appended to the file."""
-        directory = tmp_path_factory.mktemp("cluster")
-        path = cluster_mod.write_default(directory, nodes=nodes, capacity_bytes=capacity_bytes)
-        settings = {line.split("=")[0].strip() for line in gc.splitlines() if "=" in line}
-        text = "".join(
-            line for line in path.read_text().splitlines(keepends=True) if line.split("=")[0].strip() not in settings
-        )
-        text = text.replace("[gc]\n", f"[gc]\n{gc}")
-        path.write_text(text + ("\n" + extra_toml + "\n" if extra_toml else ""))
-        local = LocalCluster(path)
-        local.start()
-        started.append(local)
-        return local
+        ``extra_toml``: more tables appended to the file.
+
+        The cluster file takes free ports when it is written; another process on this machine (parallel test
+        runs) may bind one before the node does, so a start that fails for that is retried on fresh ports.
+        """
+        tries = 3
+        while True:
+            tries -= 1
+            directory = tmp_path_factory.mktemp("cluster")
+            path = cluster_mod.write_default(directory, nodes=nodes, capacity_bytes=capacity_bytes)
+            settings = {line.split("=")[0].strip() for line in gc.splitlines() if "=" in line}
+            text = "".join(
+                line
+                for line in path.read_text().splitlines(keepends=True)
+                if line.split("=")[0].strip() not in settings
+            )
+            text = text.replace("[gc]\n", f"[gc]\n{gc}")
+            path.write_text(text + ("\n" + extra_toml + "\n" if extra_toml else ""))
+            local = LocalCluster(path)
+            started.append(local)
+            try:
+                local.start()
+                return local
+            except NodeStartError as exc:
+                local.stop()
+                if "Address already in use" not in str(exc) or not tries:
+                    raise
 
     yield factory
     for local in started:
