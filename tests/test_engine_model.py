@@ -85,3 +85,12 @@ def test_make_checkpoint_cli_writes_a_loadable_directory(tmp_path: Path, capsys:
     assert cli.main(["make-checkpoint", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not empty" in err
+
+
+def test_a_sharded_checkpoint_loads_like_one_file(tmp_path: Path) -> None:
+    whole = make_checkpoint(tmp_path / "whole", "tiny", seed=0)
+    sharded = make_checkpoint(tmp_path / "sharded", "tiny", seed=0, shard_bytes=100_000)
+    assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").exists()
+    tokens = prompt(200)
+    assert torch.equal(forward_logits(load(sharded), tokens), forward_logits(load(whole), tokens))
+    assert (forward_logits(load(sharded), tokens) - reference_logits(sharded, tokens)).abs().max().item() <= TOLERANCE
