@@ -31,6 +31,7 @@ import contextlib
 import enum
 import errno
 import fcntl
+import functools
 import hashlib
 import mmap
 import os
@@ -82,6 +83,7 @@ class PoolError(Exception):
     """The segment cannot be created, opened or taken over; the message says why and what to do."""
 
 
+@functools.lru_cache(maxsize=1024)
 def tenant_id(tenant: str) -> int:
     """The 64-bit id that scopes a tenant's blocks in a pool's table."""
     return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
