@@ -78,15 +78,18 @@ def directory(config: cluster_mod.ClusterConfig) -> Iterator[int]:
     proc.stop()
 
 
-def start_host(config: cluster_mod.ClusterConfig, directory_port: int, capacity: int = 4 * BLOCK) -> Proc:
+def start_host(
+    config: cluster_mod.ClusterConfig, directory_port: int, capacity: int = 4 * BLOCK, shm: str = ""
+) -> Proc:
     """Host A, its own process: ``put HEXKEY SEED`` puts a StateBlock and answers its slot and generation."""
+    shm = shm or f"kvt-test-{secrets.token_hex(6)}"
     code = textwrap.dedent(
         f"""
         import sys
         import numpy as np
         from kvtier.kvstore import cluster
         from kvtier.transfer.stateblock import StateBlockHost
-        host = StateBlockHost(cluster.load({str(config.path)!r}), "kvt-test-{secrets.token_hex(6)}", {capacity},
+        host = StateBlockHost(cluster.load({str(config.path)!r}), {shm!r}, {capacity},
                               {BLOCK}, "host-a", directory=("127.0.0.1", {directory_port}), heartbeat_s=0.1)
         print("ready", flush=True)
         for line in sys.stdin:
@@ -137,6 +140,23 @@ def test_pulling_a_reused_slot_is_a_miss_never_other_bytes(config, directory: in
         assert host_b.get_into(second, out) and bytes(out) == block_of(2).tobytes()
     finally:
         host_a.stop()
+
+
+def test_stateblocks_outlive_a_crash_of_their_host_process(config, directory: int, host_b: StateBlockHost) -> None:
+    shm = f"kvt-test-{secrets.token_hex(6)}"
+    host_a = start_host(config, directory, shm=shm)
+    key = secrets.token_bytes(16)
+    host_a.ask(f"{key.hex()} 6")
+    host_a.proc.kill()  # SIGKILL: no clean-up; the segment stays, and the directory still points at the dead port
+    host_a.stop()
+    out = bytearray(BLOCK)
+    assert not host_b.get_into(key, out)  # nobody serves it meanwhile: a miss, not an error
+    restarted = start_host(config, directory, shm=shm)  # takes the segment over and re-reports what it holds
+    try:
+        _wait(lambda: host_b.get_into(key, out), "the restarted host to serve its StateBlock again")
+        assert bytes(out) == block_of(6).tobytes()
+    finally:
+        restarted.stop()
 
 
 def test_a_local_stateblock_is_served_from_this_hosts_pool(host_b: StateBlockHost) -> None:
