@@ -160,7 +160,7 @@ def test_eviction_is_lru_and_takes_what_is_needed(cluster: LocalCluster) -> None
         hot = old_keys[:300]
         client.get(hot)  # recently used: must survive
         new_keys, new_data = blocks(int(EXTRA * CAPACITY) // SLOT)
-        client.put(new_keys, new_data)
+        assert client.put(new_keys, new_data) == [True] * len(new_keys)
         total = fill + len(new_keys)
         settle(client)
         assert all(client.exists(hot))
