@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import secrets
@@ -431,3 +432,13 @@ def test_the_fetcher_serves_metrics_and_health(cluster: LocalCluster, tmp_path: 
         assert "kvtier_fetcher_blocks_fetched_total 2.0" in text and "kvtier_fetcher_ready 2.0" in text
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
             assert reply.status == 200 and b'"status": "ok"' in reply.read()
+
+
+def test_kvbench_fetch_reports_the_ratio_to_get_into(cluster: LocalCluster) -> None:
+    argv = ["--config", str(cluster.config_path), "fetch", "--block-size", "64KiB", "--blocks", "4", "--rounds", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.tools.kvbench", *argv, "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["fetch_vs_get_into"] > 0 and result["pool"]["hits"] == 16 and result["pool"]["evictions"] == 12

@@ -1,5 +1,5 @@
-"""``kvbench fetch`` and ``kvbench stateblock`` run end to end (tiny sizes; the figures themselves are not tested),
-and refuse bad options with one line."""
+"""``kvbench stateblock`` runs end to end (tiny sizes; the figures themselves are not tested; ``kvbench fetch``'s
+run is in test_fetcher.py, beside its cluster), and both refuse bad options with one line."""
 
 from __future__ import annotations
 
@@ -9,27 +9,11 @@ import sys
 
 import pytest
 
-from kvtier.kvstore.local import LocalCluster
-from tests.conftest import ClusterFactory
-
 
 def kvbench(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvtier.tools.kvbench", *argv], capture_output=True, text=True, timeout=300
     )
-
-
-@pytest.fixture(scope="module")
-def cluster(make_cluster: ClusterFactory) -> LocalCluster:
-    return make_cluster(capacity_bytes=32 << 20)
-
-
-def test_kvbench_fetch_reports_the_ratio_to_get_into(cluster: LocalCluster) -> None:
-    done = kvbench("--config", str(cluster.config_path), "fetch", "--block-size", "64KiB", "--blocks", "4",
-                   "--rounds", "1", "--json")  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["fetch_vs_get_into"] > 0 and result["pool"]["hits"] == 16 and result["pool"]["evictions"] == 12
 
 
 def test_kvbench_stateblock_reports_the_ratio_to_a_raw_round_trip() -> None:
