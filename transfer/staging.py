@@ -424,13 +424,17 @@ class StagingPool(SlotMap):
             take = np.minimum(asked, self.pins[held]).astype(np.uint32)  # never more pins than there are
             self.pins[held] -= take
             for slot in held[self.pins[held] == 0].tolist():
-                if slot in self._detached:
-                    self._detached.discard(slot)
-                    self._to_free(slot)
-                else:
-                    self.state[slot] = READY
-                    self._evictable[slot] = None
+                self._unpinned(slot)
             return int(take.sum())
+
+    def _unpinned(self, slot: int) -> None:
+        """No pin is left on ``slot``: READY and evictable again, or FREE if a newer copy superseded it."""
+        if slot in self._detached:
+            self._detached.discard(slot)
+            self._to_free(slot)
+        else:
+            self.state[slot] = READY
+            self._evictable[slot] = None
 
     def count(self, hits: int, misses: int) -> None:
         """Add to the pool's hit/miss counters (what ``stats().hit_ratio`` reports)."""
@@ -505,12 +509,8 @@ class StagingPool(SlotMap):
             self.lru[slots] = np.arange(clock + 1, clock + 1 + len(slots), dtype=np.uint64)
             self._counters[0] = clock + len(slots)
             self.state[slots] = np.where(pins > 0, PINNED, READY)  # last: the bytes and the table are in place
-            for slot in slots[pins == 0].tolist():
-                if slot in self._detached:  # superseded within this very batch (one key, two header digests)
-                    self._detached.discard(slot)
-                    self._to_free(slot)
-                else:
-                    self._evictable[slot] = None
+            for slot in slots[pins == 0].tolist():  # (one superseded within this batch is freed at once)
+                self._unpinned(slot)
 
     def _detach(self, slot: int) -> None:
         self._index.pop(self._held.pop(slot), None)
@@ -546,18 +546,7 @@ class StagingPool(SlotMap):
 
     def unpin(self, slot: int, generation: int) -> bool:
         """Drop one pin; the last one makes the slot READY (evictable, most recently used) again."""
-        with self._lock:
-            if int(self.gen[slot]) != generation or self.state[slot] != PINNED:
-                return False
-            self.pins[slot] -= np.uint32(1)
-            if self.pins[slot] == 0:
-                if slot in self._detached:
-                    self._detached.discard(slot)
-                    self._to_free(slot)
-                else:
-                    self.state[slot] = READY
-                    self._evictable[slot] = None
-            return True
+        return self.unpin_many(np.array([slot]), np.array([generation], dtype=np.uint64)) == 1
 
     def touch(self, slot: int) -> None:
         """Mark a READY slot most recently used."""
