@@ -278,6 +278,12 @@ def test_a_malformed_request_costs_its_connection_only(cluster: LocalCluster, st
         reply = raw.recv(4096)
         assert reply[5] == Op.ERROR and b"whole number of keys" in reply
         assert raw.recv(4096) == b""
+    with socket.socket(socket.AF_UNIX) as raw:  # requests carry no payload: announcing 1 GiB is refused at once
+        raw.connect(str(fetcher.socket_path))
+        raw.sendall(encode_head(Op.HELLO, 0, {"token": cluster.config.token}, payload_len=1 << 30))
+        raw.settimeout(5)
+        reply = raw.recv(4096)
+        assert reply[5] == Op.ERROR and b"exceeds 0" in reply
     with FetchClient(fetcher.socket_path, cluster.config.token) as client:
         assert client.stats()["sessions"] == 1
 

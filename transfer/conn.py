@@ -5,6 +5,7 @@ buffers). Servers of the same kind share :func:`serve_connections`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import socket
@@ -127,6 +128,11 @@ def parse_addr(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def requests_only(limits: Limits) -> Limits:
+    """The servers here take requests without payloads: a frame announcing one is refused before any allocation."""
+    return dataclasses.replace(limits, max_payload_bytes=0)
+
+
 def tcp(addr: tuple[str, int], timeout_s: float) -> Callable[[], socket.socket]:
     def connect() -> socket.socket:
         sock = socket.create_connection(addr, timeout=timeout_s)
@@ -186,8 +192,7 @@ def _serve_one(
 def _session(
     sock: socket.socket, config: cluster_mod.ClusterConfig, handle: Handler, log: logging.Logger, timeout_s: float
 ) -> None:
-    limits: Limits = config.limits
-    reader = FrameReader(limits)
+    reader = FrameReader(requests_only(config.limits))
     with contextlib.closing(sock):
         sock.settimeout(timeout_s)
         if sock.family != socket.AF_UNIX:

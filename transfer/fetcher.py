@@ -53,7 +53,7 @@ from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Op, ProtocolE
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.transfer import fetch_protocol as fp
 from kvtier.transfer import staging
-from kvtier.transfer.conn import parse_addr
+from kvtier.transfer.conn import parse_addr, requests_only
 from kvtier.transfer.fetch_protocol import BlockStatus, FetchOp
 from kvtier.transfer.metrics import serve_metrics
 from kvtier.transfer.staging import PoolError, PoolStats, StagingPool, class_names, tenant_id
@@ -254,7 +254,7 @@ class Fetcher:
                 sock.close()
                 continue
             sock.setblocking(False)
-            session = Session(sock, pid, FrameReader(self.config.limits))
+            session = Session(sock, pid, FrameReader(requests_only(self.config.limits)))
             self.sessions.add(session)
             self.selector.register(sock, selectors.EVENT_READ, session)
 
