@@ -112,7 +112,11 @@ class StateBlockHost:
         self.directory = DirectoryClient(directory, self.token) if directory is not None else None
         self._reported = False
         self.puller = Puller(self.token)
-        self.listener = socket.create_server(listen)
+        try:
+            self.listener = socket.create_server(listen)
+        except OSError:
+            self.pool.close()  # gives the segment's lock back: a retry (another port) can take it
+            raise
         self.addr: tuple[str, int] = self.listener.getsockname()[:2]
         self._stopping = threading.Event()
         self.heartbeat_s = heartbeat_s
