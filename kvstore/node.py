@@ -362,6 +362,7 @@ class StorageNode:
                 "freeing_bytes": self.engine.freeing_bytes,
                 "capacity_bytes": self.engine.capacity_bytes,
                 "primary_bytes": self.engine.primary_bytes,
+                "pending_primary_bytes": self.engine.pending_primary_bytes,
                 "primary_budget_bytes": self.engine.primary_budget_bytes,
                 "pinned_slots": len(self.engine.slabs.pins),
                 "evicting": sum(len(k) for t in self.engine.intents().values() for k in t.values()),

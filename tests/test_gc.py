@@ -147,9 +147,10 @@ def test_usage_never_exceeds_capacity_and_settles_between_watermarks(cluster: Lo
             assert client.put(keys, data) == [True] * 100
             peak = max(peak, *usage(client))
             assert peak <= CAPACITY
-        settle(client)
-        final = usage(client)
+        info = settle(client) and client.node_info()
+        final = [i["used_bytes"] for i in info.values()]
         assert all(0.75 * CAPACITY <= u <= 0.9 * CAPACITY for u in final), final
+        assert [i["pending_primary_bytes"] for i in info.values()] == [0] * GROUP  # every charge was settled
         assert client.get(keys[-5:]) == [bytearray(d) for d in data[-5:]]
 
 
