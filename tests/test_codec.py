@@ -13,7 +13,6 @@ from kvtier.kvstore.codec import (
     Codec,
     CodecUnavailableError,
     available_backends,
-    default_codec,
     shard_size,
 )
 
@@ -206,11 +205,6 @@ def test_forcing_an_unavailable_backend_raises(monkeypatch):
     monkeypatch.setenv("KVTIER_CODEC", "isal")
     with pytest.raises(CodecUnavailableError, match="isal is not installed"):
         Codec()
-
-
-def test_default_codec_is_a_process_wide_singleton():
-    assert default_codec() is default_codec()
-    assert default_codec().backend in BACKENDS
 
 
 def test_buffer_addresses_match_numpy():
