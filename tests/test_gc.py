@@ -1,6 +1,6 @@
 """GC, TTL and eviction: a full cluster keeps taking writes, hard capacity, TTL classes, zombie writes, repair.
 
-Real node processes with fast GC settings (cycles every 0.2 s, 1 s write timeout), plus in-process checks
+Real node processes with fast GC settings (cycles every 0.2 s), plus in-process checks
 with a manual clock for TTLs measured in days.
 """
 
@@ -40,16 +40,28 @@ GROUP = 12
 # Each primary keeps its blocks within capacity / 12 (see gc.worker); with ~170 blocks per primary the
 # hash spreads them within about ±10 %, so fill to 75 % (no primary crosses 90 %), then add 20 %.
 FILL, EXTRA = 0.75, 0.20
-FAST_GC = "interval_s = 0.2\nwrite_timeout_s = 1.0\naccess_flush_s = 0.2\n"
+FAST_GC = "interval_s = 0.2\naccess_flush_s = 0.2\n"
 # only on-demand eviction: the watermark GC never starts (usage cannot pass 100 % of a budget)
 ON_DEMAND_ONLY = "interval_s = 0.2\nhigh_watermark = 1.0\nlow_watermark = 0.99\nroom_wait_s = 0.5\n"
 
 
 @pytest.fixture
-def cluster(make_cluster):
-    local = make_cluster(capacity_bytes=CAPACITY, gc=FAST_GC)
-    yield local
-    local.stop()
+def own_cluster(make_cluster):
+    """``make_cluster``, but the clusters are stopped as soon as the test ends (idle nodes still run GC)."""
+    made: list[LocalCluster] = []
+
+    def factory(**kwargs) -> LocalCluster:
+        made.append(make_cluster(**kwargs))
+        return made[-1]
+
+    yield factory
+    for local in made:
+        local.stop()
+
+
+@pytest.fixture
+def cluster(own_cluster):
+    return own_cluster(capacity_bytes=CAPACITY, gc=FAST_GC)
 
 
 def blocks(n: int, size: int = BLOCK) -> tuple[list[bytes], list[bytes]]:
@@ -90,9 +102,9 @@ def test_primaries_within_their_budgets_keep_every_node_within_capacity(group: l
         assert group.count(nid) * sum(budgets.values()) <= capacity
 
 
-def test_a_fill_of_four_times_capacity_keeps_taking_writes_and_keeps_hot_blocks(make_cluster) -> None:
+def test_a_fill_of_four_times_capacity_keeps_taking_writes_and_keeps_hot_blocks(own_cluster) -> None:
     capacity = 4 << 20
-    local = make_cluster(capacity_bytes=capacity, gc="interval_s = 0.2\n")
+    local = own_cluster(capacity_bytes=capacity, gc="interval_s = 0.2\n")
     with Client(local.config) as client:
         hot, hot_data = blocks(16)
         client.put(hot, hot_data)
@@ -109,9 +121,9 @@ def test_a_fill_of_four_times_capacity_keeps_taking_writes_and_keeps_hot_blocks(
         assert sum(i["gc"]["evictions"] + i["gc"]["evictions_on_demand"] for i in info) >= 2 * capacity // SLOT
 
 
-def test_reads_racing_removals_get_the_block_or_a_miss_never_other_bytes(make_cluster) -> None:
+def test_reads_racing_removals_get_the_block_or_a_miss_never_other_bytes(own_cluster) -> None:
     capacity = 2 << 20
-    local = make_cluster(capacity_bytes=capacity, gc="interval_s = 0.2\n")
+    local = own_cluster(capacity_bytes=capacity, gc="interval_s = 0.2\n")
     with Client(local.config) as client:
         keys, data = blocks(capacity // SLOT // 2)
         for start in range(0, len(keys), 16):
@@ -211,9 +223,9 @@ def pin_every_shard(local: LocalCluster, keys: list[bytes]) -> list[socket.socke
     return readers
 
 
-def test_a_put_when_every_slot_is_pinned_is_refused_clearly_and_loses_nothing(make_cluster) -> None:
+def test_a_put_when_every_slot_is_pinned_is_refused_clearly_and_loses_nothing(own_cluster) -> None:
     capacity, size = 8 << 20, 1 << 20  # one node's reply (~7 MiB) is more than its socket can buffer
-    local = make_cluster(capacity_bytes=capacity, gc=ON_DEMAND_ONLY)
+    local = own_cluster(capacity_bytes=capacity, gc=ON_DEMAND_ONLY)
     with Client(local.config) as client:
         kept, kept_data = fill_every_primary(client, capacity, size)
         holders = Placement(local.config.groups).shard_nodes(kept)[client.probe(kept)]  # one per shard stored
@@ -237,9 +249,9 @@ def test_a_put_when_every_slot_is_pinned_is_refused_clearly_and_loses_nothing(ma
         assert client.put(keys, data) == [True] * 4  # unpinned: evictable again
 
 
-def test_a_primary_killed_mid_eviction_leaves_no_orphans_and_no_short_blocks(make_cluster) -> None:
+def test_a_primary_killed_mid_eviction_leaves_no_orphans_and_no_short_blocks(own_cluster) -> None:
     capacity, size = 2 << 20, 64 << 10
-    local = make_cluster(capacity_bytes=capacity, gc=ON_DEMAND_ONLY)
+    local = own_cluster(capacity_bytes=capacity, gc=ON_DEMAND_ONLY)
     placement = Placement(local.config.groups)
     victim, stalled = 0, 1
     log = local.log_path(victim)
@@ -315,7 +327,9 @@ def test_a_restarted_node_keeps_lru_order(cluster: LocalCluster) -> None:
         assert all(client.exists(hot))
 
 
-def test_pending_shards_of_a_killed_writer_are_reclaimed(cluster: LocalCluster) -> None:
+def test_pending_shards_of_a_killed_writer_are_reclaimed(own_cluster) -> None:
+    # write_timeout_s is also how long a node waits mid-frame: short here only (a loaded machine stalls)
+    cluster = own_cluster(capacity_bytes=CAPACITY, gc=FAST_GC + "write_timeout_s = 1.0\n")
     with Client(cluster.config) as client:
         keys = [os.urandom(16) for _ in range(4)]
         proc = subprocess.run(
