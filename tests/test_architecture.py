@@ -5,6 +5,7 @@ store imports without torch."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from graphlib import CycleError, TopologicalSorter
@@ -43,10 +44,18 @@ def runtime_imports(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvtier."):
             for alias in node.names:
                 submodule = f"{node.module}.{alias.name}"
-                imported.add(submodule if submodule in known else node.module)
+                imported.add(submodule if submodule in known or is_module(submodule) else node.module)
         elif isinstance(node, ast.Import):
             imported |= {alias.name for alias in node.names if alias.name.startswith("kvtier.")}
     return imported
+
+
+def is_module(name: str) -> bool:
+    """Whether ``name`` is a module of its own (a compiled extension has no ``.py`` to find)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def folder(module: str) -> str:
