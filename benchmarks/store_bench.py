@@ -18,8 +18,9 @@ raw loopback TCP stream moves the same number of bytes (blocking ``sendall`` fro
 another process, ``recv_into`` a preallocated buffer here): the ceiling any Python client on this machine
 could reach. Round 0 warms connections and is not counted; results are medians over rounds of each round's
 ratio to its raw stream (the load of a shared machine drifts between rounds), with the CPU seconds per GB moved
-that this process and the node processes spent (on two idle cores, throughput is about 2 / that). A put that a full cluster refused (``CapacityError``) is reported as
-refused blocks, not hidden. Then it times ``match`` of a 1,200-key chain.
+that this process and the node processes spent (on two idle cores, throughput is about 2 / that). A put
+that a full cluster refused (``CapacityError``) is reported as refused blocks, not hidden. Then it times
+``match`` of a 1,200-key chain.
 
 This is a benchmark, never a test: the machines are shared and noisy.
 """
