@@ -23,6 +23,7 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
         sliding_window=args.sliding_window,
         family=args.family,
         tie_word_embeddings=args.tie_word_embeddings,
+        device=args.device,
     )
     print(f"wrote {args.preset} checkpoint ({args.family}, seed {args.seed}) to {out}")
 
@@ -51,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     mk.add_argument("--sliding-window", type=int, default=128)
     mk.add_argument("--family", choices=["qwen2", "llama", "mistral"], default="qwen2")
     mk.add_argument("--tie-word-embeddings", action="store_true")
+    mk.add_argument("--device", default="cpu", help="draw the weights on this torch device (cuda: fast for 8b)")
     mk.set_defaults(run=_make_checkpoint)
 
     bl = sub.add_parser("baseline", help="check the engine against the checked-in numeric baseline")

@@ -223,7 +223,7 @@ class Engine:
         keys = self.store.keys(prompt) if self.store is not None and reuse else []
         matched = self.store.match(keys) if keys else 0
         h, state = self._reuse(seq, keys, matched, resume)
-        fetched = time.perf_counter()
+        fetched = self._clock()
         if state is not None:
             seq.sliding = SlidingState.from_state_block(self.config, state, h, self.dtype, self.device)
         elif h and self.config.sliding_layers:  # block KV without its StateBlock: bounded replay
@@ -235,14 +235,20 @@ class Engine:
         seq.publishing = bool(keys) and not seq.replayed and not resume
         states: dict[int, torch.Tensor] = {}
         state_at = self._state_positions(h, len(prompt)) if seq.publishing and self.config.sliding_layers else []
-        computing = time.perf_counter()
+        computing = self._clock()
         logits = self.runner.run(seq, h, len(prompt), state_at=state_at, on_state=self._saver(seq, states))
-        seq.ttft_s = time.perf_counter() - start
+        seq.ttft_s = self._clock() - start
         seq.timings = {"lookup_fetch_s": fetched - start, "replay_s": computing - fetched}
         seq.timings["compute_s"] = seq.ttft_s - (computing - start)
         if seq.publishing:
             self._publish(seq, prompt, keys, max(matched, h // self.block_tokens), states)
         return logits
+
+    def _clock(self) -> float:
+        """``time.perf_counter()`` once the device has done the work queued so far (GPU work is asynchronous)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     @staticmethod
     def _saver(seq: Sequence, states: dict[int, torch.Tensor]) -> Callable[[int], None]:

@@ -43,24 +43,58 @@ class PageTransfer(Protocol):
 
 
 class StorePages:
-    def __init__(self, store: BlockStore, cache: PagedKVCache) -> None:
+    """On a CPU engine a page's memory is handed to the store as is. On a GPU, blocks pass through two pinned
+    host buffers of ``staging_bytes`` each, in turn: while one group's copies to the device run, the store
+    decodes the next group into the other buffer, so a fetch costs about the store's ``get_into`` alone."""
+
+    def __init__(self, store: BlockStore, cache: PagedKVCache, staging_bytes: int = 128 << 20) -> None:
         self.store, self.cache = store, cache
         self.on_host = cache.pages.device.type == "cpu"
+        self.group = max(1, staging_bytes // cache.page_bytes)  # blocks a staging buffer holds
+        self._staging: list[tuple[torch.Tensor, torch.cuda.Event]] = []
 
     def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
         if self.on_host:
             return self.store.get_into(keys, [_view(self.cache.block(p)) for p in pages], tokens)
-        host = [torch.empty(self.cache.page_bytes, dtype=torch.uint8, pin_memory=True) for _ in pages]
-        landed = self.store.get_into(keys, [_view(h) for h in host], tokens)
-        for page, buf in zip(pages[:landed], host, strict=False):
-            self.cache.block(page).copy_(buf, non_blocking=True)
+        landed = 0
+        for i, start in enumerate(range(0, len(keys), self.group)):
+            buf, copied = self._buffer(i)
+            copied.synchronize()  # this buffer's previous copies to the device are done
+            group = keys[start : start + self.group]
+            rows = buf[: len(group)]
+            got = self.store.get_into(group, [_view(r) for r in rows], tokens)
+            for row, page in zip(rows[:got], pages[start : start + got], strict=True):
+                self.cache.block(page).copy_(row, non_blocking=True)
+            copied.record()
+            landed += got
+            if got < len(group):
+                break
+        torch.cuda.current_stream().synchronize()
         return landed
 
     def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
-        blocks = [self.cache.block(p) for p in pages]
-        if not self.on_host:
-            blocks = [b.cpu() for b in blocks]
-        return self.store.put(keys, [_view(b) for b in blocks], tokens)
+        if self.on_host:
+            return self.store.put(keys, [_view(self.cache.block(p)) for p in pages], tokens)
+        stored = 0
+        buf, _ = self._buffer(0)
+        for start in range(0, len(keys), self.group):
+            group = list(pages[start : start + self.group])
+            rows = buf[: len(group)]
+            index = torch.tensor(group).to(self.cache.pages.device, non_blocking=True)
+            rows.copy_(self.cache.pages.index_select(0, index).view(len(group), -1).view(torch.uint8))
+            stored += self.store.put(keys[start : start + len(group)], [_view(r) for r in rows], tokens)
+        return stored
+
+    def _buffer(self, i: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Staging buffer ``i % 2`` as ``uint8 [group, page_bytes]`` (pinned, made on first use) and the event
+        recorded after the last copies out of it."""
+        if not self._staging:
+            for _ in range(2):
+                buf = torch.empty((self.group, self.cache.page_bytes), dtype=torch.uint8, pin_memory=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._staging.append((buf, event))
+        return self._staging[i % 2]
 
 
 class FetcherPages:

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from kvtier.engine.config import SLIDING, ModelConfig
 
@@ -38,13 +39,29 @@ def attention(
 ) -> torch.Tensor:
     """Causal (and, with ``window``, sliding: key ``j`` visible to query ``i`` iff ``i - window < j <= i``)
     grouped-query attention. q: [T, H, D]; k, v: [S, KVH, D]; positions absolute. Returns [T, H, D]."""
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
     visible = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - window
+        if q.is_cuda:  # a masked GQA call falls back to the math kernel there; with the heads repeated it does not
+            groups = q.shape[1] // k.shape[1]
+            k4, v4 = (x.repeat_interleave(groups, dim=1) for x in (k4, v4))
+            return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=visible)[0].transpose(0, 1)
     # 4-D inputs: on the CPU that takes torch's fused (flash) kernel, 3-D ones the much slower math path
-    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
     out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=visible, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:func:`attention` without a window for queries that are the last ``T`` of the ``S`` keys' positions
+    (``0 … S-1``): on a GPU the flash kernel with its causal mask aligned to the bottom right, no mask in
+    memory (a ``T × S`` one is 6 GB at 77K tokens in one chunk); on the CPU the same mask as :func:`attention`."""
+    if not q.is_cuda:
+        t, s = q.shape[0], k.shape[0]
+        return attention(q, k, v, torch.arange(s - t, s), torch.arange(s), None)
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
+    bias = causal_lower_right(q.shape[0], k.shape[0])
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, enable_gqa=True)[0].transpose(0, 1)
 
 
 class RMSNorm(nn.Module):

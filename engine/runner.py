@@ -6,7 +6,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
-from kvtier.engine.model import CausalLM, attention
+from kvtier.engine.model import CausalLM, attention, causal_attention
 from kvtier.engine.paged_cache import PagedKVCache
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.sliding import STATE_INTERVAL
@@ -18,11 +18,18 @@ class PagedContext:
     to every position up to the query; sliding layers attend within their window of the sliding state."""
 
     def __init__(
-        self, model: CausalLM, cache: PagedKVCache, seq: Sequence, positions: torch.Tensor, write_global: bool
+        self,
+        model: CausalLM,
+        cache: PagedKVCache,
+        seq: Sequence,
+        table: torch.Tensor,
+        span: tuple[int, int],
+        write_global: bool,
     ):
         self.windows = model.windows()
-        self.cache, self.seq, self.positions, self.write_global = cache, seq, positions, write_global
-        self.table = seq.table(cache.pages.device)
+        self.cache, self.seq, self.table, self.write_global = cache, seq, table, write_global
+        self.end = span[1]  # a Python int: reading a device tensor's value would wait for the device
+        self.positions = torch.arange(*span, device=cache.pages.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         window = self.windows[layer]
@@ -31,9 +38,8 @@ class PagedContext:
             return attention(q, keys, values, self.positions, k_pos, window)
         if self.write_global:
             self.cache.write(layer, self.table, self.positions, k, v)
-        length = int(self.positions[-1]) + 1
-        keys, values = self.cache.read(layer, self.table, length)
-        return attention(q, keys, values, self.positions, torch.arange(length, device=q.device), None)
+        keys, values = self.cache.read(layer, self.table, self.end)
+        return causal_attention(q, keys, values)
 
 
 class Runner:
@@ -67,14 +73,14 @@ class Runner:
         """
         self.ensure_pages(seq, end)
         device = self.cache.pages.device
-        tokens = torch.tensor(seq.tokens[start:end], dtype=torch.long, device=device)
+        tokens = torch.tensor(seq.tokens[start:end], dtype=torch.long).to(device, non_blocking=True)
+        table = seq.table(device)
         hidden = None
         pos = start
         while pos < end:
             stop = min(end, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
-            positions = torch.arange(pos, stop, device=device)
-            ctx = PagedContext(self.model, self.cache, seq, positions, write_global)
-            hidden = self.model(tokens[pos - start : stop - start], positions, ctx)
+            ctx = PagedContext(self.model, self.cache, seq, table, (pos, stop), write_global)
+            hidden = self.model(tokens[pos - start : stop - start], ctx.positions, ctx)
             if on_state is not None:
                 for m in sorted(m for m in state_at if pos < m <= stop):
                     on_state(m)

@@ -26,4 +26,5 @@ class Sequence:
         return self.prompt + self.generated
 
     def table(self, device: torch.device | str) -> torch.Tensor:
-        return torch.tensor(self.pages, dtype=torch.long, device=device)
+        """The page table on ``device``, uploaded without waiting for the device's queue."""
+        return torch.tensor(self.pages, dtype=torch.long).to(device, non_blocking=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.units import parse_size
 
 PRESETS = ("tiny", "small", "1b", "8b")
 
@@ -21,6 +22,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESETS, default="tiny", help="seeded checkpoint to build (tiny)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--node-capacity", default="2GiB", help="each node's capacity in the temporary cluster (2GiB)")
 
 
 def describe(args: argparse.Namespace) -> str:
@@ -42,5 +44,7 @@ def checkpoint_and_cluster(args: argparse.Namespace, prefix: str) -> Iterator[tu
         if config is not None:
             yield checkpoint, Path(config), scratch
             return
-        with LocalCluster(cluster_mod.write_default(scratch / "cluster", metrics=False)) as local:
+        capacity = parse_size(args.node_capacity)
+        path = cluster_mod.write_default(scratch / "cluster", capacity_bytes=capacity, metrics=False)
+        with LocalCluster(path) as local:
             yield checkpoint, local.config_path, scratch

@@ -1,0 +1,64 @@
+"""The engine's GPU paths against its CPU ones (run on a machine with CUDA; `tools/gpu_ttft.py` runs them there)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.engine.checkpoint import make_checkpoint
+from kvtier.engine.engine import Engine
+from kvtier.engine.model import attention, causal_attention
+from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.local import LocalCluster
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double().cpu() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def qkv(t: int, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(t * 7 + s)
+    k, v = (torch.randn(s, 8, 128, generator=g) for _ in range(2))
+    return torch.randn(t, 32, 128, generator=g), k, v
+
+
+@pytest.mark.parametrize(("t", "s"), [(512, 512), (512, 3000), (1, 3000)])
+def test_causal_attention_in_bf16_on_the_gpu_equals_the_masked_reference(t: int, s: int) -> None:
+    q, k, v = qkv(t, s)
+    ref = attention(q, k, v, torch.arange(s - t, s), torch.arange(s), None)
+    out = causal_attention(*(x.cuda().bfloat16() for x in (q, k, v)))
+    assert relative_error(out, ref) < 1e-2
+
+
+def test_sliding_attention_on_the_gpu_equals_the_cpu() -> None:
+    q, k, v = qkv(512, 646)
+    q_pos, k_pos = torch.arange(1134, 1646), torch.arange(1000, 1646)
+    ref = attention(q, k, v, q_pos, k_pos, 128)
+    out = attention(*(x.cuda().bfloat16() for x in (q, k, v)), q_pos.cuda(), k_pos.cuda(), 128)
+    assert relative_error(out, ref) < 1e-2
+
+
+@pytest.fixture(scope="module")
+def cluster_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = cluster_mod.write_default(tmp_path_factory.mktemp("cluster"), capacity_bytes=64 << 20, metrics=False)
+    with LocalCluster(path) as local:
+        yield local.config_path
+
+
+def test_reuse_on_the_gpu_is_exact_and_agrees_with_the_cpu(tmp_path: Path, cluster_file: Path) -> None:
+    checkpoint = make_checkpoint(tmp_path / "tiny", "tiny", seed=0)
+    prompt = torch.randint(0, 512, (1500,), generator=torch.Generator().manual_seed(3)).tolist()
+    gpu = Engine.from_pretrained(checkpoint, device="cuda", store=cluster_file, cache_tokens=8192)
+    cpu = Engine.from_pretrained(checkpoint, cache_tokens=8192)
+    gpu.generate([prompt[:1024]], 1)
+    warm, cold = gpu.generate([prompt], 8)[0], gpu.generate([prompt], 8, reuse=False)[0]
+    ref = cpu.generate([prompt], 8)[0]
+    assert (warm.hit_tokens, warm.replayed) == (1024, False)
+    assert warm.tokens == cold.tokens == ref.tokens
+    assert (warm.first_logits - cold.first_logits).abs().max().item() <= 1e-3
+    assert (warm.first_logits - ref.first_logits).abs().max().item() <= 1e-3
