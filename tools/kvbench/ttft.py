@@ -29,6 +29,7 @@ import json
 import secrets
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
                 "through": args.through,
             }
             for length in lengths:
-                result["points"] += _bench(engine, length, hits, args.repeats)
-                if args.json_out:
-                    args.json_out.write_text(json.dumps(result, indent=2))
+                for point in _bench(engine, length, hits, args.repeats):
+                    result["points"].append(point)
+                    if args.json_out:  # after every point: a run cut short keeps what it measured
+                        args.json_out.write_text(json.dumps(result, indent=2))
                 if not args.json:
                     print(_text(result, length), flush=True)
         finally:
@@ -122,11 +124,11 @@ def hit_tokens(ratio: float, length: int) -> int:
     return min(h, (length - 134) // 128 * 128)
 
 
-def _bench(engine: Engine, length: int, hits: list[float], repeats: int) -> list[dict[str, Any]]:
+def _bench(engine: Engine, length: int, hits: list[float], repeats: int) -> Iterator[dict[str, Any]]:
+    """One point per hit ratio, each as soon as it is measured."""
     vocab = engine.config.vocab_size
     rng = np.random.default_rng(length)
     engine.generate([rng.integers(0, vocab, length).tolist()], 1, reuse=False)  # warm-up
-    points = []
     for ratio in hits:
         h = hit_tokens(ratio, length)
         cold, warm, bound_compute, fetch = [], [], [], []
@@ -147,7 +149,7 @@ def _bench(engine: Engine, length: int, hits: list[float], repeats: int) -> list
         hit_bytes = h // engine.block_tokens * engine.cache.page_bytes
         reuse_s, compute_s = statistics.median(warm), statistics.median(bound_compute)
         bound = hit_bytes / rate + compute_s if h else compute_s
-        points.append(
+        yield (
             {
                 "prompt_tokens": length,
                 "hit_percent": ratio,
@@ -163,7 +165,6 @@ def _bench(engine: Engine, length: int, hits: list[float], repeats: int) -> list
                 "vs_bound": reuse_s / bound,
             }
         )
-    return points
 
 
 def _get_rate(engine: Engine, prefix: list[int]) -> float:

@@ -1,0 +1,132 @@
+"""The engine's GPU run in one device call: ``kvbench ttft`` with a seeded ~8 B checkpoint drawn on the GPU, the
+engine's GPU tests, then ``kvbench swapin``; every step's log and JSON under OUT as it goes.
+
+    python3 tools/gpu_ttft.py $OUT                  # on the lent H200 (carry .gpu, built by gpu_bundle.py build)
+    .venv/bin/python tools/gpu_ttft.py OUT --rehearse   # here: the same steps on the CPU with the tiny preset
+
+Steps (each with its own time limit; a step that fails or runs out is logged and the next one runs):
+``env`` (GPU, memory, disks), ``tests`` (tests/test_engine_gpu.py), ``checkpoint`` (``kvtier-engine
+make-checkpoint --preset 8b --layer-types sliding,sliding,sliding,full --device cuda``), ``ttft`` (32K and 77K
+tokens, hits 0/50/90/96 %, bf16, the store's 12 nodes in a folder on /dev/shm when it has room, else /tmp),
+``swapin`` (GPU and CPU). Exits non-zero when any step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_bundle  # noqa: E402  (a script beside this one, not a package)
+
+ENV = "nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; free -g; df -h /dev/shm /tmp; nproc"
+
+
+def scratch_root() -> tuple[Path, str]:
+    """Where the checkpoint (16 GB) and the nodes go, and each node's capacity: /dev/shm when it has room (RAM: no
+    disk write-back under the store), else the temp dir; 12 nodes share what is free past 20 GiB, 1–4 GiB each."""
+    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
+    root = shm if shm.is_dir() and shutil.disk_usage(shm).free >= 60 << 30 else tmp
+    per_node = (shutil.disk_usage(root).free - (20 << 30)) // 12
+    return root, f"{max(1 << 30, min(4 << 30, per_node)) >> 20}MiB"
+
+
+def step(name: str, command: list[str], out: Path, env: dict[str, str], limit_s: float) -> bool:
+    """Run ``command`` (its own process group, killed whole past ``limit_s``), output to stdout and OUT/name.log."""
+    print(f"== {name} ({limit_s:.0f} s): {' '.join(command)}", flush=True)
+    start = time.monotonic()
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)  # fmt: skip
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), True)
+        timer = _Deadline(proc, limit_s)
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            log.flush()
+        rc = proc.wait()
+        timer.cancel()
+    print(f"== {name}: rc {rc} after {time.monotonic() - start:.1f} s", flush=True)
+    return rc == 0
+
+
+class _Deadline:
+    """Kills the process group of ``proc`` (node processes included) once ``limit_s`` has passed."""
+
+    def __init__(self, proc: subprocess.Popen[str], limit_s: float) -> None:
+        import threading
+
+        self.timer = threading.Timer(limit_s, self._kill, (proc,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[str]) -> None:
+        print("== time limit: killing the step's process group", flush=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_ttft", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--rehearse", action="store_true", help="CPU, tiny preset, short prompts, no bundle")
+    parser.add_argument("--lengths", default="32768,77824", help="prompt lengths (default 32768,77824)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ttft-limit", type=float, default=270, help="seconds for the ttft step (default 270)")
+    args = parser.parse_args(argv)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    py = sys.executable
+    if args.rehearse:
+        device, dtype, preset, lengths, capacity, chunk = "cpu", "float32", "tiny", "600,900", "256MiB", "512"
+        root = None
+    else:
+        work = Path(tempfile.mkdtemp(prefix="kvtier-gpu-"))
+        site = gpu_bundle.unpack(gpu_bundle.ARCHIVE, work)
+        packages = gpu_bundle.link_packages(work / "src")
+        env["PYTHONPATH"] = f"{packages}:{site}"
+        device, dtype, preset, lengths, chunk = "cuda", "bfloat16", "8b", args.lengths, "2048"
+        root, capacity = scratch_root()
+    scratch = Path(tempfile.mkdtemp(prefix="kvtier-ttft-", dir=root))
+    print(f"== scratch {scratch}, node capacity {capacity}", flush=True)
+    env["TMPDIR"] = str(scratch)  # the temporary cluster's nodes live here
+    checkpoint = scratch / f"ckpt-{preset}"
+    ok = True
+    if not args.rehearse:
+        ok &= step("env", ["bash", "-c", ENV], out, env, 30)
+    ok &= step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rs",
+                         "tests/test_engine_gpu.py"], out, env, 50)  # fmt: skip
+    make = [py, "-m", "kvtier.engine.cli", "make-checkpoint", str(checkpoint), "--preset", preset,
+            "--layer-types", "sliding,sliding,sliding,full", "--device", device]  # fmt: skip
+    if step("checkpoint", make, out, env, 90):
+        ttft = [py, "-m", "kvtier.tools.kvbench", "ttft", "--checkpoint", str(checkpoint), "--device", device,
+                "--dtype", dtype, "--prompt-tokens", lengths, "--hits", "0,50,90,96", "--repeats",
+                str(args.repeats), "--chunk-tokens", chunk, "--node-capacity", capacity,
+                "--json-out", str(out / "ttft.json")]  # fmt: skip
+        ok &= step("ttft", ttft, out, env, args.ttft_limit)
+    else:
+        ok = False
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    swapin = [py, "-m", "kvtier.tools.kvbench", "swapin", "--json-out", str(out / "swapin.json")]
+    if args.rehearse:
+        swapin += ["--cpu-bytes", "16MiB", "--rounds", "1", "--no-gpu"]
+    ok &= step("swapin", swapin, out, env, 100)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
