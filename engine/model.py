@@ -12,6 +12,7 @@ attention output. Parameter names equal the Hugging Face ones, so a checkpoint's
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -60,8 +61,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         t, s = q.shape[0], k.shape[0]
         return attention(q, k, v, torch.arange(s - t, s), torch.arange(s), None)
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not _flash_takes_grouped_heads(q.dtype):  # else the fallback would be a T × S mask
+        k4, v4 = (x.repeat_interleave(groups, dim=1) for x in (k4, v4))
     bias = causal_lower_right(q.shape[0], k.shape[0])
-    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, enable_gqa=True)[0].transpose(0, 1)
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, enable_gqa=groups > 1)[0].transpose(0, 1)
+
+
+@functools.cache
+def _flash_takes_grouped_heads(dtype: torch.dtype) -> bool:
+    """Whether this torch's flash kernel takes fewer key/value heads than query heads on this GPU."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    q = torch.empty(1, 4, 128, 128, device="cuda", dtype=dtype)
+    kv = torch.empty(1, 2, 256, 128, device="cuda", dtype=dtype)
+    return can_use_flash_attention(SDPAParams(q, kv, kv, None, 0.0, False, True))
 
 
 class RMSNorm(nn.Module):

@@ -27,16 +27,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_bundle  # noqa: E402  (a script beside this one, not a package)
 
-ENV = "nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; free -g; df -h /dev/shm /tmp; nproc"
+ENV = (
+    "nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; free -g; df -h /dev/shm /tmp; nproc; "
+    "python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'"
+)
 
 
-def scratch_root() -> tuple[Path, str]:
-    """Where the checkpoint (16 GB) and the nodes go, and each node's capacity: /dev/shm when it has room (RAM: no
-    disk write-back under the store), else the temp dir; 12 nodes share what is free past 20 GiB, 1–4 GiB each."""
+def places() -> tuple[Path, Path, str]:
+    """Where the checkpoint (16 GB) and the store's nodes go, and each node's capacity. /dev/shm (RAM: no disk
+    write-back) when it has room, else the temp dir; the 12 nodes share what is free past a reserve, 1–4 GiB each."""
     shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
-    root = shm if shm.is_dir() and shutil.disk_usage(shm).free >= 60 << 30 else tmp
-    per_node = (shutil.disk_usage(root).free - (20 << 30)) // 12
-    return root, f"{max(1 << 30, min(4 << 30, per_node)) >> 20}MiB"
+    shm_free = shutil.disk_usage(shm).free if shm.is_dir() else 0
+    ckpt = shm if shm_free >= 24 << 30 else tmp
+    shm_left = shm_free - (18 << 30 if ckpt == shm else 0)
+    nodes = shm if shm_left >= 40 << 30 else tmp
+    free = shutil.disk_usage(nodes).free - (4 << 30) - (18 << 30 if ckpt == nodes else 0)
+    return ckpt, nodes, f"{max(1 << 30, min(4 << 30, free // 12)) >> 20}MiB"
 
 
 def step(name: str, command: list[str], out: Path, env: dict[str, str], limit_s: float) -> bool:
@@ -92,18 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     py = sys.executable
     if args.rehearse:
         device, dtype, preset, lengths, capacity, chunk = "cpu", "float32", "tiny", "600,900", "256MiB", "512"
-        root = None
+        ckpt_root = root = None
     else:
         work = Path(tempfile.mkdtemp(prefix="kvtier-gpu-"))
         site = gpu_bundle.unpack(gpu_bundle.ARCHIVE, work)
         packages = gpu_bundle.link_packages(work / "src")
         env["PYTHONPATH"] = f"{packages}:{site}"
         device, dtype, preset, lengths, chunk = "cuda", "bfloat16", "8b", args.lengths, "2048"
-        root, capacity = scratch_root()
+        ckpt_root, root, capacity = places()
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-ttft-", dir=root))
-    print(f"== scratch {scratch}, node capacity {capacity}", flush=True)
     env["TMPDIR"] = str(scratch)  # the temporary cluster's nodes live here
-    checkpoint = scratch / f"ckpt-{preset}"
+    checkpoint = Path(tempfile.mkdtemp(prefix="kvtier-ckpt-", dir=ckpt_root)) / preset
+    print(f"== checkpoint {checkpoint}, nodes in {scratch} of {capacity} each", flush=True)
     ok = True
     if not args.rehearse:
         ok &= step("env", ["bash", "-c", ENV], out, env, 30)
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= step("ttft", ttft, out, env, args.ttft_limit)
     else:
         ok = False
-    shutil.rmtree(checkpoint, ignore_errors=True)
+    shutil.rmtree(checkpoint.parent, ignore_errors=True)
     swapin = [py, "-m", "kvtier.tools.kvbench", "swapin", "--json-out", str(out / "swapin.json")]
     if args.rehearse:
         swapin += ["--cpu-bytes", "16MiB", "--rounds", "1", "--no-gpu"]
