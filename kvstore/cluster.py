@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import random
 import secrets
 import socket
 import stat
@@ -298,12 +299,18 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
 
 
 def _free_ports(count: int, host: str) -> list[int]:
-    """Ports the kernel hands out right now; held open together so they are distinct."""
-    socks = []
+    """Distinct ports free right now, below the kernel's ephemeral range (32768 and up), so that the outgoing
+    connections of other processes cannot take one between this call and the nodes binding it."""
+    rng = random.SystemRandom()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        while len(socks) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            try:
+                s.bind((host, rng.randrange(10_000, 32_768)))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

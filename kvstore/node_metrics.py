@@ -26,7 +26,16 @@ _LOOKUP_RESULTS = {
     Status.CORRUPT: "corrupt",
     Status.MISMATCH: "mismatch",
 }
-_GC_STATS = ("evictions", "expirations", "zombies_promoted", "zombies_dropped", "shards_repaired", "repair_bytes")
+_GC_STATS = (
+    "evictions",
+    "evictions_on_demand",
+    "removals_pending",
+    "expirations",
+    "zombies_promoted",
+    "zombies_dropped",
+    "shards_repaired",
+    "repair_bytes",
+)
 
 
 class NodeMetrics:

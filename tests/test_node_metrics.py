@@ -28,6 +28,8 @@ EXPOSED = {
     "kvtier_node_low_watermark_bytes",
     "kvtier_node_primary_blocks",
     "kvtier_gc_evictions",
+    "kvtier_gc_evictions_on_demand",
+    "kvtier_gc_removals_pending",
     "kvtier_gc_expirations",
     "kvtier_gc_zombies_promoted",
     "kvtier_gc_zombies_dropped",
