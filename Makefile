@@ -23,6 +23,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/codec_bench.py
 	$(PY) benchmarks/store_bench.py
 	$(PY) benchmarks/gc_bench.py
+	$(VENV)/bin/kvbench fetch
+	$(VENV)/bin/kvbench stateblock
+	$(VENV)/bin/kvbench swapin
+	$(VENV)/bin/kvbench ttft
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
