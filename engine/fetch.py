@@ -44,23 +44,36 @@ class PageTransfer(Protocol):
 
 class StorePages:
     """On a CPU engine a page's memory is handed to the store as is. On a GPU, blocks pass through two pinned
-    host buffers of ``staging_bytes`` each, in turn: while one group's copies to the device run, the store
-    decodes the next group into the other buffer, so a fetch costs about the store's ``get_into`` alone."""
+    host buffers (a quarter of the cache each, at most ``staging_bytes``; made with the engine), in turn: a
+    fetch is read in at least two groups, and while one group's copies to the device run the store decodes
+    the next into the other buffer, so a fetch costs about the store's ``get_into`` alone. Groups are as few
+    as the buffers allow: every store call has a fixed cost (on the H200, groups of 128 MiB fetched 2.4 GB at
+    3.1 GB/s where one ``get_into`` of it ran at 5.9)."""
 
-    def __init__(self, store: BlockStore, cache: PagedKVCache, staging_bytes: int = 128 << 20) -> None:
+    def __init__(self, store: BlockStore, cache: PagedKVCache, staging_bytes: int = 1 << 30) -> None:
         self.store, self.cache = store, cache
         self.on_host = cache.pages.device.type == "cpu"
-        self.group = max(1, staging_bytes // cache.page_bytes)  # blocks a staging buffer holds
+        pages = cache.pages.shape[0]
+        self.group = max(1, min(staging_bytes // cache.page_bytes, -(-pages // 4)))  # blocks a buffer holds
         self._staging: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        if not self.on_host:
+            for _ in range(2):
+                buf = torch.empty((self.group, cache.page_bytes), dtype=torch.uint8, pin_memory=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._staging.append((buf, event))
 
     def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
         if self.on_host:
             return self.store.get_into(keys, [_view(self.cache.block(p)) for p in pages], tokens)
+        if not keys:
+            return 0
         landed = 0
-        for i, start in enumerate(range(0, len(keys), self.group)):
-            buf, copied = self._buffer(i)
+        size = -(-len(keys) // max(2, -(-len(keys) // self.group)))  # blocks per group: at least two groups
+        for i, start in enumerate(range(0, len(keys), size)):
+            buf, copied = self._staging[i % 2]
             copied.synchronize()  # this buffer's previous copies to the device are done
-            group = keys[start : start + self.group]
+            group = keys[start : start + size]
             rows = buf[: len(group)]
             got = self.store.get_into(group, [_view(r) for r in rows], tokens)
             for row, page in zip(rows[:got], pages[start : start + got], strict=True):
@@ -76,7 +89,7 @@ class StorePages:
         if self.on_host:
             return self.store.put(keys, [_view(self.cache.block(p)) for p in pages], tokens)
         stored = 0
-        buf, _ = self._buffer(0)
+        buf = self._staging[0][0]
         for start in range(0, len(keys), self.group):
             group = list(pages[start : start + self.group])
             rows = buf[: len(group)]
@@ -84,17 +97,6 @@ class StorePages:
             rows.copy_(self.cache.pages.index_select(0, index).view(len(group), -1).view(torch.uint8))
             stored += self.store.put(keys[start : start + len(group)], [_view(r) for r in rows], tokens)
         return stored
-
-    def _buffer(self, i: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Staging buffer ``i % 2`` as ``uint8 [group, page_bytes]`` (pinned, made on first use) and the event
-        recorded after the last copies out of it."""
-        if not self._staging:
-            for _ in range(2):
-                buf = torch.empty((self.group, self.cache.page_bytes), dtype=torch.uint8, pin_memory=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._staging.append((buf, event))
-        return self._staging[i % 2]
 
 
 class FetcherPages:

@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rehearse", action="store_true", help="CPU, tiny preset, short prompts, no bundle")
     parser.add_argument("--lengths", default="32768,77824", help="prompt lengths (default 32768,77824)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--hits", default="0,50,90,96", help="hit ratios in percent (default 0,50,90,96)")
+    parser.add_argument("--no-swapin", action="store_true", help="leave out the swap-in benchmark")
     parser.add_argument("--ttft-limit", type=float, default=270, help="seconds for the ttft step (default 270)")
     args = parser.parse_args(argv)
     out = args.out
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             "--layer-types", "sliding,sliding,sliding,full", "--device", device]  # fmt: skip
     if step("checkpoint", make, out, env, 90):
         ttft = [py, "-m", "kvtier.tools.kvbench", "ttft", "--checkpoint", str(checkpoint), "--device", device,
-                "--dtype", dtype, "--prompt-tokens", lengths, "--hits", "0,50,90,96", "--repeats",
+                "--dtype", dtype, "--prompt-tokens", lengths, "--hits", args.hits, "--repeats",
                 str(args.repeats), "--chunk-tokens", chunk, "--node-capacity", capacity,
                 "--json-out", str(out / "ttft.json")]  # fmt: skip
         ok &= step("ttft", ttft, out, env, args.ttft_limit)
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     swapin = [py, "-m", "kvtier.tools.kvbench", "swapin", "--json-out", str(out / "swapin.json")]
     if args.rehearse:
         swapin += ["--cpu-bytes", "16MiB", "--rounds", "1", "--no-gpu"]
-    ok &= step("swapin", swapin, out, env, 100)
+    if not args.no_swapin:
+        ok &= step("swapin", swapin, out, env, 100)
     shutil.rmtree(scratch, ignore_errors=True)
     return 0 if ok else 1
 
