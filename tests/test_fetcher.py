@@ -448,3 +448,21 @@ def test_kvbench_fetch_reports_the_ratio_to_get_into(cluster: LocalCluster) -> N
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["fetch_vs_get_into"] > 0 and result["pool"]["hits"] == 16 and result["pool"]["evictions"] == 12
+
+
+def _serve(cluster: LocalCluster, shm: str, socket_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``kvtier-fetcher`` in the foreground; for starts that must be refused."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.transfer.fetcher", "--config", str(cluster.config_path), "--shm", shm,
+         "--size", "1MiB", "--slot-size", f"{BLOCK}B", "--socket", str(socket_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_a_socket_path_that_is_a_regular_file_is_refused_and_kept(cluster: LocalCluster, tmp_path: Path) -> None:
+    precious = tmp_path / "cluster.toml"
+    precious.write_bytes(cluster.config_path.read_bytes())
+    done = _serve(cluster, f"kvt-test-{secrets.token_hex(6)}", precious)
+    assert done.returncode == 2
+    assert f"{precious} exists and is not a socket" in done.stderr
+    assert precious.read_bytes() == cluster.config_path.read_bytes()

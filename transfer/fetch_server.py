@@ -29,6 +29,7 @@ import os
 import queue
 import selectors
 import socket
+import stat
 import struct
 import threading
 import time
@@ -165,7 +166,9 @@ class Fetcher:
 
     @staticmethod
     def _listen(path: Path) -> socket.socket:
-        if path.exists():
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise PoolError(f"{path} exists and is not a socket; choose another --socket")
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(str(path))
