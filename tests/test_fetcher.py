@@ -466,3 +466,11 @@ def test_a_socket_path_that_is_a_regular_file_is_refused_and_kept(cluster: Local
     assert done.returncode == 2
     assert f"{precious} exists and is not a socket" in done.stderr
     assert precious.read_bytes() == cluster.config_path.read_bytes()
+
+
+def test_a_fetcher_refused_a_served_socket_leaves_no_segment_behind(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    shm = f"kvt-test-{secrets.token_hex(6)}"
+    done = _serve(cluster, shm, fetcher.socket_path)
+    assert done.returncode == 2 and "served by a running fetcher" in done.stderr
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(shm)]

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         fetcher = Fetcher(config, pools, args.socket, max(1, args.workers))
     except (PoolError, OSError) as exc:
         print(f"kvtier-fetcher: {exc}", file=sys.stderr)
+        _give_back(pools, created_only=True)
         return 2
     if args.metrics:
         try:
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             print(f"kvtier-fetcher: --metrics: {exc}", file=sys.stderr)
             fetcher.close()
+            _give_back(pools, created_only=True)
             return 2
     signal.signal(signal.SIGTERM, lambda *_: fetcher.stop())
     signal.signal(signal.SIGINT, lambda *_: fetcher.stop())
@@ -147,10 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     print("ready", flush=True)
     fetcher.serve_forever()
     fetcher.close()
-    for pool in pools:  # a clean stop gives the memory back; after a crash the next fetcher takes it over
-        pool.close()
-        staging.unlink(pool.name)
+    _give_back(pools)  # a clean stop gives the memory back; after a crash the next fetcher takes it over
     return 0
+
+
+def _give_back(pools: list[StagingPool], created_only: bool = False) -> None:
+    """Close the segments this process owns and unlink them: all of them (a clean stop), or, for a start that
+    failed, only those it created (a dead writer's segment it took over keeps its cached blocks)."""
+    for pool in pools:
+        pool.close()
+        if pool.created or not created_only:
+            staging.unlink(pool.name)
 
 
 def _own_pools(name: str, capacity_bytes: int, slot_sizes: str) -> list[StagingPool]:

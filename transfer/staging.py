@@ -269,6 +269,7 @@ class StagingPool(SlotMap):
         self._detached: set[int] = set()  # superseded by a newer copy of their key: freed at last unpin
         # called (under the pool's lock) with (tenant, key, slot, generation) of each block evicted by reserve
         self.on_evict: Callable[[int, bytes, int, int], None] | None = None
+        self.created = False  # ``own`` made the segment (rather than taking over a dead writer's)
         self._reclaimed = self._rebuild()
 
     @classmethod
@@ -325,7 +326,9 @@ class StagingPool(SlotMap):
                         f"{slot_bytes} B: use the same --size/slot size, or remove it first"
                     )
             struct.pack_into("<I", mapping, 12, os.getpid())
-            return cls(name, fd, mapping)
+            pool = cls(name, fd, mapping)
+            pool.created = size == 0
+            return pool
         except BaseException:
             os.close(fd)
             raise
