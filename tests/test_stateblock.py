@@ -215,6 +215,31 @@ def test_a_restarted_directory_is_rebuilt_from_the_hosts_reports(config, tmp_pat
         proc.stop()
 
 
+def test_a_put_to_a_restarted_directory_before_any_heartbeat_re_reports_everything(config) -> None:
+    proc, port = start_directory(config)
+    where = ("127.0.0.1", port)
+    hosts = [  # heartbeats only by hand: the restarted directory hears of host-a first through a put
+        StateBlockHost(
+            config, f"kvt-test-{secrets.token_hex(6)}", 4 * BLOCK, BLOCK, name, directory=where, heartbeat_s=3600
+        )
+        for name in ("host-a", "host-b")
+    ]
+    try:
+        old, new = secrets.token_bytes(16), secrets.token_bytes(16)
+        hosts[0].put(old, block_of(1))
+        proc.stop()
+        proc, _ = start_directory(config, port)
+        hosts[0].put(new, block_of(2))
+        assert hosts[0].heartbeat() and hosts[1].heartbeat()
+        out = np.empty(BLOCK, dtype=np.uint8)
+        assert hosts[1].get_into(old, out) and np.array_equal(out, block_of(1))
+        assert hosts[1].get_into(new, out) and np.array_equal(out, block_of(2))
+    finally:
+        for host in hosts:
+            host.close()
+        proc.stop()
+
+
 def test_a_host_that_stops_heartbeating_loses_its_entries_after_the_lease(config) -> None:
     proc, port = start_directory(config, lease="0.3s")
     try:

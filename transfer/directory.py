@@ -6,7 +6,8 @@ State: ``(tenant, state key) → (host, slot, generation)`` and, per host, its p
 last heartbeat. Rules:
 
 1. A host REGISTERs what it holds (``full`` on first contact: replaces anything known for it) and heartbeats
-   every ``lease / 3``.
+   every ``lease / 3``. A partial REGISTER from a host the directory does not know is answered ``known = False``
+   and recorded nowhere: the host re-reports everything.
 2. A host silent for longer than the lease loses all its entries (it died, or its network did); its next
    heartbeat is answered ``known = False`` and it re-reports everything it still holds.
 3. A restarted directory knows nothing; hosts learn it from ``known = False`` and re-report, so it is rebuilt
@@ -68,10 +69,15 @@ class Directory:
         self._entries: dict[tuple[str, bytes], tuple[str, int, int]] = {}  # (tenant, key) -> host, slot, gen
         self.counts = dict.fromkeys(COUNTERS, 0)
 
-    def register(self, tenant: str, host: str, addr: tuple[str, int], entries: Entries, full: bool) -> None:
+    def register(self, tenant: str, host: str, addr: tuple[str, int], entries: Entries, full: bool) -> bool:
+        """Record the host's entries; ``full`` replaces all it had. False, recording nothing: a partial report
+        from a host this directory does not know (it restarted, or the host's lease ran out), which must re-report
+        everything it holds (``full``) instead, or its other StateBlocks would never be found."""
         with self._lock:
             self._expire()
             record = self._hosts.get((tenant, host))
+            if record is None and not full:
+                return False
             if record is None or full:
                 self.counts["full_reports"] += full
                 if record is not None:
@@ -86,6 +92,7 @@ class Directory:
                         other.keys.discard(key)
                 self._entries[(tenant, key)] = (host, slot, gen)
                 record.keys.add(key)
+            return True
 
     def unregister(self, tenant: str, host: str, entries: Entries) -> None:
         with self._lock:
@@ -151,8 +158,8 @@ class Directory:
         meta = frame.meta
         if frame.opcode == StateOp.REGISTER:
             full = meta.get("full") is True
-            self.register(tenant, sp.host_field(meta), sp.addr_field(meta), parse_entries(meta, limits_batch), full)
-            return {}
+            entries = parse_entries(meta, limits_batch)
+            return {"known": self.register(tenant, sp.host_field(meta), sp.addr_field(meta), entries, full)}
         if frame.opcode == StateOp.UNREGISTER:
             self.unregister(tenant, sp.host_field(meta), parse_entries(meta, limits_batch))
             return {}
@@ -174,9 +181,11 @@ class DirectoryClient:
 
     def register(
         self, host: str, addr: tuple[str, int], keys: list[bytes], slots: list[int], gens: list[int], full: bool
-    ) -> None:
+    ) -> bool:
+        """True if recorded; False: the directory does not know this host, so a partial report (``full=False``)
+        was dropped and the host must re-register everything (``full=True``)."""
         meta = {"host": host, "addr": list(addr), "full": full, **entries_meta(keys, slots, gens)}
-        self.conn.call(StateOp.REGISTER, meta)
+        return bool(self.conn.call(StateOp.REGISTER, meta).meta.get("known"))
 
     def unregister(self, host: str, keys: list[bytes], slots: list[int], gens: list[int]) -> None:
         self.conn.call(StateOp.UNREGISTER, {"host": host, **entries_meta(keys, slots, gens)})

@@ -4,8 +4,9 @@ Frames are the store's (:mod:`kvtier.kvstore.protocol`); every connection starts
 
 Directory (``kvtier-directory``), all batched::
 
-    REGISTER   host, addr [ip, port], keys, klen, slot u32[n], gen u64[n], full   → {}
-               full=True replaces everything the directory holds for that host (a re-report)
+    REGISTER   host, addr [ip, port], keys, klen, slot u32[n], gen u64[n], full   → known
+               full=True replaces everything the directory holds for that host (a re-report);
+               known=False: full=False from a host it does not know, dropped (re-report with full=True)
     UNREGISTER host, keys, klen, slot u32[n], gen u64[n]                          → {}
     HEARTBEAT  host                                                               → known (False: re-report)
     LOOKUP     keys, klen                                                         → host i16[n] (-1: none),

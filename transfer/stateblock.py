@@ -196,7 +196,8 @@ class StateBlockHost:
             return
         with self._dir_lock:
             try:
-                self.directory.register(self.host_id, self.addr, keys, slots, gens, full=False)
+                if not self.directory.register(self.host_id, self.addr, keys, slots, gens, full=False):
+                    self._register_all()  # the directory restarted or our lease ran out: report everything
                 self._flush_evictions()
             except DirectoryError as exc:
                 self._reported = False
