@@ -10,13 +10,15 @@ Two ways, one interface (:class:`PageTransfer`):
   same way (swap-out into allocated slots, then the fetcher stores them).
 
 Both answer misses and failures as "fewer blocks": a fetch returns how many *leading* pages hold their block,
-a store how many blocks are stored. Nothing here raises because the store or the fetcher is away.
+a store how many blocks are stored. Nothing here raises because the store or the fetcher is away or broken
+(a failed swap is a miss: the engine recomputes). Through the fetcher, a block counts only if its slot still
+holds it (generation checked) after the swap-in has finished; one that does not is a miss from there on.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -25,7 +27,7 @@ import torch
 from kvtier.engine.paged_cache import PagedKVCache
 from kvtier.engine.store import BlockStore
 from kvtier.kvstore.keys import header_digests
-from kvtier.transfer.fetch_client import Blocks, FetchClient, FetcherError
+from kvtier.transfer.fetch_client import Block, FetchClient, FetcherError
 from kvtier.transfer.swapin import CudaHostMapping, slot_tensor, swap_in, swap_out
 
 log = logging.getLogger("kvtier.engine")
@@ -114,8 +116,8 @@ class FetcherPages:
                 swap_in(self._slot_rows(), [b.slot for b in blocks[:n]], self.cache.pages, list(pages[:n]))
                 if self.cache.pages.device.type != "cpu":
                     torch.cuda.current_stream().synchronize()  # before the pins are released
-                return n
-        except FetcherError as e:
+                return _leading(blocks[:n], lambda b: b.valid())  # a slot reused meanwhile is a miss from there
+        except (FetcherError, ValueError) as e:  # ValueError: SwapError, or pages no size class holds
             log.warning("fetcher failed, recomputing instead: %s", e)
             return 0
 
@@ -131,7 +133,7 @@ class FetcherPages:
             if n < len(slots):
                 self.client.release(slots[n:])
             return sum(self.client.put(keys[:n], slots[:n], headers=self._headers(keys[:n], tokens)))
-        except FetcherError as e:
+        except (FetcherError, ValueError) as e:
             log.warning("fetcher failed, blocks not stored: %s", e)
             return 0
 
@@ -144,10 +146,9 @@ class FetcherPages:
         return [digests[k] for k in keys]
 
     def _slot_rows(self) -> torch.Tensor:
-        """The fetcher's slots as ``uint8 [slots, stride]`` (as the device sees them), remapped when the
-        fetcher restarted with a new segment."""
-        pool = self.client.map
-        assert pool is not None, "a connected FetchClient maps the pool"
+        """The slots of the fetcher's size class for pages as ``uint8 [slots, stride]`` (as the device sees
+        them), remapped when the fetcher restarted with a new segment; ValueError if no class holds a page."""
+        _, pool = self.client.map_for(self.cache.page_bytes)  # the size class the pages' slots belong to
         if self._slots is None or self._slots[0] is not pool:
             rows = slot_tensor(pool.buffer, stride=pool.stride, slots=pool.slots, offset=pool.data_offset)
             if self.cache.pages.device.type != "cpu":
@@ -159,9 +160,13 @@ class FetcherPages:
         return self._slots[1]
 
 
-def _leading_ok(blocks: Blocks) -> int:
+def _leading_ok(blocks: Sequence[Block]) -> int:
+    return _leading(blocks, lambda b: b.ok)
+
+
+def _leading(blocks: Sequence[Block], good: Callable[[Block], bool]) -> int:
     for i, b in enumerate(blocks):
-        if not b.ok:
+        if not good(b):
             return i
     return len(blocks)
 

@@ -161,18 +161,21 @@ def test_a_store_that_is_down_means_recompute(checkpoint: Path, tmp_path: Path) 
     assert result[0].tokens == result[1].tokens == engine(checkpoint, None).generate([p], 8)[0].tokens
 
 
-def test_reuse_through_the_fetcher_process_is_exact(checkpoint: Path, cluster_file: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("slot_sizes", "seed"), [("64KiB", 8), ("16KiB,64KiB", 20)])  # pages are 32 KiB
+def test_reuse_through_the_fetcher_process_is_exact(
+    checkpoint: Path, cluster_file: Path, tmp_path: Path, slot_sizes: str, seed: int
+) -> None:
     states = LocalStateBlocks()
     shm = f"kvt-engine-{secrets.token_hex(6)}"
-    with LocalFetcher(cluster_file, shm, tmp_path / "fetcher.sock", "8MiB", "64KiB") as fetcher:
+    with LocalFetcher(cluster_file, shm, tmp_path / "fetcher.sock", "8MiB", slot_sizes) as fetcher:
         e = Engine.from_pretrained(
             checkpoint, store=cluster_file, fetcher=fetcher.socket_path, state_blocks=states, cache_tokens=8192
         )
-        p = prompt(1500, seed=8)
+        p = prompt(1500, seed=seed)
         cold, warm = e.generate([p], 16)[0], e.generate([p], 16)[0]
-        longer = p + prompt(300, seed=10)
+        longer = p + prompt(300, seed=seed + 2)
         e.generate([longer], 1)  # puts blocks 23… of the chain: a later turn must find them
-        later = e.generate([longer + prompt(300, seed=11)], 1)[0]
+        later = e.generate([longer + prompt(300, seed=seed + 3)], 1)[0]
         fetched = e.transfer.client.stats()
     assert (cold.hit_tokens, warm.hit_tokens, warm.replayed, later.hit_tokens) == (0, 1280, False, 1792)
     assert warm.tokens == cold.tokens == e.generate([p], 16, reuse=False)[0].tokens
