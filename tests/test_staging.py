@@ -150,6 +150,34 @@ def test_a_dead_writers_filling_and_pinned_slots_are_reclaimed_and_its_cache_kep
     pool.close()
 
 
+def test_a_dead_writers_superseded_pinned_copy_is_freed_and_the_newer_one_kept(shm_name: str) -> None:
+    writer = run_child(
+        f"""
+        from kvtier.transfer.staging import StagingPool
+        pool = StagingPool.own({shm_name!r}, {4 * SLOT}, {SLOT})
+        for version, pins in ((1, 1), (2, 0)):  # the pinned first copy is superseded by the second
+            slot, gen = pool.reserve(owner_pid=1)
+            pool.view(slot)[:1] = bytes([version])
+            pool.publish(slot, {TENANT}, (1).to_bytes(16, "little"), {SLOT}, None, pins)
+        print("ready", flush=True)
+        input()
+        """
+    )
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    stats = pool.stats()
+    assert (stats.pinned, stats.ready, stats.free) == (0, 1, 3)
+    newer = pool.lookup(TENANT, key(1))
+    assert newer is not None and pool.view(newer)[0] == 2
+    for i in range(2, 2 + 2 * pool.slots):  # every slot evicted twice: the index and the LRU list agree
+        fill(pool, i)
+    stats = pool.stats()
+    assert (stats.ready, stats.free) == (pool.slots, 0)
+    assert all(pool.lookup(TENANT, key(i)) is not None for i in range(2 + pool.slots, 2 + 2 * pool.slots))
+    pool.close()
+
+
 def test_an_existing_segment_of_another_geometry_is_refused_with_one_line(shm_name: str) -> None:
     StagingPool.own(shm_name, 4 * SLOT, SLOT).close()
     with pytest.raises(PoolError, match="exists with 4 slots of 4096 B"):

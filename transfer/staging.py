@@ -352,6 +352,10 @@ class StagingPool(SlotMap):
                 reclaimed += 1
             if self.state[slot] == READY:
                 held = (int(self.tenant[slot]), self._key(slot))
+                older = self._index.get(held)
+                if older is not None:  # a superseded copy kept for its (now dead) pins: the newest stays
+                    del self._held[older], self._evictable[older]
+                    self._to_free(older)
                 self._index[held], self._held[slot] = slot, held
                 self._evictable[slot] = None
             else:
@@ -460,7 +464,7 @@ class StagingPool(SlotMap):
             while len(take) < n and self._evictable:
                 slot, _ = self._evictable.popitem(last=False)
                 tenant, key = self._held.pop(slot)
-                del self._index[(tenant, key)]
+                self._unindex(slot, (tenant, key))
                 if self.on_evict is not None:
                     self.on_evict(tenant, key, slot, int(self.gen[slot]))
                 self._counters[1] += np.uint64(1)
@@ -515,8 +519,13 @@ class StagingPool(SlotMap):
             for slot in slots[pins == 0].tolist():  # (one superseded within this batch is freed at once)
                 self._unpinned(slot)
 
+    def _unindex(self, slot: int, held: tuple[int, bytes]) -> None:
+        """Drop the index entry of ``held`` if it is ``slot``'s (not a newer copy's)."""
+        if self._index.get(held) == slot:
+            del self._index[held]
+
     def _detach(self, slot: int) -> None:
-        self._index.pop(self._held.pop(slot), None)
+        self._unindex(slot, self._held.pop(slot))
         if self.state[slot] == READY:
             self._evictable.pop(slot, None)
             self._to_free(slot)
