@@ -227,9 +227,9 @@ class Engine:
         if state is not None:
             seq.sliding = SlidingState.from_state_block(self.config, state, h, self.dtype, self.device)
         elif h and self.config.sliding_layers:  # block KV without its StateBlock: bounded replay
-            window = self.config.sliding_window
-            seq.sliding = SlidingState(self.config, h - window, self.dtype, self.device)
-            self.runner.run(seq, h - window, h, write_global=False)
+            first = max(0, h - self.config.sliding_window)  # the last min(W, h) tokens of the hit
+            seq.sliding = SlidingState(self.config, first, self.dtype, self.device)
+            self.runner.run(seq, first, h, write_global=False)
             seq.replayed = True
         seq.hit_tokens = h
         seq.publishing = bool(keys) and not seq.replayed and not resume

@@ -153,6 +153,23 @@ def test_block_kv_without_its_state_is_replayed_and_never_stored(checkpoint: Pat
     assert consumer.store.match(keys) == len(p) // 64 < len(keys)  # none of the replayed request's blocks
 
 
+def test_a_window_of_256_reuses_exactly_and_replays_from_position_0_at_most(tmp_path: Path, cluster_file: Path) -> None:
+    wide = make_checkpoint(tmp_path / "w256", "tiny", seed=1, sliding_window=256)
+    p = prompt(1200, seed=14)
+    producer = engine(wide, cluster_file)
+    cold, warm = producer.generate([p], 8)[0], producer.generate([p], 8)[0]
+    plain = producer.generate([p], 8, reuse=False)[0]
+    assert (cold.hit_tokens, warm.hit_tokens, warm.replayed) == (0, 896, False)  # ≤ 1200 − 262, multiple of 128
+    assert warm.tokens == plain.tokens
+    assert (warm.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
+    short = p[:400]  # hit 128 < W: replay runs positions 0…127, all the hit, which is exact
+    replayed = engine(wide, cluster_file, LocalStateBlocks()).generate([short], 8)[0]
+    alone = producer.generate([short], 8, reuse=False)[0]
+    assert (replayed.hit_tokens, replayed.replayed) == (128, True)
+    assert replayed.tokens == alone.tokens
+    assert (replayed.first_logits - alone.first_logits).abs().max().item() <= TOLERANCE
+
+
 def test_a_store_that_is_down_means_recompute(checkpoint: Path, tmp_path: Path) -> None:
     dead = cluster_mod.write_default(tmp_path / "dead", nodes=12)  # nodes never started
     p = prompt(600, seed=7)
