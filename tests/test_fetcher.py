@@ -474,3 +474,20 @@ def test_a_fetcher_refused_a_served_socket_leaves_no_segment_behind(cluster: Loc
     done = _serve(cluster, shm, fetcher.socket_path)
     assert done.returncode == 2 and "served by a running fetcher" in done.stderr
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(shm)]
+
+
+def test_an_engine_keeps_no_descriptor_of_the_segments_of_fetchers_restarted_under_it(
+    cluster: LocalCluster, start_fetcher
+) -> None:
+    keys, _ = stored_blocks(cluster, 1)
+    fetcher = start_fetcher()
+    open_fds = []
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        for _ in range(4):
+            client.release(client.fetch(keys, BLOCK))  # reconnects, and maps the new fetcher's new segment
+            open_fds.append(len(os.listdir("/proc/self/fd")))
+            fetcher.stop()  # a clean stop removes the segment: the next fetcher makes a new one
+            fetcher = start_fetcher()
+            with pytest.raises(FetcherError, match="went away"):  # the call that learns it; the next reconnects
+                client.stats()
+    assert open_fds[1:] == open_fds[1:2] * 3, open_fds

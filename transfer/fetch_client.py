@@ -159,7 +159,12 @@ class _Protocol:
             for name, epoch, _slot_bytes in meta["pools"]:
                 maps.append(known.get((name, epoch)) or SlotMap.open(name))
         except PoolError as exc:
+            for fresh in maps:
+                if fresh not in known.values():
+                    fresh.close()
             raise FetcherError(str(exc)) from None
+        for dropped in set(known.values()) - set(maps):
+            dropped.close()  # a restarted fetcher's new segment replaced it (unmapped once its views are gone)
         self.maps = maps
         self.hash_algo, self.tenant = meta["hash"], meta["tenant"]
 

@@ -164,9 +164,8 @@ class SlotMap:
     ``view(slot)`` is the slot's memory, writable so that an engine can fill slots it was given for a put.
     """
 
-    def __init__(self, name: str, fd: int, mapping: mmap.mmap) -> None:
+    def __init__(self, name: str, mapping: mmap.mmap) -> None:
         self.name = name
-        self._fd = fd
         self._mmap = mapping
         self.buffer = memoryview(mapping)
         magic, version, _pid, slot_bytes, stride, slots, data_offset, epoch, *_ = _HEADER.unpack_from(mapping, 0)
@@ -195,10 +194,9 @@ class SlotMap:
         except FileNotFoundError:
             raise PoolError(f"no staging pool /dev/shm/{name}: is the fetcher running with --shm {name}?") from None
         try:
-            return cls(name, fd, mmap.mmap(fd, os.fstat(fd).st_size))
-        except BaseException:
-            os.close(fd)
-            raise
+            return cls(name, mmap.mmap(fd, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)  # the mapping keeps the segment; a reader holds no lock, so it needs no descriptor
 
     def view(self, slot: int, length: int | None = None) -> memoryview:
         """The slot's bytes (``length`` of them; default the whole slot). No copy; writable."""
@@ -249,7 +247,6 @@ class SlotMap:
         with contextlib.suppress(BufferError):
             self.buffer.release()
             self._mmap.close()
-        os.close(self._fd)
 
 
 class StagingPool(SlotMap):
@@ -260,7 +257,8 @@ class StagingPool(SlotMap):
     """
 
     def __init__(self, name: str, fd: int, mapping: mmap.mmap) -> None:
-        super().__init__(name, fd, mapping)
+        super().__init__(name, mapping)
+        self._fd = fd  # holds the writer's ``flock`` for the pool's life
         self._lock = threading.RLock()
         self._index: dict[tuple[int, bytes], int] = {}  # (tenant, key) -> READY/PINNED slot
         self._held: dict[int, tuple[int, bytes]] = {}  # the reverse: slot -> (tenant, key)
@@ -271,6 +269,11 @@ class StagingPool(SlotMap):
         self.on_evict: Callable[[int, bytes, int, int], None] | None = None
         self.created = False  # ``own`` made the segment (rather than taking over a dead writer's)
         self._reclaimed = self._rebuild()
+
+    def close(self) -> None:
+        """Unmap (as :meth:`SlotMap.close`) and close the descriptor: the ``flock`` goes, another writer may own it."""
+        super().close()
+        os.close(self._fd)
 
     @classmethod
     def own(cls, name: str, capacity_bytes: int, slot_bytes: int) -> StagingPool:
