@@ -30,7 +30,8 @@ from kvtier.tools.benchutil import free_port
 from kvtier.transfer.fetch_client import AsyncFetchClient, FetchClient, FetcherError
 from kvtier.transfer.fetch_protocol import BlockStatus
 from kvtier.transfer.fetcher import LocalFetcher
-from tests.conftest import ClusterFactory
+
+from .conftest import ClusterFactory, wait_for
 
 BLOCK = 16 << 10
 
@@ -77,14 +78,6 @@ def get_requests(cluster: LocalCluster) -> int:
         assert found is not None
         total += int(float(found.group(1)))
     return total
-
-
-def wait_for(condition: Callable[[], bool], what: str, deadline_s: float = 20.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_fetched_blocks_are_the_stored_bytes_viewed_in_place(cluster: LocalCluster, start_fetcher) -> None:
@@ -324,7 +317,7 @@ def test_an_engine_that_dies_gives_its_pins_and_slots_back(cluster: LocalCluster
         assert (client.stats()["pinned"], client.stats()["filling"]) == (3, 2)
         engine.send_signal(signal.SIGKILL)
         engine.communicate()
-        wait_for(lambda: client.stats()["pinned"] == 0, "the dead engine's pins to be dropped")
+        wait_for(lambda: client.stats()["pinned"] == 0, 20, "the dead engine's pins to be dropped")
         stats = client.stats()
         assert (stats["ready"], stats["filling"], stats["free"]) == (3, 0, stats["slots"] - 3)
 
@@ -355,7 +348,7 @@ input()
             assert client.stats()["pinned"] == 2
             engine.send_signal(signal.SIGKILL)
             engine.communicate()
-            wait_for(lambda: client.stats()["pinned"] == 0, "the dead engine's pins to be reclaimed by pid")
+            wait_for(lambda: client.stats()["pinned"] == 0, 20, "the dead engine's pins to be reclaimed by pid")
     finally:
         os.kill(orphan, signal.SIGKILL)
 
@@ -377,7 +370,7 @@ def test_a_fetcher_killed_mid_fetch_fails_the_call_and_a_restarted_one_serves(
         for caller in callers:
             caller.start()
         with FetchClient(fetcher.socket_path, cluster.config.token) as observer:
-            wait_for(lambda: observer.stats()["requests"] == 2 and observer.stats()["in_flight"] == 5, "the fetches")
+            wait_for(lambda: (observer.stats()["requests"], observer.stats()["in_flight"]) == (2, 5), 20, "fetches")
         fetcher.kill()
         for caller in callers:
             caller.join(30)

@@ -18,6 +18,8 @@ from kvtier.transfer.directory import DirectoryClient, DirectoryError
 from kvtier.transfer.state_protocol import Location
 from kvtier.transfer.stateblock import Puller, StateBlockHost, stateblock_bytes
 
+from .conftest import wait_for
+
 BLOCK = stateblock_bytes(n_swa_layers=2, bytes_per_token=64)  # 17,152 B: small, same shape as the real one
 
 
@@ -153,7 +155,7 @@ def test_stateblocks_outlive_a_crash_of_their_host_process(config, directory: in
     assert not host_b.get_into(key, out)  # nobody serves it meanwhile: a miss, not an error
     restarted = start_host(config, directory, shm=shm)  # takes the segment over and re-reports what it holds
     try:
-        _wait(lambda: host_b.get_into(key, out), "the restarted host to serve its StateBlock again")
+        wait_for(lambda: host_b.get_into(key, out), 20, "the restarted host to serve its StateBlock again")
         assert bytes(out) == block_of(6).tobytes()
     finally:
         restarted.stop()
@@ -206,7 +208,7 @@ def test_a_restarted_directory_is_rebuilt_from_the_hosts_reports(config, tmp_pat
         assert reader.lookup([key])[0] is not None
         proc.stop()
         proc, _ = start_directory(config, port)  # the reader's connection is now stale: it reconnects by itself
-        _wait(lambda: reader.lookup([key])[0] is not None, "the host to re-report to the new directory")
+        wait_for(lambda: reader.lookup([key])[0] is not None, 20, "the host to re-report to the new directory")
         stats = reader.stats()
         assert (stats["hosts"], stats["entries"], stats["full_reports"]) == (1, 1, 1)
         reader.close()
@@ -247,7 +249,7 @@ def test_a_host_that_stops_heartbeating_loses_its_entries_after_the_lease(config
         key = secrets.token_bytes(16)
         client.register("silent", ("127.0.0.1", 9), [key], [0], [1], full=True)
         assert client.lookup([key])[0] == Location(("127.0.0.1", 9), 0, 1)
-        _wait(lambda: client.lookup([key])[0] is None, "the lease to expire")
+        wait_for(lambda: client.lookup([key])[0] is None, 20, "the lease to expire")
         assert client.heartbeat("silent") is False  # it must re-report
         client.close()
     finally:
@@ -267,16 +269,6 @@ def test_the_directory_refuses_wrong_tokens_and_scopes_entries_by_tenant(config,
     theirs.close()
 
 
-def _wait(condition, what: str, deadline_s: float = 20.0) -> None:
-    import time
-
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def test_connections_beyond_the_limit_are_answered_busy(tmp_path: Path) -> None:
     path = cluster_mod.write_default(tmp_path, nodes=12)
     path.write_text(path.read_text() + "\n[limits]\nmax_connections = 2\n")
@@ -289,7 +281,7 @@ def test_connections_beyond_the_limit_are_answered_busy(tmp_path: Path) -> None:
         with pytest.raises(DirectoryError, match="too many connections"):
             third.stats()
         first.close()
-        _wait(lambda: _answers(third), "a connection to be given back")
+        wait_for(lambda: _answers(third), 20, "a connection to be given back")
         second.close()
         third.close()
     finally:

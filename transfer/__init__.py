@@ -8,7 +8,7 @@ API for engines (the contracts in full are in each class's docstring and in ``do
     with fc.fetch(keys, block_bytes, headers=None, priority=0) as blocks:   # one Block per key
         for b in blocks:
             b.status     # HIT (host pool), FETCHED (store → slot), MISS, FULL (no free slot), ERROR
-            b.ok         # HIT or FETCHED: b.slot / b.generation name the slot, pinned until release
+            b.ok         # HIT, FETCHED or ALLOCATED: b.slot / b.generation name the slot, pinned until release
             b.array()    # numpy uint8 view of the slot's bytes (no copy); b.tensor(): torch view (torch optional)
             b.valid()    # the slot still holds this block (False once reused after a fetcher crash)
     # leaving the ``with`` releases the pins (or call fc.release(blocks))

@@ -154,7 +154,6 @@ class PoolStats:
     def as_dict(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(self.__dict__)
         out["hit_ratio"] = self.hit_ratio
-        out["capacity_bytes"] = self.capacity_bytes
         return out
 
 
