@@ -34,13 +34,15 @@ def checksums(logits: torch.Tensor) -> dict[str, float]:
     return {"sum": x.sum().item(), "sum_sq": x.pow(2).sum().item(), "first_row_sum": x[0].sum().item()}
 
 
-def samples(engine: Engine, reuse: bool = False) -> list[dict[str, Any]]:
+def samples(engine: Engine, reuse: bool = False, results: list[Any] | None = None) -> list[dict[str, Any]]:
     """One record per baseline prompt: greedy tokens (through ``generate``) and checksums of the full-forward
-    logits of prompt + tokens, plus the first token's logits checksums from the cached path."""
+    logits of prompt + tokens, plus the first token's logits checksums from the cached path. ``results``, if
+    given, receives ``generate``'s results (what reuse did per sample)."""
     out = []
-    for prompt, result in zip(
-        ps := prompts(engine.config.vocab_size), engine.generate(ps, NEW_TOKENS, reuse), strict=True
-    ):
+    generated = engine.generate(ps := prompts(engine.config.vocab_size), NEW_TOKENS, reuse)
+    if results is not None:
+        results.extend(generated)
+    for prompt, result in zip(ps, generated, strict=True):
         out.append(
             {
                 "prompt": prompt,

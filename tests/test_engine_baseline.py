@@ -33,25 +33,26 @@ def expected() -> dict:
 
 def test_the_engine_matches_the_checked_in_baseline(built: tuple[Path, dict], expected: dict) -> None:
     path, header = built
-    assert baseline.differences(expected, header, baseline.samples(Engine.from_pretrained(path))) == []
+    with Engine.from_pretrained(path) as engine:
+        assert baseline.differences(expected, header, baseline.samples(engine)) == []
 
 
 def test_the_gate_catches_a_small_numeric_change(built: tuple[Path, dict], expected: dict) -> None:
     path, header = built
-    engine = Engine.from_pretrained(path)
-    with torch.no_grad():
+    with Engine.from_pretrained(path) as engine, torch.no_grad():
         engine.model.model.norm.weight[0] += 1e-3
-    assert baseline.differences(expected, header, baseline.samples(engine))
+        assert baseline.differences(expected, header, baseline.samples(engine))
 
 
 def test_reuse_on_agrees_with_the_baseline_on_every_sample(
     built: tuple[Path, dict], expected: dict, make_cluster
 ) -> None:
     path, header = built
-    engine = Engine.from_pretrained(path, store=make_cluster(capacity_bytes=64 << 20).config_path)
-    cold = baseline.samples(engine, reuse=True)  # computes and stores every prompt
-    hits_before = engine.store.client.stats["hits"]
-    warm = baseline.samples(engine, reuse=True)  # reuses them
-    assert engine.store.client.stats["hits"] > hits_before
+    with Engine.from_pretrained(path, store=make_cluster(capacity_bytes=64 << 20).config_path) as engine:
+        cold = baseline.samples(engine, reuse=True)  # computes and stores every prompt
+        reused: list = []
+        warm = baseline.samples(engine, reuse=True, results=reused)  # reuses them, exactly
+    long_enough = [n - (128 + 6) >= 128 for n in baseline.PROMPT_LENGTHS]  # room for a hit at 128 (window 128)
+    assert [(r.hit_tokens > 0, r.replayed) for r in reused] == [(long, False) for long in long_enough]
     assert baseline.differences(expected, header, cold) == []
     assert baseline.differences(expected, header, warm) == []
