@@ -4,15 +4,19 @@
 
 Processes, all on loopback: a ``kvtier-directory``; host A (its own process: a StateBlockHost holding one
 StateBlock of ``layers × (window + 6) × bytes_per_token`` bytes, DeepSeek's 1,415,040 by default); a raw server
-(its own process: answers each 16-byte request with the same number of bytes from a preallocated buffer,
-blocking ``sendmsg``, as the StateBlock server); and this process as host B. Per round, ``N`` times, interleaved:
+(its own process: answers each 16-byte request with a frame head and the StateBlock's bytes from a preallocated
+buffer, one blocking ``sendmsg``, as the StateBlock server); and this process as host B. Per round, ``N`` times,
+interleaved:
 
-1. *raw*: one round trip to the raw server, received with ``recv_into`` a preallocated buffer (the baseline);
+1. *raw*: one round trip to the raw server over a blocking TCP_NODELAY socket, the head and the bytes received
+   with one ``recvmsg_into(..., MSG_WAITALL)`` into the same preallocated buffer (the best a socket does: the
+   baseline);
 2. *pull*: ``Puller.pull_into``: the StateBlock from host A, naming its slot and generation, straight into a
    preallocated buffer;
 3. *get*: ``StateBlockHost.get_into`` on host B: directory lookup, then the pull.
 
-Reports p50/p99 of each (all rounds) and ``pull_vs_raw_p50`` (target ≤ 2).
+Every answer of all three is compared with the StateBlock (outside the timed part). Reports p50/p99 of each (all
+rounds) and ``pull_vs_raw_p50`` (target ≤ 2).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.protocol import HEADER
 from kvtier.kvstore.sockio import sendmsg_all
 from kvtier.tools.benchutil import latency_percentiles
 from kvtier.tools.cliutil import Subcommands
@@ -84,7 +89,7 @@ def _bench(config: cluster_mod.ClusterConfig, size: int, args: argparse.Namespac
     assert config.path is not None
     procs = [
         _child("_directory", config.path),
-        _child("_raw_server", size),
+        _child("_raw_server", size),  # the same bytes as host A's StateBlock: each answer is verified
     ]
     try:
         dir_port = int(_ready(procs[0], "the directory")[1].rsplit(":", 1)[1])
@@ -129,31 +134,34 @@ def _measure(
     expected: np.ndarray,
     args: argparse.Namespace,
 ) -> dict[str, list[float]]:
-    out = bytearray(size)
+    out = np.empty(size, np.uint8)
     view = memoryview(out)
+    head = memoryview(bytearray(HEADER.size))
     request = bytes(REQUEST)
     samples: dict[str, list[float]] = {"raw": [], "pull": [], "get": []}
+
+    def check(name: str, ok: bool) -> None:
+        if not ok:
+            raise BenchError(f"{name}: a StateBlock host A holds was answered as a miss")
+        if not np.array_equal(out, expected):
+            raise VerifyError(f"{name}: the bytes received differ from the StateBlock host A holds")
+        out[:] = 0
+
     for r in range(args.rounds + 1):  # round 0 warms up, untimed
         for _ in range(args.iterations):  # the three interleaved, so that load from elsewhere hits all alike
             start = time.perf_counter()
             raw.sendall(request)
-            got = 0
-            while got < size:
-                n = raw.recv_into(view[got:])
-                if n == 0:
-                    raise BenchError("the raw server closed the connection")
-                got += n
+            got = raw.recvmsg_into([head, view], 0, socket.MSG_WAITALL)[0]
             samples["raw"].append(time.perf_counter() - start)
+            check("raw", got == HEADER.size + size)
             start = time.perf_counter()
             pulled = host_b.puller.pull_into(location, key, view)
             samples["pull"].append(time.perf_counter() - start)
-            if r == 0 and not (pulled and np.array_equal(np.frombuffer(out, np.uint8), expected)):
-                raise VerifyError("the pulled StateBlock differs from the one host A holds (or was a miss)")
+            check("pull", pulled)
             start = time.perf_counter()
             found = host_b.get_into(key, view)
             samples["get"].append(time.perf_counter() - start)
-            if not (pulled and found):
-                raise BenchError("a StateBlock host A holds was answered as a miss")
+            check("get", found)
         if r == 0:
             samples = {name: [] for name in samples}
     return samples
@@ -181,7 +189,8 @@ def _directory(config_path: str) -> None:
 
 
 def _raw_server(size: str) -> None:
-    payload = memoryview(bytearray(os.urandom(int(size))))
+    payload = memoryview(np.random.default_rng(7).integers(0, 256, int(size), dtype=np.uint8))
+    head = memoryview(bytearray(HEADER.size))  # a frame head's worth of bytes, as each pull answer has
     request = bytearray(REQUEST)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         print(listener.getsockname()[1], flush=True)
@@ -189,7 +198,7 @@ def _raw_server(size: str) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
             while conn.recv_into(request, REQUEST, socket.MSG_WAITALL) == REQUEST:
-                sendmsg_all(conn, [payload])  # as the StateBlock server sends
+                sendmsg_all(conn, [head, payload])  # as the StateBlock server sends
 
 
 def _host_a(config_path: str, size: str, directory_port: str) -> None:
