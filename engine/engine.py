@@ -40,6 +40,7 @@ from kvtier.engine.sliding import STATE_INTERVAL, SlidingState, state_block_byte
 from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
 from kvtier.engine.store import BlockStore
 from kvtier.kvstore.keys import Namespace, chain
+from kvtier.transfer.conn import parse_addr
 from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.stateblock import StateBlockHost
 
@@ -136,12 +137,12 @@ class Engine:
             if fetcher is not None or directory is not None:
                 raise ValueError("fetcher= and directory= need store= (the cluster file)")
             return engine
+        address = parse_addr(directory) if directory is not None else None  # bad input: one line, nothing opened
         blocks = BlockStore.open(store, engine.namespace, token)
         config = blocks.client.config
         client = FetchClient(fetcher, token or config.token) if fetcher is not None else None
         engine.attach_store(blocks, client)
-        if directory is not None and engine.state_bytes:
-            name, port = directory.rsplit(":", 1)
+        if address is not None and engine.state_bytes:
             host_id = host_id or f"engine-{os.getpid()}"
             engine.state_blocks = engine._state_host = StateBlockHost(
                 config,
@@ -149,7 +150,7 @@ class Engine:
                 capacity_bytes=state_pool_bytes,
                 block_bytes=engine.state_bytes,
                 host_id=host_id,
-                directory=(name, int(port)),
+                directory=address,
                 token=token,
             )
         return engine

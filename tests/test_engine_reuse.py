@@ -170,6 +170,11 @@ def test_a_window_of_256_reuses_exactly_and_replays_from_position_0_at_most(tmp_
     assert (replayed.first_logits - alone.first_logits).abs().max().item() <= TOLERANCE
 
 
+def test_a_directory_address_without_a_port_is_one_clear_error(checkpoint: Path, cluster_file: Path) -> None:
+    with pytest.raises(ValueError, match="bad address 'dirhost': use HOST:PORT"):
+        Engine.from_pretrained(checkpoint, store=cluster_file, directory="dirhost")
+
+
 def test_a_store_that_is_down_means_recompute(checkpoint: Path, tmp_path: Path) -> None:
     dead = cluster_mod.write_default(tmp_path / "dead", nodes=12)  # nodes never started
     p = prompt(600, seed=7)
