@@ -88,3 +88,23 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real 2 MiB filesystem."""
     with tmpfs(tmp_path / "small-disk", "2m") as path:
         yield path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests: two busy cores (more threads only spin), and the engine baseline
+    was computed with one. torch is imported here, not at the top: the store's tests run without it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny seed-0 checkpoint, written once per module."""
+    from kvtier.engine.checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", "tiny", seed=0)

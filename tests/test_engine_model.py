@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,12 +18,7 @@ transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # two busy cores: more threads only spin
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prompt(n: int, vocab: int = 512, seed: int = 1) -> torch.Tensor:

@@ -10,22 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.engine.checkpoint import make_checkpoint
 from kvtier.engine.engine import Engine
 from kvtier.engine.worker import WorkerProcess
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # two busy cores: more threads only spin
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", "tiny", seed=0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
