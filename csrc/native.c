@@ -3,7 +3,8 @@
  * - crc32c / crc32c_many: CRC-32C (Castagnoli, as the crc32c package and iSCSI compute it), with the
  *   SSE4.2 instruction over three interleaved streams where the CPU has it, a table otherwise.
  * - recv_to_files: receive a PUT payload from a socket in cache-sized pieces, checksum each shard while it
- *   is hot and pwrite it into its slab slot: no page of the slab is mapped, faulted or zero-filled first.
+ *   is hot and write it into its slab slot, runs of adjacent slots whole in one pwritev: no page of the slab
+ *   is mapped or faulted, and the page cache never zero-fills a folio that a write covers only in part.
  * - send_all: send a list of buffers completely (sendmsg, resuming partial sends).
  * - bytearray_uninit: a bytearray whose bytes are not zeroed first (they are about to be overwritten).
  *
@@ -264,31 +265,92 @@ typedef struct {
     int64_t fd; /* slab file, or -1: receive and drop */
     int64_t offset;
     int64_t length;
+    int64_t stride; /* bytes of the slot (>= length): its tail after the shard is written as zeros */
 } segment_t;
+
+#define WRITE_IOV 1024
+static const unsigned char zero_tail[1 << 16];
+
+/* Consecutive file ranges gathered into one pwritev: a run of slots that are adjacent in one slab file is
+ * written as one range that covers every slot whole (each shard, then its slot's tail from zero_tail), so
+ * the page cache gets whole folios and never zero-fills a fresh one around a partial write. */
+typedef struct {
+    int fd;
+    int64_t start, end; /* file range gathered so far */
+    int count;
+    struct iovec iov[WRITE_IOV];
+} run_t;
+
+static int run_flush(run_t *run) {
+    int64_t at = run->start;
+    struct iovec *iov = run->iov;
+    int left = run->count;
+    run->count = 0;
+    while (left > 0) {
+        ssize_t r = pwritev(run->fd, iov, left, at);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return r < 0 ? errno : EIO;
+        at += r;
+        while (left > 0 && (size_t)r >= iov->iov_len) {
+            r -= (ssize_t)iov->iov_len;
+            iov++;
+            left--;
+        }
+        if (left > 0) {
+            iov->iov_base = (char *)iov->iov_base + r;
+            iov->iov_len -= (size_t)r;
+        }
+    }
+    return 0;
+}
+
+/* Add [base, base + len) at file offset `at` of fd to the run, flushing first if it does not continue it. */
+static int run_add(run_t *run, int fd, int64_t at, const void *base, size_t len) {
+    if (!len) return 0;
+    if (run->count && (run->fd != fd || run->end != at || run->count == WRITE_IOV)) {
+        int err = run_flush(run);
+        if (err) return err;
+    }
+    if (!run->count) {
+        run->fd = fd;
+        run->start = run->end = at;
+    }
+    run->iov[run->count].iov_base = (void *)base;
+    run->iov[run->count].iov_len = len;
+    run->count++;
+    run->end += (int64_t)len;
+    return 0;
+}
 
 static PyObject *py_recv_to_files(PyObject *self, PyObject *args) {
     int sock, timeout_ms;
     Py_buffer plan, scratch;
     if (!PyArg_ParseTuple(args, "iiy*w*:recv_to_files", &sock, &timeout_ms, &plan, &scratch)) return NULL;
     PyObject *out = NULL;
-    uint32_t *crcs = NULL;
+    run_t *run = NULL;
     if (plan.len % (Py_ssize_t)sizeof(segment_t) || scratch.len < 4096) {
-        PyErr_SetString(PyExc_ValueError, "plan must hold (fd, offset, length) int64 triples; scratch >= 4 KiB");
+        PyErr_SetString(PyExc_ValueError,
+                        "plan must hold (fd, offset, length, stride) int64 rows; scratch >= 4 KiB");
         goto done;
     }
     Py_ssize_t n = plan.len / (Py_ssize_t)sizeof(segment_t);
     const segment_t *segs = plan.buf;
-    crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
-    if (!crcs) {
-        PyErr_NoMemory();
-        goto done;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (segs[i].length < 0 || segs[i].offset < 0) {
-            PyErr_SetString(PyExc_ValueError, "negative offset or length in plan");
+        if (segs[i].length < 0 || segs[i].offset < 0 || segs[i].stride < segs[i].length) {
+            PyErr_SetString(PyExc_ValueError, "bad row in plan: negative offset or length, or stride < length");
             goto done;
         }
     }
+    out = PyBytes_FromStringAndSize(NULL, (n ? n : 0) * (Py_ssize_t)sizeof(uint32_t));
+    run = PyMem_Malloc(sizeof(run_t));
+    if (!out || !run) {
+        Py_CLEAR(out);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    run->count = 0;
+    uint32_t *crcs = (uint32_t *)PyBytes_AS_STRING(out);
+    memset(crcs, 0, (size_t)n * sizeof(uint32_t));
     int64_t remaining = 0;
     for (Py_ssize_t i = 0; i < n; i++) remaining += segs[i].length;
     int err = 0, eof = 0, written_err = 0;
@@ -323,23 +385,19 @@ static PyObject *py_recv_to_files(PyObject *self, PyObject *args) {
             }
         }
         remaining -= (int64_t)got;
-        /* checksum and write what arrived, shard by shard */
+        /* checksum what arrived shard by shard, gather it into runs of adjacent slots, write them */
         size_t pos = 0;
         while (pos < got && seg < n) {
-            size_t take = (size_t)(segs[seg].length - seg_done);
+            const segment_t *s = &segs[seg];
+            size_t take = (size_t)(s->length - seg_done);
             if (take > got - pos) take = got - pos;
             crcs[seg] = crc32c_update(crcs[seg], buf + pos, take);
-            if (segs[seg].fd >= 0 && !written_err) {
-                size_t w = 0;
-                while (w < take) {
-                    ssize_t r = pwrite((int)segs[seg].fd, buf + pos + w, take - w, segs[seg].offset + seg_done + (int64_t)w);
-                    if (r < 0 && errno == EINTR) continue;
-                    if (r <= 0) {
-                        written_err = r < 0 ? errno : EIO;
-                        break;
-                    }
-                    w += (size_t)r;
-                }
+            if (s->fd >= 0 && !written_err) {
+                written_err = run_add(run, (int)s->fd, s->offset + seg_done, buf + pos, take);
+                int64_t tail = s->stride - s->length; /* a long tail breaks the run instead: its folios are whole */
+                if (!written_err && seg_done + (int64_t)take == s->length && tail <= (int64_t)sizeof(zero_tail))
+                    written_err = run_add(run, (int)s->fd, s->offset + s->length, zero_tail,
+                                          (size_t)tail);
             }
             pos += take;
             seg_done += (int64_t)take;
@@ -348,22 +406,18 @@ static PyObject *py_recv_to_files(PyObject *self, PyObject *args) {
                 seg_done = 0;
             }
         }
+        if (run->count && !written_err) written_err = run_flush(run); /* the scratch buffer is reused next */
+        run->count = 0;
         if (eof || err) break;
     }
     if (!err && !eof && written_err) err = written_err;
     Py_END_ALLOW_THREADS;
     if (eof || err) {
+        Py_CLEAR(out);
         socket_error(err, eof);
-        goto done;
-    }
-    out = PyList_New(n);
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
-        if (!v) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, i, v);
     }
 done:
-    PyMem_Free(crcs);
+    PyMem_Free(run);
     PyBuffer_Release(&plan);
     PyBuffer_Release(&scratch);
     return out;
@@ -495,10 +549,11 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int: CRC-32C of data, continuing from crc."},
     {"crc32c_many", py_crc32c_many, METH_O, "crc32c_many(buffers) -> list[int]: CRC-32C of each buffer."},
     {"recv_to_files", py_recv_to_files, METH_VARARGS,
-     "recv_to_files(sock_fd, timeout_ms, plan, scratch) -> list[int]: receive exactly the plan's bytes.\n\n"
-     "plan holds int64 triples (fd, offset, length), one per shard, in payload order; each shard is written\n"
-     "at offset of fd (fd -1: received and dropped) and its CRC-32C returned. scratch is reused to receive\n"
-     "in pieces. Raises TimeoutError, ConnectionResetError (peer closed) or OSError; after an error the\n"
+     "recv_to_files(sock_fd, timeout_ms, plan, scratch) -> bytes: receive exactly the plan's bytes.\n\n"
+     "plan holds int64 rows (fd, offset, length, stride), one per shard, in payload order; each shard is\n"
+     "written at offset of fd and the rest of its slot (stride - length bytes, if at most 64 KiB) as zeros, slots\n"
+     "adjacent in a file in one pwritev (fd -1: received and dropped). Returns the shards' CRC-32Cs as\n"
+     "little-endian uint32s. scratch is reused to receive in pieces. Raises TimeoutError, ConnectionResetError (peer closed) or OSError; after an error the\n"
      "stream is out of step and the connection must be closed."},
     {"send_all", py_send_all, METH_VARARGS,
      "send_all(sock_fd, timeout_ms, buffers): send every byte of buffers (sendmsg, partial sends resumed)."},

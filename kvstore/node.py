@@ -57,7 +57,7 @@ from kvtier.kvstore.protocol import (
     encode_error,
     encode_head,
 )
-from kvtier.kvstore.slabs import MAX_SHARD_BYTES
+from kvtier.kvstore.slabs import MAX_SHARD_BYTES, SIZE_CLASSES
 from kvtier.kvstore.sockio import recv_frame
 from kvtier.kvstore.wire import bad, field, unpack_array, unpack_headers, unpack_keys
 
@@ -221,14 +221,16 @@ class StorageNode:
             ]
             slots = self.engine.reserve(tenant, writes, replace=bool(head.meta.get("replace")))
         session.receiving = (head.request_id, tenant, slots)
-        plan = np.empty((len(slots), 3), dtype=np.int64)
+        plan = np.empty((len(slots), 4), dtype=np.int64)
         plan[:, :2] = [(s.fd, s.offset) if isinstance(s, Reservation) else (-1, 0) for s in slots]
         plan[:, 2] = lens
+        plan[:, 3] = [SIZE_CLASSES[s.size_class] if isinstance(s, Reservation) else 0 for s in slots]
+        plan[:, 3] = np.maximum(plan[:, 3], plan[:, 2])
         timeout = sock.gettimeout()
         crcs = _native.recv_to_files(
             sock.fileno(), -1 if timeout is None else int(timeout * 1000), plan, session.scratch_view(RECV_PIECE_BYTES)
         )
-        for s, crc in zip(slots, crcs, strict=True):
+        for s, crc in zip(slots, np.frombuffer(crcs, dtype="<u4").tolist(), strict=True):
             if isinstance(s, Reservation):
                 s.crc = crc
 

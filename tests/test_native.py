@@ -31,8 +31,13 @@ def test_crc32c_many_checksums_each_buffer() -> None:
     assert _native.crc32c_many(buffers) == [crc32c.crc32c(b) for b in buffers]
 
 
-def _plan(*triples: tuple[int, int, int]) -> bytes:
-    return np.asarray(triples, dtype=np.int64).tobytes()
+def _plan(*rows: tuple[int, ...]) -> bytes:
+    """(fd, offset, length[, stride]) rows; the stride defaults to the length."""
+    return np.asarray([(*row, row[2]) if len(row) == 3 else row for row in rows], dtype=np.int64).tobytes()
+
+
+def _crcs(raw: bytes) -> list[int]:
+    return np.frombuffer(raw, dtype="<u4").tolist()
 
 
 def _send_later(sock: socket.socket, data: bytes, close: bool = False) -> threading.Thread:
@@ -56,10 +61,27 @@ def test_recv_to_files_writes_each_shard_at_its_offset_and_drops_refused_ones(tm
         plan = _plan((fd, 0, len(shards[0])), (fd, 1 << 20, 7), (-1, 0, len(shards[2])), (fd, 2 << 20, 64 << 10))
         crcs = _native.recv_to_files(b.fileno(), 5000, plan, bytearray(16 << 10))
         sender.join()
-    assert crcs == [crc32c.crc32c(s) for s in shards]
+    assert _crcs(crcs) == [crc32c.crc32c(s) for s in shards]
     for offset, shard in ((0, shards[0]), (1 << 20, shards[1]), (2 << 20, shards[3])):
         assert os.pread(fd, len(shard), offset) == shard
     assert os.pread(fd, 8, 1 << 20 | 7) == bytes(8)  # nothing of the dropped shard was written
+    os.close(fd)
+
+
+def test_recv_to_files_writes_adjacent_slots_whole_with_zero_tails(tmp_path) -> None:
+    stride = 7168
+    shards = [os.urandom(6554) for _ in range(40)]
+    fd = os.open(tmp_path / "slab", os.O_RDWR | os.O_CREAT)
+    os.pwrite(fd, b"\xff" * (stride * 42), 0)  # old bytes: every slot's tail must come back as zeros
+    a, b = socket.socketpair()
+    with a, b:
+        sender = _send_later(a, b"".join(shards))
+        plan = _plan(*[(fd, (1 + i) * stride, 6554, stride) for i in range(40)])
+        crcs = _native.recv_to_files(b.fileno(), 5000, plan, bytearray(16 << 10))  # pieces cut shards in two
+        sender.join()
+    assert _crcs(crcs) == [crc32c.crc32c(s) for s in shards]
+    assert os.pread(fd, stride * 40, stride) == b"".join(s.ljust(stride, b"\0") for s in shards)
+    assert os.pread(fd, stride, 0) == b"\xff" * stride and os.pread(fd, stride, 41 * stride) == b"\xff" * stride
     os.close(fd)
 
 
