@@ -15,9 +15,10 @@ every ``gc.interval_s`` or at once when a write pushes usage past the high water
    (``capacity / 12`` of every node; ``gc.policy.plan_eviction`` over its LRU index): above ``high`` it
    removes least-recently-used blocks down to ``low``. Since every node holds one shard of each of the
    group's blocks, that keeps every node between the watermarks, without coordination.
-4. **Zombies** (every ``write_timeout_s / 4``): PENDING shards older than ``write_timeout_s`` belong to a
-   writer that died. Ask the block's primary: a live record means the writer died mid-commit, so the
-   shard is promoted; otherwise it is dropped.
+4. **Zombies** (every ``write_timeout_s / 4``): pending writes (staged batches, in memory) older than
+   ``write_timeout_s`` belong to a writer that died. Ask the blocks' primaries: a live record means the
+   writer died mid-commit, so the shard is committed (promoted); otherwise it is dropped; a shard whose
+   primary cannot be reached stays pending until the next scan.
 5. **Repair** (when asked, e.g. ``kvctl repair``): for every block record held here, probe the 12 holders;
    a block with missing shards but at least 10 present is read (decoded) and the missing shards rewritten,
    the primary's record included, at most ``repair_bytes_per_s``.
@@ -39,10 +40,11 @@ import numpy as np
 
 from kvtier.gc.evictor import Evictor
 from kvtier.gc.policy import expired, plan_eviction
-from kvtier.kvstore.chunks import COMMITTED, ChunkEngine
+from kvtier.kvstore.chunks import COMMIT, DROP, KEEP, ChunkEngine
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.cluster import ClusterConfig
 from kvtier.kvstore.lru import BlockEntry
+from kvtier.kvstore.protocol import Status
 
 log = logging.getLogger("kvtier.gc")
 
@@ -185,26 +187,24 @@ class GCWorker:
     # -- zombies --------------------------------------------------------------------------------------
 
     def _reclaim_zombies(self, now: float) -> None:
-        """Dead writers' PENDING shards, and committed shards past their TTL that no primary removed
+        """Dead writers' pending batches, and committed shards past their TTL that no primary removed
         (it could not reach this node when it evicted, or is itself gone)."""
-        stale, expired_shards = self.engine.scan_shards(now - self.config.gc.write_timeout_s, self.ttl_classes().get)
         ttl = self.ttl_classes()
-        cutoff = now - self.config.gc.write_timeout_s
-        for tenant, items in _by_tenant(expired_shards).items():
+        for tenant, items in _by_tenant(self.engine.expired_shards(ttl.get)).items():
             self.stats.shards_expired += self.engine.drop_shards(
-                tenant, items, state=COMMITTED, still=lambda rec: now > rec.created + ttl.get(rec.ttl_class, 0.0)
+                tenant, items, still=lambda rec: now > rec.created + ttl.get(rec.ttl_class, 0.0)
             )
-        for tenant, items in _by_tenant(stale).items():
+        for tenant, put_id, batch in self.engine.stale_puts(now - self.config.gc.write_timeout_s):
+            rows = np.flatnonzero(batch.status == Status.OK)
             with self.client.acting_for(tenant):
-                live = self.client.liveness([key for key, _ in items]).tolist()
+                live = self.client.liveness([batch.key(i) for i in rows.tolist()])
             # 1: committed at the primary (the writer died mid-commit); 0: never committed; -1: the primary
             # is unreachable, so nobody can tell yet: keep the shard for the next scan
-            committed = [item for item, state in zip(items, live, strict=True) if state == 1]
-            abandoned = [item for item, state in zip(items, live, strict=True) if state == 0]
-            self.stats.zombies_promoted += self.engine.promote(tenant, committed)
-            self.stats.zombies_dropped += self.engine.drop_shards(
-                tenant, abandoned, still=lambda rec: rec.created < cutoff
-            )
+            action = np.full(batch.n, DROP, dtype=np.uint8)
+            action[rows] = np.select([live == 1, live == 0], [COMMIT, DROP], KEEP)
+            self.engine.commit(tenant, put_id, action)
+            self.stats.zombies_promoted += int((live == 1).sum())
+            self.stats.zombies_dropped += int((live == 0).sum())
 
     # -- repair ---------------------------------------------------------------------------------------
 

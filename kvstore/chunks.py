@@ -7,16 +7,19 @@ Layout of a node's data dir::
 
 Contract (every method is safe to call from several threads):
 
-- ``reserve``         sets aside a slot per announced shard (the node writes the payload straight into
-  it). A shard already COMMITTED under the same (tenant, key, index) is left as it is (``EXISTS``). A shard 0
-  (this node is the block's primary) is charged to the primary budget; over budget, ``make_room`` (the GC's
-  evictor) evicts least-recently-used unpinned blocks at once. ``NO_SPACE`` only when nothing more could be
-  evicted, when the node stays full for ``room_wait_s``, or when the disk is full. ``cancel`` gives
-  reservations back.
-- ``record_pending``  records the received shards PENDING with the CRC-32C computed as they arrived
-  (replacing a PENDING one).
-- ``commit``          flips PENDING shards to COMMITTED and, at the primary (and shard 1's holder), writes
-  the block record that ``match`` and reads consult. A block without a record is invisible.
+- ``reserve``         sets aside a slot per shard of a :class:`WriteBatch` (one PUT's shards, as columns; the
+  node writes the payload straight into the slots). A shard already COMMITTED under the same (tenant, key,
+  index) is left as it is (``EXISTS``). A shard 0 (this node is the block's primary) is charged to the
+  primary budget; over budget, ``make_room`` (the GC's evictor) evicts least-recently-used unpinned blocks
+  at once. ``NO_SPACE`` only when nothing more could be evicted, when the node stays full for
+  ``room_wait_s``, or when the disk is full. ``cancel`` gives the slots back.
+- ``stage``           keeps the received batch PENDING, in memory only, under the writer's put id: nothing
+  of it is in LMDB, so a crash before the COMMIT leaves its slots free, which is exactly right.
+  ``stale_puts`` lists batches whose writer never settled them (the GC settles them after
+  ``write_timeout_s``).
+- ``commit``          settles a staged batch in one LMDB transaction: COMMITTED shard records (one
+  ``putmulti``) and, at the primary (and shard 1's holder), the block record that ``match`` and reads
+  consult; rows the writer gives up on are dropped. A block without a record is invisible.
 - ``read``            returns committed, unexpired shards whose crc32c verifies, pinned until ``unpin``;
   anything else is an erasure (``MISSING``/``CORRUPT``/``MISMATCH``/``ABSENT``), never wrong bytes.
 - ``delete``          removes block records first, then shards; a freed slot is reused once no reader pins
@@ -35,22 +38,26 @@ writes, and any torn shard fails its crc and is treated as an erasure.
 from __future__ import annotations
 
 import math
+import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import lmdb
+import numpy as np
 
 from kvtier.kvstore import _native
+from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
 from kvtier.kvstore.lru import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
-from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
+from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles
 
-PENDING, COMMITTED = 1, 2
+PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
+SETTLED_KEPT = 256  # settled puts whose COMMIT answer is kept, for a COMMIT resent after a lost connection
 
 
 # state, index, size class, slot, shard length, crc32c, block length, created, header digest; + ttl class
@@ -106,44 +113,122 @@ class BlockRecord(NamedTuple):
         return cls(block_len, created, last_access, header, ns, rest[:parent_len], rest[parent_len:].decode())
 
 
-@dataclass(frozen=True)
-class ShardWrite:
-    """One shard a writer announces; its bytes arrive later at ``Reservation.fd``/``offset``."""
+class WriteBatch:
+    """The shards of one ``PUT_SHARDS`` request at this node, as columns: row ``i`` is the ``i``-th shard of
+    the payload. No Python object per shard: a 64 KiB-block put brings a thousand shards to every node.
 
-    key: bytes
-    index: int
-    length: int
-    block_len: int
-    ttl_class: str
-    header: bytes  # 16-byte header digest, or 16 zero bytes when the writer gave no tokens
-
-
-@dataclass
-class Reservation:
-    """A slot set aside for one shard; the shard exists only once ``record_pending`` ran.
-
-    Whoever fills the slot writes the shard at ``offset`` of the slab file ``fd`` and sets ``crc`` to its
-    CRC-32C (computed while the bytes were in hand: the engine does not read them back).
+    The request gives ``keys`` (``n × klen`` bytes), shard ``index``, shard ``length``, ``block_len``,
+    16-byte header ``digests`` (``n × 16`` bytes, zeros when the writer gave no tokens), the TTL class, and
+    for the block records: the namespace digest ``ns`` and one ``parents`` entry per row holding a record
+    (index 0 or 1), in row order; ``created`` per row when repair re-creates a record. ``reserve`` fills
+    ``status`` (OK, EXISTS, NO_SPACE, …), ``size_class`` and ``slot``; the receiver fills ``crc``.
     """
 
-    write: ShardWrite
-    size_class: int
-    slot: int
-    fd: int
-    offset: int
-    crc: int = 0
+    def __init__(
+        self,
+        keys: bytes,
+        klen: int,
+        index: np.ndarray,
+        length: np.ndarray,
+        block_len: np.ndarray,
+        ttl_class: str,
+        digests: bytes | None = None,
+        *,
+        replace: bool = False,
+        ns: bytes = b"",
+        parents: Sequence[bytes] | None = None,
+        created: np.ndarray | None = None,
+    ) -> None:
+        n = len(index)
+        self.n, self.keys, self.klen = n, keys, klen
+        self.index = np.asarray(index, dtype=np.uint8)
+        self.length = np.asarray(length, dtype=np.int64)
+        self.block_len = np.asarray(block_len, dtype=np.int64)
+        self.ttl_class = ttl_class
+        self.digests = digests if digests is not None else bytes(HEADER_BYTES * n)
+        self.replace = replace
+        self.ns = ns.ljust(32, b"\0")
+        holders = np.flatnonzero(self.index <= 1).tolist()
+        self.parents = dict(zip(holders, parents or [b""] * len(holders), strict=True))
+        self.created = created
+        self.status = np.zeros(n, dtype=np.uint8)  # Status.OK
+        self.size_class = np.searchsorted(_CLASS_BYTES, self.length).astype(np.int64)
+        self.slot = np.zeros(n, dtype=np.int64)
+        self.crc = np.zeros(n, dtype="<u4")
+        self.shard_keys: list[bytes] = []  # LMDB keys, set by ``reserve``
+        self.staged_at = 0.0
+
+    def key(self, i: int) -> bytes:
+        return self.keys[i * self.klen : (i + 1) * self.klen]
+
+    def rows(self, status: int) -> np.ndarray:
+        return np.flatnonzero(self.status == status)
+
+    def make_shard_keys(self, tenant: str) -> list[bytes]:
+        """tenant/key/index of every row, built as one array (the LMDB keys of the shard records)."""
+        prefix = tenant_prefix(tenant)
+        p, width = len(prefix), len(prefix) + self.klen + 1
+        table = np.empty((self.n, width), dtype=np.uint8)
+        table[:, :p] = np.frombuffer(prefix, dtype=np.uint8)
+        table[:, p:-1] = np.frombuffer(self.keys, dtype=np.uint8).reshape(self.n, self.klen)
+        table[:, -1] = self.index
+        blob = table.tobytes()
+        return [blob[i : i + width] for i in range(0, len(blob), width)]
+
+    def plan(self, fd_of: Callable[[int], int]) -> np.ndarray:
+        """Where each shard's bytes go, as ``_native.recv_to_files`` takes it: (fd, offset, length, stride)
+        rows; shards not reserved (fd -1) are received and dropped."""
+        plan = np.zeros((self.n, 4), dtype=np.int64)
+        plan[:, 0] = -1
+        plan[:, 2] = plan[:, 3] = self.length
+        for size_class in np.unique(self.size_class[self.status == Status.OK]).tolist():
+            rows = np.flatnonzero((self.status == Status.OK) & (self.size_class == size_class))
+            plan[rows, 0] = fd_of(size_class)
+            plan[rows, 1] = self.slot[rows] * SIZE_CLASSES[size_class]
+            plan[rows, 3] = SIZE_CLASSES[size_class]
+        return plan
+
+    def shard_values(self, rows: np.ndarray, now: float) -> list[bytes]:
+        """Packed COMMITTED shard records (``ShardRecord`` layout) of ``rows``, built as one array."""
+        cls = self.ttl_class.encode()
+        table = np.zeros(len(rows), dtype=_shard_dtype(len(cls)))
+        table["state"] = COMMITTED
+        table["index"] = self.index[rows]
+        table["size_class"] = self.size_class[rows]
+        table["slot"] = self.slot[rows]
+        table["length"] = self.length[rows]
+        table["crc"] = self.crc[rows]
+        table["block_len"] = self.block_len[rows]
+        table["created"] = now
+        table["header"] = np.frombuffer(self.digests, dtype=np.uint8).reshape(self.n, HEADER_BYTES)[rows]
+        table["ttl"] = np.frombuffer(cls, dtype=np.uint8)
+        blob, width = table.tobytes(), table.dtype.itemsize
+        return [blob[i : i + width] for i in range(0, len(blob), width)]
+
+    def pending_record(self, i: int) -> ShardRecord:
+        """Row ``i`` as the record it becomes at COMMIT (``stat`` shows pending shards this way)."""
+        header = self.digests[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+        return ShardRecord(
+            PENDING, int(self.index[i]), int(self.size_class[i]), int(self.slot[i]), int(self.length[i]),
+            int(self.crc[i]), int(self.block_len[i]), self.staged_at, header, self.ttl_class,
+        )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class BlockCommit:
-    key: bytes
-    index: int  # the shard this node holds; 0 means this node is the primary and writes the block record
-    block_len: int
-    ttl_class: str
-    header: bytes
-    ns: bytes
-    parent: bytes
-    created: float | None = None  # repair re-creates a record with the block's original creation time
+def _shard_dtype(ttl_len: int) -> np.dtype:
+    """``_SHARD`` + the TTL class as a numpy record (packed, little-endian)."""
+    fields = ["state", "index", "size_class", "slot", "length", "crc", "block_len", "created", "header", "ttl"]
+    kinds = ["u1", "u1", "<u2", "<u4", "<u4", "<u4", "<u8", "<f8", (np.uint8, HEADER_BYTES), (np.uint8, ttl_len)]
+    return np.dtype({"names": fields, "formats": kinds})
+
+
+def _rows(rows: list[int]) -> np.ndarray:
+    """Row numbers as an index array (an empty list indexes nothing)."""
+    return np.asarray(rows, dtype=np.int64)
+
+
+# what a COMMIT asks per row of its PUT
+DROP, COMMIT, KEEP = 0, 1, 2
+_CLASS_BYTES = np.asarray(SIZE_CLASSES, dtype=np.int64)
 
 
 # The primary (data shard 0) keeps the block record; the holder of shard 1 keeps a copy, so a wiped
@@ -191,8 +276,17 @@ class ChunkEngine:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified whenever used bytes may have dropped
         (self.data_dir / "meta").mkdir(parents=True, exist_ok=True)
+        # writemap: a transaction writes its pages in the map instead of copying them into malloc'd pages and
+        # writing those at commit (half the cost of a put-sized batch of random keys); a killed process still
+        # loses nothing, since the map's pages are the page cache's
         self.env = lmdb.open(
-            str(self.data_dir / "meta"), map_size=1 << 36, max_dbs=4, sync=False, metasync=False, lock=True
+            str(self.data_dir / "meta"),
+            map_size=1 << 36,
+            max_dbs=4,
+            sync=False,
+            metasync=False,
+            lock=True,
+            writemap=True,
         )
         self.shards_db = self.env.open_db(b"shards")
         self.blocks_db = self.env.open_db(b"blocks")
@@ -206,14 +300,20 @@ class ChunkEngine:
         # charged to the primary budget from reservation on, so concurrent writers see each other
         self._pending_primary: dict[bytes, int] = {}
         self.pending_primary_bytes = 0
+        self._pending: dict[tuple[str, bytes], WriteBatch] = {}  # staged batches by (tenant, put id)
+        self._settled: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()  # recent COMMIT answers
         used: dict[int, set[int]] = {}
-        with self.env.begin() as txn:
+        abandoned = []  # PENDING records an older node left in LMDB: writes that were never committed
+        with self.env.begin(write=True) as txn:
             for skey, raw in txn.cursor(db=self.shards_db):
                 rec = ShardRecord.unpack(raw)
+                if rec.state == PENDING:
+                    abandoned.append(bytes(skey))
+                    continue
                 used.setdefault(rec.size_class, set()).add(rec.slot)
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
-                if rec.state == PENDING and rec.index == 0:
-                    self._charge(bytes(skey), SIZE_CLASSES[rec.size_class])
+            for skey in abandoned:
+                txn.delete(skey, db=self.shards_db)
             blocks = [(bytes(k), BlockRecord.unpack(raw)) for k, raw in txn.cursor(db=self.blocks_db)]
             for bkey, block in sorted(blocks, key=lambda kb: kb[1].last_access):
                 own = txn.get(bkey + b"\x00", db=self.shards_db)
@@ -224,12 +324,13 @@ class ChunkEngine:
 
     # -- writes ---------------------------------------------------------------------------------------
 
-    def reserve(self, tenant: str, writes: Sequence[ShardWrite], replace: bool = False) -> list[Reservation | Status]:
-        """Set aside a slot per shard; the caller fills each slot (and its ``crc``), then calls ``record_pending``.
+    def reserve(self, tenant: str, batch: WriteBatch) -> None:
+        """Set aside a slot for every shard of ``batch`` (filling its ``status``, ``size_class``, ``slot``); the
+        caller fills the slots (``batch.plan``) and their ``crc``, then calls ``stage`` (or ``cancel``).
 
-        Per write: a Reservation, ``EXISTS`` (a committed shard is already stored; nothing to do, unless
-        ``replace``: repair rewriting a corrupt one) or ``NO_SPACE``. Reserved bytes count as used until
-        recorded or cancelled.
+        Per row: OK (a slot is reserved; its bytes count as used until committed or given back), ``EXISTS``
+        (a committed shard is already stored; nothing to write, unless ``batch.replace``: repair rewriting a
+        corrupt one) or ``NO_SPACE``.
 
         Making room (docs/design.md §6): a shard 0 makes this node the block's primary, so it is charged to
         the primary budget at once; a charge that takes the budget over calls ``make_room`` (evicts this
@@ -237,66 +338,48 @@ class ChunkEngine:
         ``NO_SPACE``: nothing more could be evicted. Then, when the node itself has no room, the call waits
         (at most ``room_wait_s``) for removals under way to free it; what still does not fit is ``NO_SPACE``.
         """
-        plan = self._plan(tenant, writes, replace)
+        skeys = batch.shard_keys = batch.make_shard_keys(tenant)
+        with self._lock:
+            if not batch.replace:
+                with self.env.begin(db=self.shards_db, buffers=True) as txn:
+                    stored = {bytes(k) for k, _ in txn.cursor().getmulti(skeys)}
+                if stored:
+                    batch.status[_rows([i for i, k in enumerate(skeys) if k in stored])] = Status.EXISTS
+            for i in np.flatnonzero((batch.index == 0) & (batch.status == Status.OK)).tolist():
+                self._charge(skeys[i], SIZE_CLASSES[batch.size_class[i]])
         if self.primary_excess() > 0 and self.make_room is not None:
             self.make_room()
         with self._lock:
             excess = self.primary_excess()
-            for i in reversed(range(len(writes))):  # the budget is over only if nothing more could be evicted
-                if excess <= 0:
-                    break
-                if writes[i].index == 0 and not isinstance(plan[i], Status):
-                    excess -= self._refuse(tenant, writes[i], plan, i)
-            self._wait_for_room(sum(SIZE_CLASSES[p] for p in plan if not isinstance(p, Status)))
-            for i, p in enumerate(plan):
-                if isinstance(p, Status):
-                    continue
-                if self.used_bytes + SIZE_CLASSES[p] > self.capacity_bytes:
-                    self._refuse(tenant, writes[i], plan, i)
-                else:
-                    self.used_bytes += SIZE_CLASSES[p]
-            slots: dict[int, list[int]] = {}
-            for size_class in {p for p in plan if not isinstance(p, Status)}:
-                count = sum(1 for p in plan if p == size_class and not isinstance(p, Status))
+            if excess > 0:  # the budget is over only if nothing more could be evicted
+                for i in np.flatnonzero((batch.index == 0) & (batch.status == Status.OK))[::-1].tolist():
+                    excess -= self._refuse(batch, i)
+                    if excess <= 0:
+                        break
+            rows = batch.rows(Status.OK)
+            sizes = _CLASS_BYTES[batch.size_class[rows]]
+            self._wait_for_room(int(sizes.sum()))
+            fits = self.used_bytes + np.cumsum(sizes) <= self.capacity_bytes
+            for i in rows[~fits].tolist():
+                self._refuse(batch, i)
+            rows, sizes = rows[fits], sizes[fits]
+            self.used_bytes += int(sizes.sum())
+            for size_class in np.unique(batch.size_class[rows]).tolist():
+                mine = rows[batch.size_class[rows] == size_class]
                 try:
-                    slots[size_class] = self.slabs.allocate(size_class, count)[::-1]
+                    batch.slot[mine] = self.slabs.allocate(size_class, len(mine))
                 except NoSpace:  # the disk under the slabs is full
-                    self.used_bytes -= count * SIZE_CLASSES[size_class]
-                    for i, p in enumerate(plan):
-                        if p == size_class and not isinstance(p, Status):
-                            self._refuse(tenant, writes[i], plan, i)
+                    self.used_bytes -= len(mine) * SIZE_CLASSES[size_class]
+                    for i in mine.tolist():
+                        self._refuse(batch, i)
             over_high = self.used_bytes - self.freeing_bytes > self.capacity_bytes * self.high_watermark
             if over_high and self.on_high_watermark is not None:
                 self.on_high_watermark()
-            out: list[Reservation | Status] = []
-            for w, p in zip(writes, plan, strict=True):
-                if isinstance(p, Status):
-                    out.append(p)
-                else:
-                    slot = slots[p].pop()
-                    out.append(Reservation(w, p, slot, *self.slabs.location(p, slot)))
-        return out
 
-    def _plan(self, tenant: str, writes: Sequence[ShardWrite], replace: bool) -> list[int | Status]:
-        """Per write its size class, or EXISTS; shard 0s are charged to the primary budget."""
-        plan: list[int | Status] = []
-        with self._lock, self.env.begin(db=self.shards_db, buffers=True) as txn:
-            for w in writes:
-                skey = shard_key(tenant, w.key, w.index)
-                raw = txn.get(skey)
-                if raw is not None and raw[0] == COMMITTED and not replace:
-                    plan.append(Status.EXISTS)
-                    continue
-                size_class = size_class_for(w.length)
-                plan.append(size_class)
-                if w.index == 0:
-                    self._charge(skey, SIZE_CLASSES[size_class])
-        return plan
-
-    def _refuse(self, tenant: str, write: ShardWrite, plan: list[int | Status], i: int) -> int:
-        """Mark ``plan[i]`` NO_SPACE, giving back its primary charge; returns the bytes given back."""
-        plan[i] = Status.NO_SPACE
-        return self._uncharge(shard_key(tenant, write.key, write.index)) if write.index == 0 else 0
+    def _refuse(self, batch: WriteBatch, i: int) -> int:
+        """Mark row ``i`` NO_SPACE, giving back its primary charge; returns the bytes given back."""
+        batch.status[i] = Status.NO_SPACE
+        return self._uncharge(batch.shard_keys[i]) if batch.index[i] == 0 else 0
 
     def _charge(self, skey: bytes, size: int) -> None:
         self.pending_primary_bytes += size - self._pending_primary.get(skey, 0)
@@ -330,56 +413,146 @@ class ChunkEngine:
             next_free = self.slabs.quarantine[0][0] - self.clock() if self.slabs.quarantine else remaining
             self._room.wait(min(remaining, max(next_free, 0.001)))
 
-    def record_pending(self, tenant: str, reservations: Sequence[Reservation], replace: bool = False) -> None:
-        """The reserved slots hold their shards now: record them PENDING with their ``crc``.
+    def stage(self, tenant: str, put_id: bytes, batch: WriteBatch) -> None:
+        """The batch's shards are in their slots (``crc`` set): they wait, PENDING, for the writer's COMMIT.
 
-        A PENDING shard of the same (tenant, key, index) is replaced (a COMMITTED one only if ``replace``);
-        the old slot is released after grace.
+        Pending writes live in memory only: a node that restarts before the COMMIT has simply not stored
+        them (their slots were never recorded, so they are free), and the writer's COMMIT answers MISSING.
+        A pending batch of the same ``put_id`` (a resent PUT) is replaced and its slots given back.
+        """
+        batch.staged_at = self.clock()
+        with self._lock:
+            old = self._pending.pop((tenant, put_id), None)
+            if old is not None:
+                self._give_back(old, old.rows(Status.OK))
+            self._pending[(tenant, put_id)] = batch
+
+    def cancel(self, batch: WriteBatch) -> None:
+        """Give back the slots of a batch whose shards never arrived (the writer went away)."""
+        with self._lock:
+            self._give_back(batch, batch.rows(Status.OK))
+
+    def _give_back(self, batch: WriteBatch, rows: np.ndarray) -> None:
+        """With the lock held: free reserved slots that no record names (never visible: reusable at once)."""
+        for i in rows.tolist():
+            size_class = int(batch.size_class[i])
+            self.used_bytes -= SIZE_CLASSES[size_class]
+            self.slabs.release_now(size_class, int(batch.slot[i]))
+            if batch.index[i] == 0:
+                self._uncharge(batch.shard_keys[i])
+        batch.status[rows] = Status.MISSING
+        self._room.notify_all()
+
+    def commit(self, tenant: str, put_id: bytes, action: np.ndarray | None = None) -> bytes | None:
+        """Settle a staged batch: per row, ``COMMIT`` (the default for every row), ``DROP`` or ``KEEP``
+        (still pending; the GC asks again later). Returns per row ``OK`` (committed: the shard record is
+        written, and at the primary and shard 1's holder the block record that makes the block visible) or
+        ``MISSING``; None when no batch ``put_id`` is pending. Raises ValueError, changing nothing, when
+        ``action`` does not have a row per shard of the batch.
+
+        All records go in one LMDB transaction. A shard committed meanwhile under the same name by another
+        writer is kept and this batch's copy given back; ``batch.replace`` (repair) replaces it instead.
         """
         now = self.clock()
-        with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
-            for r in reservations:
-                w = r.write
-                skey = shard_key(tenant, w.key, w.index)
-                old = txn.get(skey)
-                if old is not None:
-                    old_rec = ShardRecord.unpack(old)
-                    if old_rec.state == COMMITTED and not replace:  # a concurrent writer committed first
-                        self._release_slot(r.size_class, r.slot, now)
-                        if w.index == 0:
-                            self._uncharge(skey)
-                        continue
-                    self._release(old_rec, now)
-                rec = ShardRecord(
-                    PENDING, w.index, r.size_class, r.slot, w.length, r.crc, w.block_len, now, w.header, w.ttl_class
-                )
-                txn.put(skey, rec.pack())
-
-    def cancel(self, tenant: str, reservations: Sequence[Reservation]) -> None:
-        """Give back reserved slots whose shards never arrived (the writer went away)."""
+        indexed: list[tuple[bytes, int, float, str, float]] = []
         with self._lock:
-            for r in reservations:
-                self.used_bytes -= SIZE_CLASSES[r.size_class]
-                self.slabs.release_now(r.size_class, r.slot)
-                if r.write.index == 0:
-                    self._uncharge(shard_key(tenant, r.write.key, 0))
-            self._room.notify_all()
+            batch = self._pending.get((tenant, put_id))
+            if batch is None:
+                return self._settled.get((tenant, put_id))
+            if action is None:
+                action = np.full(batch.n, COMMIT, dtype=np.uint8)
+            elif len(action) != batch.n:
+                raise ValueError(f"the put holds {batch.n} shards here, the commit names {len(action)}")
+            out = np.full(batch.n, Status.MISSING, dtype=np.uint8)
+            write = np.flatnonzero((batch.status == Status.OK) & (action == COMMIT))
+            again = np.flatnonzero((batch.status == Status.EXISTS) & (action == COMMIT))
+            with self.env.begin(write=True) as txn:
+                if len(write):
+                    self._write_shards(txn, batch, write, now)
+                    out[write] = Status.OK
+                if len(again):  # already committed at PUT time: still there?
+                    names = [batch.shard_keys[i] for i in again.tolist()]
+                    found = {bytes(k) for k, _ in txn.cursor(db=self.shards_db).getmulti(names)}
+                    out[_rows([i for i in again.tolist() if batch.shard_keys[i] in found])] = Status.OK
+                holders = np.flatnonzero((out == Status.OK) & (batch.index <= 1))
+                if len(holders):
+                    self._write_block_records(txn, tenant, batch, holders, now, indexed)
+            for bkey, *entry in indexed:
+                self._uncharge(bkey + b"\x00")  # shard 0's pending charge moves into the LRU index
+                self.lru.insert(bkey, *entry)
+            batch.status[write] = Status.MISSING  # the records own these slots now
+            self._give_back(batch, np.flatnonzero((batch.status == Status.OK) & (action == DROP)))
+            if not ((batch.status == Status.OK) & (action == KEEP)).any():
+                del self._pending[(tenant, put_id)]
+                self._settled[(tenant, put_id)] = out.tobytes()
+                while len(self._settled) > SETTLED_KEPT:
+                    self._settled.popitem(last=False)
+        return out.tobytes()
 
-    def put_pending(self, tenant: str, writes: Sequence[ShardWrite], data: Sequence[memoryview]) -> list[Status]:
-        """``reserve`` + copy + ``record_pending`` in one call, for shards already in memory (repair, tests)."""
-        reserved = self.reserve(tenant, writes)
-        done = []
-        statuses = []
-        for r, payload in zip(reserved, data, strict=True):
-            if isinstance(r, Reservation):
-                self.slabs.write(r.size_class, r.slot, payload)
-                r.crc = _native.crc32c(payload)
-                done.append(r)
-                statuses.append(Status.OK)
-            else:
-                statuses.append(r)
-        self.record_pending(tenant, done)
-        return statuses
+    def _write_shards(self, txn: lmdb.Transaction, batch: WriteBatch, rows: np.ndarray, now: float) -> None:
+        """Shard records of ``rows`` in one ``putmulti``; a record another writer committed meanwhile wins
+        (this batch's slot is given back) unless the batch replaces (repair: the old slot is released)."""
+        skeys = [batch.shard_keys[i] for i in rows.tolist()]
+        cursor = txn.cursor(db=self.shards_db)
+        if batch.replace:
+            for _, raw in cursor.getmulti(skeys):
+                self._release(ShardRecord.unpack(raw), now)
+            cursor.putmulti(list(zip(skeys, batch.shard_values(rows, now), strict=True)))
+            return
+        consumed, added = cursor.putmulti(list(zip(skeys, batch.shard_values(rows, now), strict=True)), overwrite=False)
+        if added < consumed:  # some names were taken: keep the other writer's shard, give ours back
+            where = dict(zip(skeys, rows.tolist(), strict=True))
+            lost = []
+            for k, raw in cursor.getmulti(skeys):
+                i = where[bytes(k)]
+                if _SHARD.unpack_from(raw)[2:4] != (batch.size_class[i], batch.slot[i]):
+                    lost.append(i)
+            self._give_back(batch, _rows(lost))
+
+    def _write_block_records(
+        self, txn: lmdb.Transaction, tenant: str, batch: WriteBatch, rows: np.ndarray, now: float, indexed: list
+    ) -> None:
+        """Block records of ``rows`` (shard 0 or 1 held here); a re-put keeps the block's ``created``. Shard 0s
+        are added to ``indexed`` for the LRU index (inserted once the transaction has committed)."""
+        prefix = tenant_prefix(tenant)
+        bkeys = [prefix + batch.key(i) for i in rows.tolist()]
+        cursor = txn.cursor(db=self.blocks_db)
+        old = {bytes(k): BlockRecord.unpack(raw).created for k, raw in cursor.getmulti(bkeys)}
+        items = []
+        for bkey, i in zip(bkeys, rows.tolist(), strict=True):
+            created = old.get(bkey)
+            if created is None:
+                created = float(batch.created[i]) if batch.created is not None else now
+            header = batch.digests[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+            block_len = int(batch.block_len[i])
+            block = BlockRecord(block_len, created, now, header, batch.ns, batch.parents[i], batch.ttl_class)
+            items.append((bkey, block.pack()))
+            if batch.index[i] == 0:
+                indexed.append((bkey, SIZE_CLASSES[batch.size_class[i]], now, batch.ttl_class, created))
+        cursor.putmulti(items)
+
+    def store(self, tenant: str, batch: WriteBatch, payloads: Sequence[bytes | memoryview]) -> bytes:
+        """``reserve``, write, ``stage`` and ``commit`` in one call, for shards already in memory; returns the
+        commit's statuses (EXISTS rows count as OK when still stored)."""
+        self.reserve(tenant, batch)
+        for i in batch.rows(Status.OK).tolist():
+            self.slabs.write(int(batch.size_class[i]), int(batch.slot[i]), payloads[i])
+            batch.crc[i] = _native.crc32c(payloads[i])
+        put_id = os.urandom(8)
+        self.stage(tenant, put_id, batch)
+        return self.commit(tenant, put_id) or b""
+
+    def stale_puts(self, before: float) -> list[tuple[str, bytes, WriteBatch]]:
+        """Pending batches staged before ``before`` (their writer died, or never committed): (tenant, put id,
+        batch); the GC asks their primaries and settles them with ``commit``."""
+        with self._lock:
+            return [(t, p, b) for (t, p), b in self._pending.items() if b.staged_at < before]
+
+    def pending_shards(self, tenant: str, key: bytes) -> list[ShardRecord]:
+        """The shards of ``key`` waiting here for a COMMIT, as the records they would become (for ``stat``)."""
+        with self._lock:
+            batches = [b for (t, _), b in self._pending.items() if t == tenant]
+        return [b.pending_record(i) for b in batches for i in b.rows(Status.OK).tolist() if b.key(i) == key]
 
     def _release(self, rec: ShardRecord, now: float) -> None:
         self._release_slot(rec.size_class, rec.slot, now)
@@ -399,43 +572,6 @@ class ChunkEngine:
     def freeing_bytes(self) -> int:
         """Used bytes already deleted and waiting out their grace time."""
         return self.slabs.quarantined_bytes
-
-    def commit(self, tenant: str, commits: Sequence[BlockCommit]) -> list[Status]:
-        """Mark shards COMMITTED (and write block records at the primary); MISSING if no shard is stored."""
-        now = self.clock()
-        statuses = []
-        indexed = []  # LRU entries to add once the transaction has committed (a failure rolls both back)
-        with self._lock:
-            with self.env.begin(write=True) as txn:
-                for c in commits:
-                    statuses.append(self._commit_one(txn, tenant, c, now, indexed))
-            for entry in indexed:
-                self._uncharge(entry[0] + b"\x00")  # shard 0's pending charge moves into the LRU index
-                self.lru.insert(*entry)
-        return statuses
-
-    def _commit_one(
-        self, txn: lmdb.Transaction, tenant: str, c: BlockCommit, now: float, indexed: list[tuple]
-    ) -> Status:
-        skey = shard_key(tenant, c.key, c.index)
-        raw = txn.get(skey, db=self.shards_db)
-        if raw is None:
-            return Status.MISSING
-        if raw[0] != COMMITTED:  # the state is the record's first byte
-            txn.put(skey, bytes((COMMITTED,)) + raw[1:], db=self.shards_db)
-        if c.index in RECORD_HOLDERS:
-            rec = ShardRecord.unpack(raw)
-            bkey = block_key(tenant, c.key)
-            old = txn.get(bkey, db=self.blocks_db)
-            if old is not None:
-                created = BlockRecord.unpack(old).created
-            else:
-                created = c.created if c.created is not None else now
-            block = BlockRecord(c.block_len, created, now, c.header, c.ns, c.parent, c.ttl_class)
-            txn.put(bkey, block.pack(), db=self.blocks_db)
-            if c.index == 0:
-                indexed.append((bkey, SIZE_CLASSES[rec.size_class], now, c.ttl_class, created))
-        return Status.OK
 
     def delete(self, tenant: str, keys: Sequence[bytes], before: float | None = None) -> int:
         """Remove the block records of ``keys`` (the primary's, or shard 1's copy), then their shards; returns
@@ -466,8 +602,6 @@ class ChunkEngine:
                     if not cursor.next():
                         break
                     continue
-                if rec.index == 0 and rec.state == PENDING:
-                    self._uncharge(base + b"\x00")
                 self._release(rec, now)
                 removed += 1
                 if not cursor.delete():
@@ -564,54 +698,32 @@ class ChunkEngine:
             out.append((bkey[:cut].decode(), bkey[cut + 1 :]))
         return out
 
-    def scan_shards(
-        self, pending_cutoff: float, ttl_s: Callable[[str], float | None]
-    ) -> tuple[list[tuple[str, bytes, int]], list[tuple[str, bytes, int]]]:
-        """One pass over every shard record (call it rarely): (PENDING shards written before
-        ``pending_cutoff``, COMMITTED shards past their class's TTL), each as (tenant, key, index)."""
+    def expired_shards(self, ttl_s: Callable[[str], float | None]) -> list[tuple[str, bytes, int]]:
+        """One pass over every shard record (call it rarely): the shards past their class's TTL, each as
+        (tenant, key, index)."""
         now = self.clock()
-        stale, expired = [], []
+        expired = []
         with self.env.begin(db=self.shards_db, buffers=True) as txn:
             for skey, raw in txn.cursor():
-                rec = ShardRecord.unpack(raw)
-                if rec.state == PENDING and rec.created < pending_cutoff:
-                    target = stale
-                elif rec.state == COMMITTED and not _shard_alive(rec, ttl_s, now):
-                    target = expired
-                else:
+                if _shard_alive(ShardRecord.unpack(raw), ttl_s, now):
                     continue
                 raw_key = bytes(skey)
                 cut = raw_key.index(b"/")
-                target.append((raw_key[:cut].decode(), raw_key[cut + 1 : -1], raw_key[-1]))
-        return stale, expired
-
-    def promote(self, tenant: str, items: Sequence[tuple[bytes, int]]) -> int:
-        """Mark still-PENDING shards COMMITTED (their block was committed at its primary)."""
-        with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
-            found = list(_shards_in_state(txn, tenant, items, PENDING))
-            for skey, raw in found:
-                txn.put(skey, bytes((COMMITTED,)) + raw[1:])
-        return len(found)
+                expired.append((raw_key[:cut].decode(), raw_key[cut + 1 : -1], raw_key[-1]))
+        return expired
 
     def drop_shards(
-        self,
-        tenant: str,
-        items: Sequence[tuple[bytes, int]],
-        state: int = PENDING,
-        still: Callable[[ShardRecord], bool] | None = None,
+        self, tenant: str, items: Sequence[tuple[bytes, int]], still: Callable[[ShardRecord], bool] | None = None
     ) -> int:
-        """Remove shards still in ``state`` (default PENDING: a dead writer's) and, if given, for which
-        ``still(record)`` holds when looked at again under the lock (a shard written since the caller
-        decided is left alone); others are left alone."""
+        """Remove the committed shards ``items`` for which ``still(record)`` holds when looked at again under the
+        lock (a shard written since the caller decided is left alone); returns how many."""
         now = self.clock()
         with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
-            found = [(skey, ShardRecord.unpack(raw)) for skey, raw in _shards_in_state(txn, tenant, items, state)]
+            found = [(skey, ShardRecord.unpack(raw)) for skey, raw in _shards_in_state(txn, tenant, items, COMMITTED)]
             found = [(skey, rec) for skey, rec in found if still is None or still(rec)]
             for skey, rec in found:
                 self._release(rec, now)
                 txn.delete(skey)
-                if rec.index == 0 and rec.state == PENDING:
-                    self._uncharge(skey)
         return len(found)
 
     # -- reads ----------------------------------------------------------------------------------------

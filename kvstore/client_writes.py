@@ -3,8 +3,8 @@ block's group, then COMMIT); see docs/design.md §4."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -91,24 +91,29 @@ class Writes(ClientCore):
         shards = self._encode(views)
         block_lens = np.asarray([len(v) for v in views], dtype="<u8")
         shard_lens = np.asarray([shard_size(len(v)) for v in views], dtype="<u4")  # all 12 shards of a block
-
-        def block_meta(entries: np.ndarray) -> dict[str, Any]:
-            return {"blen": block_lens[entries[:, 0]].tobytes(), "cls": ttl_class}
+        put_id = os.urandom(8)  # names this put's pending shards on every node: the COMMIT refers to them
 
         # phase 1: shards PENDING on every node
         exchange = Exchange(self.pool)
         plans = []
         for node_id, entries in _by_node(shard_nodes, write):
-            meta = {**self._entry_meta(keys, entries, headers), **block_meta(entries)}
-            meta["lens"] = shard_lens[entries[:, 0]].tobytes()
+            blocks, indices = entries[:, 0], entries[:, 1]
+            meta = self._entry_meta(keys, entries, headers)
+            meta.update(put=put_id, cls=ttl_class, blen=block_lens[blocks].tobytes(), lens=shard_lens[blocks].tobytes())
+            if parents:
+                meta["ns"] = ns_digest
+                meta["par"] = [parents[keys[b]] for b in blocks[indices <= 1].tolist()]
+            if created is not None:
+                meta["created"] = np.asarray(created, dtype="<f8")[blocks].tobytes()
             if repair:
                 meta["replace"] = True
             payload = [segment for b, i in entries.tolist() for segment in shards[b][i]]
-            plans.append((entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
+            plans.append((node_id, entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
         exchange.run(self.config.client.op_timeout_s)
         ok = np.zeros(shard_nodes.shape, dtype=bool)
         no_space = np.zeros(len(keys), dtype=bool)
-        for entries, pending in plans:
+        answered = []
+        for node_id, entries, pending in plans:
             statuses = self._flags(pending, "st", len(entries))
             if statuses is None:
                 continue
@@ -117,24 +122,20 @@ class Writes(ClientCore):
             good = (statuses == Status.OK) | (statuses == Status.EXISTS)
             ok[entries[good, 0], entries[good, 1]] = True
             no_space[entries[statuses == Status.NO_SPACE, 0]] = True
+            if good.any():
+                answered.append((node_id, entries))
         if repair:
             committable = np.ones(len(keys), dtype=bool)
         else:
             committable = ok[:, 0] & (ok.sum(axis=1) >= self.config.client.min_write_shards)
-            self._abort(keys, shard_nodes, ok & write & ~committable[:, None])
 
-        # phase 2: COMMIT where enough shards are durable; the primary's record makes the block visible
+        # phase 2: one small COMMIT per node naming the put: commit the shards of committable blocks, drop the
+        # others' (so they do not wait for GC); the primary's record makes a block visible
         exchange = Exchange(self.pool)
         commits = []
-        for node_id, entries in _by_node(shard_nodes, ok & write & committable[:, None]):
-            meta = {**self._entry_meta(keys, entries, headers), **block_meta(entries)}
-            pairs = entries.tolist()
-            if parents:
-                meta["ns"] = ns_digest
-                meta["parents"] = [parents[keys[b]] if i in (0, 1) else b"" for b, i in pairs]
-            if created is not None:
-                meta["created"] = np.asarray([created[b] for b, _ in pairs], dtype="<f8").tobytes()
-            commits.append((entries, exchange.request(node_id, Op.COMMIT, meta)))
+        for node_id, entries in answered:
+            action = committable[entries[:, 0]].astype(np.uint8).tobytes()
+            commits.append((entries, exchange.request(node_id, Op.COMMIT, {"put": put_id, "act": action})))
         exchange.run(self.config.client.op_timeout_s)
         stored = np.zeros(len(keys), dtype=bool)
         for entries, pending in commits:
@@ -192,15 +193,6 @@ class Writes(ClientCore):
                 self.codec.encode_parity(padded, parity)
                 out.append([[memoryview(d)] for d in padded] + [[p] for p in parity])
         return out
-
-    def _abort(self, keys: Sequence[bytes], shard_nodes: np.ndarray, which: np.ndarray) -> None:
-        """Drop the PENDING shards of blocks that will not commit, so they do not wait for GC."""
-        if not which.any():
-            return
-        exchange = Exchange(self.pool)
-        for node_id, entries in _by_node(shard_nodes, which):
-            exchange.request(node_id, Op.ABORT, self._entry_meta(keys, entries, None))
-        exchange.run(self.config.client.op_timeout_s)
 
 
 def _zeros(n: int) -> memoryview:

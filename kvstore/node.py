@@ -40,9 +40,9 @@ import numpy as np
 
 from kvtier.kvstore import _native
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.chunks import BlockCommit, ChunkEngine, Reservation, ShardWrite
+from kvtier.kvstore.chunks import KEEP, ChunkEngine, WriteBatch
 from kvtier.kvstore.codec import TOTAL_SHARDS
-from kvtier.kvstore.keys import NO_HEADER
+from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
 from kvtier.kvstore.placement import primary_budget_bytes
@@ -57,7 +57,7 @@ from kvtier.kvstore.protocol import (
     encode_error,
     encode_head,
 )
-from kvtier.kvstore.slabs import MAX_SHARD_BYTES, SIZE_CLASSES
+from kvtier.kvstore.slabs import MAX_SHARD_BYTES
 from kvtier.kvstore.sockio import recv_frame
 from kvtier.kvstore.wire import bad, field, unpack_array, unpack_headers, unpack_keys
 
@@ -101,7 +101,7 @@ class Session:
         self.tenant = tenant
         self.admin = admin
         self.scratch = bytearray()
-        self.receiving: tuple[int, str, list[Reservation | Status]] | None = None  # (request id, tenant, slots)
+        self.receiving: tuple[int, str, WriteBatch] | None = None  # (request id, tenant, shards) of a PUT
 
     def scratch_view(self, n: int) -> memoryview:
         """A reused buffer of ``n`` bytes that payloads pass through on their way to the slab files."""
@@ -132,7 +132,6 @@ class StorageNode:
             Op.STAT: self.stat,
             Op.NODE_INFO: self.node_info,
             Op.ADMIN: self.admin,
-            Op.ABORT: self.abort,
         }
 
     def health(self) -> dict[str, Any]:
@@ -186,104 +185,106 @@ class StorageNode:
             raise bad(f"shard index out of range 0..{TOTAL_SHARDS - 1}")
         return keys, idx
 
-    def _ttl_class(self, frame: Frame) -> str | None:
-        name = field(frame.meta, "cls", str)
-        return name if name in self.ttl_classes else None
-
     def receive_payload(self, session: Session, head: Frame, sock: socket.socket) -> None:
         """Receive a request's payload from ``sock``: a PUT's shards straight into their reserved slab slots.
 
         The compiled loop (``_native.recv_to_files``) receives in pieces the size of a CPU cache, checksums
-        each shard while it is hot and ``pwrite``s it to its slot; refused shards are received and dropped.
-        Raises what the socket raises (timeout, reset): the reservations are then given back by
+        each shard while it is hot and writes runs of adjacent slots whole; refused shards are received and
+        dropped. Raises what the socket raises (timeout, reset): the reservations are then given back by
         ``abandon_payload``.
         """
         if head.opcode != Op.PUT_SHARDS:
             raise bad(f"opcode {head.opcode} carries no payload")
-        keys, idx = self._entries(head)
-        lens = unpack_array(head.meta, "lens", "<u4", len(keys))
-        blen = unpack_array(head.meta, "blen", "<u8", len(keys))
-        headers = unpack_headers(head.meta, len(keys))
-        if int(lens.sum()) != head.payload_len:
+        batch = self._write_batch(head.meta)
+        if int(batch.length.sum()) != head.payload_len:
             raise bad("shard lengths do not add up to the payload")
-        if len(lens) and (int(lens.min()) == 0 or int(lens.max()) > MAX_SHARD_BYTES):
-            raise bad(f"shard lengths must be between 1 and {MAX_SHARD_BYTES} bytes")
-        ttl_class = self._ttl_class(head)
         tenant = self.tenant(session, head.meta)
-        if ttl_class is None:
-            slots: list[Reservation | Status] = [Status.BAD_CLASS] * len(keys)
+        if batch.ttl_class not in self.ttl_classes:
+            batch.status[:] = Status.BAD_CLASS
         elif self.draining:
-            slots = [Status.DRAINING] * len(keys)
+            batch.status[:] = Status.DRAINING
         else:
-            writes = [
-                ShardWrite(keys[i], int(idx[i]), int(lens[i]), int(blen[i]), ttl_class, headers[i] or NO_HEADER)
-                for i in range(len(keys))
-            ]
-            slots = self.engine.reserve(tenant, writes, replace=bool(head.meta.get("replace")))
-        session.receiving = (head.request_id, tenant, slots)
-        plan = np.empty((len(slots), 4), dtype=np.int64)
-        plan[:, :2] = [(s.fd, s.offset) if isinstance(s, Reservation) else (-1, 0) for s in slots]
-        plan[:, 2] = lens
-        plan[:, 3] = [SIZE_CLASSES[s.size_class] if isinstance(s, Reservation) else 0 for s in slots]
-        plan[:, 3] = np.maximum(plan[:, 3], plan[:, 2])
+            self.engine.reserve(tenant, batch)
+        session.receiving = (head.request_id, tenant, batch)
         timeout = sock.gettimeout()
         crcs = _native.recv_to_files(
-            sock.fileno(), -1 if timeout is None else int(timeout * 1000), plan, session.scratch_view(RECV_PIECE_BYTES)
+            sock.fileno(),
+            -1 if timeout is None else int(timeout * 1000),
+            batch.plan(self.engine.slabs.fd),
+            session.scratch_view(RECV_PIECE_BYTES),
         )
-        for s, crc in zip(slots, np.frombuffer(crcs, dtype="<u4").tolist(), strict=True):
-            if isinstance(s, Reservation):
-                s.crc = crc
+        batch.crc = np.frombuffer(crcs, dtype="<u4")
+
+    def _write_batch(self, meta: dict[str, Any]) -> WriteBatch:
+        """A PUT's metadata as a :class:`WriteBatch`; ``bad`` (the connection is closed) for malformed fields."""
+        keys = field(meta, "keys", bytes)
+        n = len(unpack_keys(meta, self.config.limits.max_batch))
+        idx = unpack_array(meta, "idx", "u1", n)
+        if n and int(idx.max()) >= TOTAL_SHARDS:
+            raise bad(f"shard index out of range 0..{TOTAL_SHARDS - 1}")
+        lens = unpack_array(meta, "lens", "<u4", n)
+        if n and (int(lens.min()) == 0 or int(lens.max()) > MAX_SHARD_BYTES):
+            raise bad(f"shard lengths must be between 1 and {MAX_SHARD_BYTES} bytes")
+        put_id = field(meta, "put", bytes)
+        if not 1 <= len(put_id) <= 32:
+            raise bad("field 'put' must be a put id of 1 to 32 bytes")
+        ns = meta.get("ns", b"")
+        parents = meta.get("par")
+        holders = int((idx <= 1).sum())
+        if not isinstance(ns, bytes) or len(ns) > 32:
+            raise bad("field 'ns' must be a namespace digest of at most 32 bytes")
+        if parents is not None and (
+            not isinstance(parents, list)
+            or len(parents) != holders
+            or not all(isinstance(p, bytes) and len(p) <= 255 for p in parents)
+        ):
+            raise bad("field 'par' must list one parent key (at most 255 bytes) per shard 0 or 1")
+        hdr = meta.get("hdr")
+        if hdr is not None and (not isinstance(hdr, bytes) or len(hdr) != n * HEADER_DIGEST_BYTES):
+            raise bad(f"field 'hdr' must hold {n} digests of {HEADER_DIGEST_BYTES} bytes")
+        return WriteBatch(
+            keys,
+            field(meta, "klen", int),
+            idx,
+            lens,
+            unpack_array(meta, "blen", "<u8", n),
+            field(meta, "cls", str),
+            hdr,
+            replace=bool(meta.get("replace")),
+            ns=ns,
+            parents=parents,
+            created=unpack_array(meta, "created", "<f8", n) if "created" in meta else None,
+        )
 
     def abandon_payload(self, session: Session) -> None:
         """The connection died mid-payload: give the reserved slots back."""
         if session.receiving is not None:
-            _, tenant, slots = session.receiving
-            self.engine.cancel(tenant, [s for s in slots if isinstance(s, Reservation)])
+            self.engine.cancel(session.receiving[2])
             session.receiving = None
 
     def put_shards(self, session: Session, frame: Frame) -> Reply:
+        """The PUT's shards are in their slots: they wait, PENDING (in memory), for the writer's COMMIT."""
         if session.receiving is None or session.receiving[0] != frame.request_id:
             raise bad("PUT_SHARDS without shards")
-        slots = session.receiving[2]
-        reserved = [s for s in slots if isinstance(s, Reservation)]
-        self.engine.record_pending(self.tenant(session, frame.meta), reserved, replace=bool(frame.meta.get("replace")))
-        session.receiving = None  # recorded: from here on the slots belong to shard records, not to us
-        return Reply({"st": bytes(Status.OK if isinstance(s, Reservation) else s for s in slots)})
+        _, tenant, batch = session.receiving
+        if ((batch.status == Status.OK) | (batch.status == Status.EXISTS)).any():
+            self.engine.stage(tenant, frame.meta["put"], batch)
+        session.receiving = None  # staged: from here on the slots belong to the pending batch, not to us
+        return Reply({"st": batch.status.tobytes()})
 
     def commit(self, session: Session, frame: Frame) -> Reply:
-        keys, idx = self._entries(frame)
-        blen = unpack_array(frame.meta, "blen", "<u8", len(keys))
-        headers = unpack_headers(frame.meta, len(keys))
-        ttl_class = self._ttl_class(frame)
-        if ttl_class is None:
-            return Reply({"st": bytes([Status.BAD_CLASS]) * len(keys)})
-        ns = frame.meta.get("ns") or b""
-        parents = frame.meta.get("parents") or [b""] * len(keys)
-        if not isinstance(ns, bytes) or len(ns) > 32 or not isinstance(parents, list) or len(parents) != len(keys):
-            raise bad("fields 'ns' and 'parents' must be bytes (at most 32) and a list of one parent per key")
-        if not all(isinstance(p, bytes) and len(p) <= 255 for p in parents):
-            raise bad("each parent must be a key of at most 255 bytes")
-        created = unpack_array(frame.meta, "created", "<f8", len(keys)) if "created" in frame.meta else None
-        commits = [
-            BlockCommit(
-                keys[i],
-                int(idx[i]),
-                int(blen[i]),
-                ttl_class,
-                headers[i] or NO_HEADER,
-                ns.ljust(32, b"\0"),
-                parents[i],
-                float(created[i]) if created is not None else None,
-            )
-            for i in range(len(keys))
-        ]
-        return Reply({"st": bytes(self.engine.commit(self.tenant(session, frame.meta), commits))})
-
-    def abort(self, session: Session, frame: Frame) -> Reply:
-        """A writer gives up on blocks it could not commit: drop its shards that are still PENDING."""
-        keys, idx = self._entries(frame)
-        items = list(zip(keys, idx.tolist(), strict=True))
-        return Reply({"dropped": self.engine.drop_shards(self.tenant(session, frame.meta), items)})
+        """Settle the PUT named ``put``: per shard of it, in its order, ``act`` says commit (1), drop (0) or
+        keep pending (2). Answers per shard OK (committed) or MISSING (not stored here: refused, dropped, or
+        the node restarted since the PUT)."""
+        put_id = field(frame.meta, "put", bytes)
+        action = field(frame.meta, "act", bytes)
+        if len(action) > self.config.limits.max_batch or any(a > KEEP for a in set(action)):
+            raise bad("field 'act' must hold one action (0 drop, 1 commit, 2 keep) per shard of the put")
+        try:
+            statuses = self.engine.commit(self.tenant(session, frame.meta), put_id, np.frombuffer(action, np.uint8))
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        return Reply({"st": statuses if statuses is not None else bytes([Status.MISSING]) * len(action)})
 
     def get_shards(self, session: Session, frame: Frame) -> Reply:
         """Shards by (key, index). ``probe``: statuses only, no bytes, no crc check (for repair scans)."""
@@ -340,7 +341,7 @@ class StorageNode:
         block = self.engine.block_record(tenant, key)
         shards = [
             {"index": r.index, "state": r.state, "length": r.length, "crc": r.crc, "created": r.created}
-            for r in self.engine.shard_records(tenant, key)
+            for r in [*self.engine.shard_records(tenant, key), *self.engine.pending_shards(tenant, key)]
         ]
         meta: dict[str, Any] = {"shards": shards, "block": None}
         if block is not None:

@@ -51,7 +51,6 @@ class Op(enum.IntEnum):
     STAT = 7
     NODE_INFO = 8
     ADMIN = 9
-    ABORT = 10
     ERROR = 0x7F
     REPLY = 0x80
 

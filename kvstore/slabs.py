@@ -26,6 +26,8 @@ import os
 from collections import deque
 from pathlib import Path
 
+import numpy as np
+
 
 def _size_classes() -> list[int]:
     sizes = set()
@@ -90,23 +92,27 @@ class SlabFiles:
             self.next_slot[size_class] = max(slots) + 1
             self.free[size_class] = [s for s in range(max(slots), -1, -1) if s not in slots]
 
-    def _fd(self, size_class: int) -> int:
+    def fd(self, size_class: int) -> int:
+        """The open slab file of a class (created on first use); it lives until ``close``."""
         fd = self.fds.get(size_class)
         if fd is None:
             path = self.directory / f"slab-{SIZE_CLASSES[size_class]}.dat"
             fd = self.fds[size_class] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         return fd
 
-    def allocate(self, size_class: int, count: int) -> list[int]:
-        """``count`` slots of a class: freed ones first, then new ones reserved on disk in one call."""
+    def allocate(self, size_class: int, count: int) -> np.ndarray:
+        """``count`` slots of a class, in ascending order (adjacent slots are written in one call): freed ones
+        first, then new ones reserved on disk in one call."""
         free = self.free.setdefault(size_class, [])
-        reused = [free.pop() for _ in range(min(count, len(free)))]
+        taken = min(count, len(free))
+        reused = sorted(free[len(free) - taken :])
+        del free[len(free) - taken :]
         new = count - len(reused)
         if not new:
-            return reused
+            return np.asarray(reused, dtype=np.int64)
         first = self.next_slot.get(size_class, 0)
         size = SIZE_CLASSES[size_class]
-        fd = self._fd(size_class)
+        fd = self.fd(size_class)
         per_extent = self.extent_slots(size_class)
         end_extent = -(-(first + new) // per_extent)
         try:
@@ -119,11 +125,11 @@ class SlabFiles:
                 raise NoSpace(f"disk full under {self.directory}") from None
             raise
         self.next_slot[size_class] = first + new
-        return reused + list(range(first, first + new))
+        return np.concatenate([np.asarray(reused, dtype=np.int64), np.arange(first, first + new, dtype=np.int64)])
 
     def location(self, size_class: int, slot: int) -> tuple[int, int]:
         """(file descriptor, byte offset) of a slot, for ``pwrite``; the descriptor lives until ``close``."""
-        return self._fd(size_class), slot * SIZE_CLASSES[size_class]
+        return self.fd(size_class), slot * SIZE_CLASSES[size_class]
 
     def write(self, size_class: int, slot: int, data: bytes | memoryview) -> None:
         """Write ``data`` at the start of a slot."""
@@ -143,7 +149,7 @@ class SlabFiles:
         size = SIZE_CLASSES[size_class]
         whole = self.map_views.get((size_class, extent))
         if whole is None:
-            mapped = mmap.mmap(self._fd(size_class), per_extent * size, offset=extent * per_extent * size)
+            mapped = mmap.mmap(self.fd(size_class), per_extent * size, offset=extent * per_extent * size)
             self.maps[(size_class, extent)] = mapped
             whole = self.map_views[(size_class, extent)] = memoryview(mapped)
         if for_write and _POPULATE_WRITE and length >= POPULATE_MIN_BYTES:

@@ -23,7 +23,7 @@ import pytest
 from kvtier.gc.policy import ManualClock
 from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.chunks import BlockCommit, ChunkEngine, ShardWrite
+from kvtier.kvstore.chunks import ChunkEngine, WriteBatch
 from kvtier.kvstore.client import CapacityError, Client, connect
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.placement import Placement, primary_budget_bytes
@@ -399,8 +399,8 @@ def test_ttls_of_days_expire_on_an_injected_clock(tmp_path) -> None:
     engine = ChunkEngine(tmp_path / "engine", CAPACITY, clock=clock.now)
     worker = GCWorker(engine, 0, config, lambda: config.ttl_classes, clock=clock.now)
     for key, ttl_class in ((b"a" * 16, "agent"), (b"c" * 16, "chatbot")):
-        engine.put_pending("default", [ShardWrite(key, 0, 8, 80, ttl_class, bytes(16))], [memoryview(b"x" * 8)])
-        engine.commit("default", [BlockCommit(key, 0, 80, ttl_class, bytes(16), bytes(32), b"")])
+        batch = WriteBatch(key, 16, np.zeros(1), np.asarray([8]), np.asarray([80]), ttl_class)
+        assert engine.store("default", batch, [b"x" * 8]) == bytes([Status.OK])
     ttl = config.ttl_classes.get
     clock.advance(3 * 86400 - 1)
     assert engine.live_blocks("default", [b"a" * 16, b"c" * 16], ttl) == [True, True]
