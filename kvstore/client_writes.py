@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node
-from kvtier.kvstore.codec import DATA_SHARDS, shard_size
+from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, addresses, shard_size
 from kvtier.kvstore.keys import Namespace, TokenInput
 from kvtier.kvstore.protocol import Op, Status
 from kvtier.kvstore.transport import Exchange
@@ -88,7 +88,7 @@ class Writes(ClientCore):
         Returns the (n × 12) shards now durable, per block whether it committed (its primary recorded it),
         and per block whether a node refused a shard for lack of space.
         """
-        shards = self._encode(views)
+        shards, tails = self._encode(views)
         block_lens = np.asarray([len(v) for v in views], dtype="<u8")
         shard_lens = np.asarray([shard_size(len(v)) for v in views], dtype="<u4")  # all 12 shards of a block
         put_id = os.urandom(8)  # names this put's pending shards on every node: the COMMIT refers to them
@@ -107,7 +107,11 @@ class Writes(ClientCore):
                 meta["created"] = np.asarray(created, dtype="<f8")[blocks].tobytes()
             if repair:
                 meta["replace"] = True
-            payload = [segment for b, i in entries.tolist() for segment in shards[b][i]]
+            payload = []
+            for b, i in entries.tolist():
+                payload.append(shards[b][i])
+                if i == DATA_SHARDS - 1 and b in tails:
+                    payload.append(tails[b])
             plans.append((node_id, entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
         exchange.run(self.config.client.op_timeout_s)
         ok = np.zeros(shard_nodes.shape, dtype=bool)
@@ -164,35 +168,43 @@ class Writes(ClientCore):
         ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True)
         return int((ok & which).sum())
 
-    def _encode(self, views: Sequence[memoryview]) -> list[list[list[memoryview]]]:
-        """The 12 shards of every block, each as the buffer segments to send, all views: data shards are
-        slices of the block; the zero padding of a short last shard is a shared zero buffer; the parity
-        of the whole batch lives in one buffer reused across calls (no fresh pages to fault in)."""
-        sizes = [shard_size(len(view)) for view in views]
-        if len(self._parity) < 2 * sum(sizes):
-            self._parity = bytearray(2 * sum(sizes))
-        parity_pool = memoryview(self._parity)
-        out = []
-        for view, size in zip(views, sizes, strict=True):
-            parity = [parity_pool[:size], parity_pool[size : 2 * size]]
-            parity_pool = parity_pool[2 * size :]
+    def _encode(self, views: Sequence[memoryview]) -> tuple[list[list[memoryview]], dict[int, memoryview]]:
+        """The 12 shards of every block, all views, and the zero padding sent after short last shards (by
+        block). Data shards are slices of the block; padding is a shared zero buffer; the parity of the whole
+        batch lives in one buffer reused across calls (no fresh pages to fault in). Parity is computed from a
+        pointer table built with numpy, one ISA-L call per block (two when its last shard is short: the bytes
+        where every shard has data, then the rest with the zero buffer for the last shard); a block too small
+        for that (its last shard empty) is padded by a copy."""
+        lens = np.asarray([len(view) for view in views], dtype=np.int64)
+        sizes = np.maximum(1, -(-lens // DATA_SHARDS))  # codec.shard_size of every block
+        full = lens - (DATA_SHARDS - 1) * sizes  # bytes of the last shard that the block holds
+        if len(self._parity) < 2 * int(sizes.sum()):
+            self._parity = bytearray(2 * int(sizes.sum()))
+        parity = memoryview(self._parity)
+        offsets = (2 * (np.cumsum(sizes) - sizes)).tolist()
+        tails: dict[int, memoryview] = {}
+        shards, sources = [], []
+        for b, (view, size, at) in enumerate(zip(views, sizes.tolist(), offsets, strict=True)):
+            if full[b] <= 0:  # tiny: its last shards are empty; padding it by a copy costs nothing
+                view = memoryview(bytes(view).ljust(DATA_SHARDS * size, b"\0"))
+                full[b] = size
+            elif full[b] < size:
+                tails[b] = _zeros(size - int(full[b]))
+            sources.append(view)
             data = [view[i * size : (i + 1) * size] for i in range(DATA_SHARDS)]
-            full = len(data[-1])  # bytes of the last shard that the block holds (the rest is zero padding)
-            if full == size:
-                self.codec.encode_parity(data, parity)
-                out.append([[d] for d in data] + [[p] for p in parity])
-            elif len(view) >= (DATA_SHARDS - 1) * size:
-                # two passes over byte ranges: [0, full) where every shard has data, [full, size) where the
-                # last shard is zeros: ISA-L reads only real bytes and the shared zero buffer, nothing copied
-                zeros = _zeros(size - full)
-                self.codec.encode_parity([d[:full] for d in data], [p[:full] for p in parity])
-                self.codec.encode_parity([d[full:] for d in data[:-1]] + [zeros], [p[full:] for p in parity])
-                out.append([[d] for d in data[:-1]] + [[data[-1], zeros]] + [[p] for p in parity])
-            else:  # a tiny block whose last shards are empty: pad copies cost nothing here
-                padded = [bytes(d).ljust(size, b"\0") for d in data]
-                self.codec.encode_parity(padded, parity)
-                out.append([[memoryview(d)] for d in padded] + [[p] for p in parity])
-        return out
+            shards.append([*data, parity[at : at + size], parity[at + size : at + 2 * size]])
+        table = np.empty((len(views), TOTAL_SHARDS), dtype=np.int64)
+        table[:, 0] = addresses(sources)
+        table[:, 1:DATA_SHARDS] = table[:, :1] + sizes[:, None] * np.arange(1, DATA_SHARDS)
+        table[:, DATA_SHARDS] = addresses([parity])[0] + np.asarray(offsets, dtype=np.int64)
+        table[:, DATA_SHARDS + 1] = table[:, DATA_SHARDS] + sizes
+        self.codec.encode_parity_at(table, full)
+        short = np.flatnonzero(full < sizes)
+        if len(short):  # [full, size) of every shard, the last one's from the zero buffer
+            rest = table[short] + full[short, None]
+            rest[:, DATA_SHARDS - 1] = addresses([_zeros(int((sizes - full).max()))])[0]
+            self.codec.encode_parity_at(rest, (sizes - full)[short])
+        return shards, tails
 
 
 def _zeros(n: int) -> memoryview:

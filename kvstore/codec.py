@@ -191,6 +191,10 @@ if _VIEW_BUF_OFFSET is None:
         """The start addresses of C-contiguous ``views`` as a C array of pointers (valid while they live)."""
         return _PACK_POINTERS[len(views)](*[np.frombuffer(v, np.uint8).ctypes.data for v in views])
 
+    def addresses(views: Sequence[memoryview]) -> np.ndarray:
+        """The start addresses of C-contiguous ``views`` as int64s (valid while the views live)."""
+        return np.asarray([np.frombuffer(v, np.uint8).ctypes.data for v in views], dtype=np.int64)
+
 else:
     _AT_VIEW_BUF = _VIEW_BUF_OFFSET.__add__
     _VOID_P_AT = ctypes.c_void_p.from_address
@@ -199,6 +203,11 @@ else:
     def _pointers(views: list[memoryview]) -> bytes:
         """The start addresses of C-contiguous ``views`` as a C array of pointers (valid while they live)."""
         return _PACK_POINTERS[len(views)](*map(_VALUE, map(_VOID_P_AT, map(_AT_VIEW_BUF, map(id, views)))))
+
+    def addresses(views: Sequence[memoryview]) -> np.ndarray:
+        """The start addresses of C-contiguous ``views`` as int64s (valid while the views live)."""
+        found = map(_VALUE, map(_VOID_P_AT, map(_AT_VIEW_BUF, map(id, views))))
+        return np.fromiter(found, dtype=np.int64, count=len(views))
 
 
 def _shard_views(inputs: Sequence[Buffer], outputs: Sequence[WritableBuffer]) -> tuple[list[memoryview], int]:
@@ -247,6 +256,11 @@ class _Kernel(Protocol):
         """
         ...
 
+    def apply_at(self, tables: object, pointers: np.ndarray, sizes: np.ndarray) -> None:
+        """``apply`` once per row of ``pointers`` (int64 addresses: ``DATA_SHARDS`` inputs, then the outputs),
+        over ``sizes[row]`` bytes."""
+        ...
+
 
 class _IsalKernel:
     """ISA-L erasure-code routines from a shared library, through ctypes."""
@@ -290,6 +304,13 @@ class _IsalKernel:
         outputs = len(views) - DATA_SHARDS
         self._encode(size, DATA_SHARDS, outputs, tables, pointers, pointers[DATA_SHARDS * _PTR_SIZE :])
 
+    def apply_at(self, tables: ctypes.Array[ctypes.c_ubyte], pointers: np.ndarray, sizes: np.ndarray) -> None:
+        encode, outputs = self._encode, pointers.shape[1] - DATA_SHARDS
+        row, step = pointers.ctypes.data, pointers.strides[0]
+        for size in sizes.tolist():  # one C call per stripe, no Python object per shard
+            encode(size, DATA_SHARDS, outputs, tables, row, row + DATA_SHARDS * _PTR_SIZE)
+            row += step
+
 
 class _NumpyKernel:
     """Portable GF(2^8) arithmetic with a 256x256 multiplication table."""
@@ -307,6 +328,11 @@ class _NumpyKernel:
 
     def tables(self, rows: _Matrix) -> _Matrix:
         return rows
+
+    def apply_at(self, tables: _Matrix, pointers: np.ndarray, sizes: np.ndarray) -> None:
+        for row, size in zip(pointers.tolist(), sizes.tolist(), strict=True):
+            views = [memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B") for address in row]
+            self.apply(tables, views, size)
 
     def apply(self, tables: _Matrix, views: list[memoryview], size: int) -> None:
         arrays = [np.frombuffer(v, np.uint8) for v in views]
@@ -418,6 +444,20 @@ class Codec:
                 f"need {DATA_SHARDS} data and {PARITY_SHARDS} parity shards, got {len(data)} and {len(parity)}"
             )
         self._kernel.apply(self._encode_tables, *_shard_views(data, parity))
+
+    def encode_parity_at(self, pointers: np.ndarray, sizes: np.ndarray) -> None:
+        """``encode_parity`` for many stripes at raw addresses, one C call each: row ``r`` of ``pointers``
+        (int64, ``n × TOTAL_SHARDS``) addresses ``DATA_SHARDS`` data then ``PARITY_SHARDS`` parity buffers of
+        ``sizes[r]`` bytes. The caller keeps every address valid and the parity ones writable, not
+        overlapping the data. Raises ValueError for a wrong shape or a size out of range (nothing written).
+        """
+        pointers = np.ascontiguousarray(pointers, dtype=np.int64)
+        sizes = np.asarray(sizes, dtype=np.int64)
+        if pointers.ndim != 2 or pointers.shape[1] != TOTAL_SHARDS or sizes.shape != (len(pointers),):
+            raise ValueError(f"need an n x {TOTAL_SHARDS} pointer table and n sizes")
+        if len(sizes) and not (int(sizes.min()) > 0 and int(sizes.max()) <= _MAX_SHARD):
+            raise ValueError(f"shard sizes must be between 1 and {_MAX_SHARD} bytes")
+        self._kernel.apply_at(self._encode_tables, pointers, sizes)
 
     def reconstruct(self, present: Mapping[int, Buffer], want: Mapping[int, WritableBuffer]) -> None:
         """Computes the shards ``want`` names (data or parity) from the shards in ``present``, in place.

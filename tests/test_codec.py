@@ -109,6 +109,27 @@ def test_encode_parity_writes_into_numpy_arrays_and_memoryview_slices(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_encode_parity_at_encodes_every_stripe_of_a_pointer_table(backend):
+    codec = Codec(backend)
+    blocks = [np.frombuffer(random_block(DATA_SHARDS * size, seed=size), np.uint8) for size in (1, 64, 6554)]
+    parity = [np.zeros(PARITY_SHARDS * block.nbytes // DATA_SHARDS, np.uint8) for block in blocks]
+    sizes = np.asarray([block.nbytes // DATA_SHARDS for block in blocks])
+    table = np.asarray(
+        [
+            [block.ctypes.data + i * size for i in range(DATA_SHARDS)] + [out.ctypes.data, out.ctypes.data + size]
+            for block, out, size in zip(blocks, parity, sizes.tolist(), strict=True)
+        ]
+    )
+    codec.encode_parity_at(table, sizes)
+    for block, out in zip(blocks, parity, strict=True):
+        assert out.tobytes() == b"".join(codec.encode(block.tobytes())[DATA_SHARDS:])
+    with pytest.raises(ValueError, match="pointer table"):
+        codec.encode_parity_at(table[:, :DATA_SHARDS], sizes)
+    with pytest.raises(ValueError, match="between 1"):
+        codec.encode_parity_at(table, sizes * 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_reconstruct_recomputes_wanted_shards_that_are_also_present(backend):
     codec = Codec(backend)
     shards = codec.encode(random_block(999))
