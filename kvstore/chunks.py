@@ -226,6 +226,12 @@ def _rows(rows: list[int]) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64)
 
 
+_BLOCK_DTYPE = np.dtype(
+    {
+        "names": ["block_len", "created", "last_access", "header", "ns", "parent_len"],
+        "formats": ["<u8", "<f8", "<f8", (np.uint8, HEADER_BYTES), (np.uint8, 32), "u1"],
+    }
+)
 # what a COMMIT asks per row of its PUT
 DROP, COMMIT, KEEP = 0, 1, 2
 _CLASS_BYTES = np.asarray(SIZE_CLASSES, dtype=np.int64)
@@ -495,8 +501,7 @@ class ChunkEngine:
         skeys = [batch.shard_keys[i] for i in rows.tolist()]
         cursor = txn.cursor(db=self.shards_db)
         if batch.replace:
-            for _, raw in cursor.getmulti(skeys):
-                self._release(ShardRecord.unpack(raw), now)
+            self._release_slots([_SHARD.unpack_from(raw)[2:4] for _, raw in cursor.getmulti(skeys)])
             cursor.putmulti(list(zip(skeys, batch.shard_values(rows, now), strict=True)))
             return
         consumed, added = cursor.putmulti(list(zip(skeys, batch.shard_values(rows, now), strict=True)), overwrite=False)
@@ -515,21 +520,31 @@ class ChunkEngine:
         """Block records of ``rows`` (shard 0 or 1 held here); a re-put keeps the block's ``created``. Shard 0s
         are added to ``indexed`` for the LRU index (inserted once the transaction has committed)."""
         prefix = tenant_prefix(tenant)
-        bkeys = [prefix + batch.key(i) for i in rows.tolist()]
+        picked = rows.tolist()
+        bkeys = [prefix + batch.key(i) for i in picked]
         cursor = txn.cursor(db=self.blocks_db)
-        old = {bytes(k): BlockRecord.unpack(raw).created for k, raw in cursor.getmulti(bkeys)}
-        items = []
-        for bkey, i in zip(bkeys, rows.tolist(), strict=True):
-            created = old.get(bkey)
-            if created is None:
-                created = float(batch.created[i]) if batch.created is not None else now
-            header = batch.digests[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-            block_len = int(batch.block_len[i])
-            block = BlockRecord(block_len, created, now, header, batch.ns, batch.parents[i], batch.ttl_class)
-            items.append((bkey, block.pack()))
-            if batch.index[i] == 0:
-                indexed.append((bkey, SIZE_CLASSES[batch.size_class[i]], now, batch.ttl_class, created))
-        cursor.putmulti(items)
+        old = {bytes(k): _BLOCK.unpack_from(raw)[1] for k, raw in cursor.getmulti(bkeys)}
+        created = batch.created[rows] if batch.created is not None else np.full(len(rows), now)
+        created = np.asarray([old.get(bkey, c) for bkey, c in zip(bkeys, created.tolist(), strict=True)])
+        parents = [batch.parents[i] for i in picked]
+        table = np.zeros(len(rows), dtype=_BLOCK_DTYPE)  # the fixed part of each record (``_BLOCK``)
+        table["block_len"] = batch.block_len[rows]
+        table["created"] = created
+        table["last_access"] = now
+        table["header"] = np.frombuffer(batch.digests, dtype=np.uint8).reshape(batch.n, HEADER_BYTES)[rows]
+        table["ns"] = np.frombuffer(batch.ns, dtype=np.uint8)
+        table["parent_len"] = [len(p) for p in parents]
+        fixed, width, cls = table.tobytes(), _BLOCK.size, batch.ttl_class.encode()
+        cursor.putmulti(
+            [
+                (bkey, fixed[j * width : (j + 1) * width] + parent + cls)
+                for j, (bkey, parent) in enumerate(zip(bkeys, parents, strict=True))
+            ]
+        )
+        primaries = np.flatnonzero(batch.index[rows] == 0).tolist()
+        size = _CLASS_BYTES[batch.size_class[rows]].tolist()
+        for j in primaries:
+            indexed.append((bkeys[j], size[j], now, batch.ttl_class, float(created[j])))
 
     def store(self, tenant: str, batch: WriteBatch, payloads: Sequence[bytes | memoryview]) -> bytes:
         """``reserve``, write, ``stage`` and ``commit`` in one call, for shards already in memory; returns the
@@ -554,14 +569,16 @@ class ChunkEngine:
             batches = [b for (t, _), b in self._pending.items() if t == tenant]
         return [b.pending_record(i) for b in batches for i in b.rows(Status.OK).tolist() if b.key(i) == key]
 
-    def _release(self, rec: ShardRecord, now: float) -> None:
-        self._release_slot(rec.size_class, rec.slot, now)
-
-    def _release_slot(self, size_class: int, slot: int, now: float) -> None:
-        """With the lock held. The slot stays counted as used until its grace time (``grace_s``, default none)
-        has passed and no reply pins it; writers waiting for room are woken."""
-        self.slabs.release(size_class, slot, now + self.grace_s)
-        self._room.notify_all()
+    def _release_slots(self, slots: Sequence[tuple[int, int]]) -> None:
+        """With the lock held: (size class, slot)s no record names any more. A slot stays counted as used until
+        its grace time (``grace_s``, default none) has passed and no reply pins it; writers waiting for room
+        are woken."""
+        after = self.clock() + self.grace_s
+        release = self.slabs.release
+        for size_class, slot in slots:
+            release(size_class, slot, after)
+        if slots:
+            self._room.notify_all()
 
     def reap(self) -> None:
         """Return slots whose grace time has passed to the free lists."""
@@ -573,40 +590,60 @@ class ChunkEngine:
         """Used bytes already deleted and waiting out their grace time."""
         return self.slabs.quarantined_bytes
 
-    def delete(self, tenant: str, keys: Sequence[bytes], before: float | None = None) -> int:
+    def delete(
+        self, tenant: str, keys: Sequence[bytes], before: float | None = None, index: np.ndarray | None = None
+    ) -> int:
         """Remove the block records of ``keys`` (the primary's, or shard 1's copy), then their shards; returns
         how many shards were removed. With ``before`` (an eviction's time), records and shards written later
-        are left alone: a block stored again since it was evicted is not touched by the eviction's DELETE."""
+        are left alone: a block stored again since it was evicted is not touched by the eviction's DELETE.
+        ``index`` (per key, the shard this node holds by the placement) makes it one batched lookup; a key
+        whose shard is not found there is searched among all its shards here."""
         with self._lock, self.env.begin(write=True) as txn:
-            return self._delete_locked(txn, tenant, keys, before)
+            return self._delete_locked(txn, tenant, keys, before, index)
 
-    def _delete_locked(self, txn: lmdb.Transaction, tenant: str, keys: Sequence[bytes], before: float | None) -> int:
-        now = self.clock()
-        removed = 0
-        for key in keys:
-            bkey = block_key(tenant, key)
-            raw = txn.get(bkey, db=self.blocks_db)
-            if raw is None or (before is not None and BlockRecord.unpack(raw).created > before):
+    def _delete_locked(
+        self,
+        txn: lmdb.Transaction,
+        tenant: str,
+        keys: Sequence[bytes],
+        before: float | None,
+        index: np.ndarray | None = None,
+    ) -> int:
+        prefix = tenant_prefix(tenant)
+        bkeys = [prefix + key for key in keys]
+        for bkey, raw in txn.cursor(db=self.blocks_db).getmulti(bkeys):
+            if before is not None and _BLOCK.unpack_from(raw)[1] > before:  # created after the removal
                 continue
             txn.delete(bkey, db=self.blocks_db)
             self.lru.remove(bkey)
             self._accessed.pop(bkey, None)
+        freed: list[tuple[int, int]] = []
+        unsure = bkeys
+        if index is not None:
+            skeys = [bkey + _INDEX_BYTES[i] for bkey, i in zip(bkeys, index.tolist(), strict=True)]
+            seen = set()
+            for skey, raw in txn.cursor(db=self.shards_db).getmulti(skeys):
+                seen.add(skey)
+                _, _, size_class, slot, _, _, _, created, _ = _SHARD.unpack_from(raw)
+                if before is None or created <= before:
+                    freed.append((size_class, slot))
+                    txn.delete(skey, db=self.shards_db)
+            unsure = [bkey for bkey, skey in zip(bkeys, skeys, strict=True) if skey not in seen]
         cursor = txn.cursor(db=self.shards_db)
-        for key in keys:
-            base = tenant_prefix(tenant) + key
+        for base in unsure:
             if not cursor.set_range(base):
                 continue
             while cursor.key()[: len(base)] == base and len(cursor.key()) == len(base) + 1:
-                rec = ShardRecord.unpack(cursor.value())
-                if before is not None and rec.created > before:
+                _, _, size_class, slot, _, _, _, created, _ = _SHARD.unpack_from(cursor.value())
+                if before is not None and created > before:
                     if not cursor.next():
                         break
                     continue
-                self._release(rec, now)
-                removed += 1
+                freed.append((size_class, slot))
                 if not cursor.delete():
                     break
-        return removed
+        self._release_slots(freed)
+        return len(freed)
 
     def remove_blocks(self, tenant: str, keys: Sequence[bytes]) -> float:
         """The primary's half of removing blocks (eviction, expiry): in one transaction, delete the records and
@@ -615,10 +652,9 @@ class ChunkEngine:
         intents (``clear_intents``) once all of them answered. Intents left by a crash are replayed."""
         with self._lock, self.env.begin(write=True) as txn:
             now = self.clock()
-            self._delete_locked(txn, tenant, keys, None)
+            self._delete_locked(txn, tenant, keys, None, np.zeros(len(keys), dtype=np.int64))
             stamp = struct.pack("<d", now)
-            for key in keys:
-                txn.put(block_key(tenant, key), stamp, db=self.intents_db)
+            txn.cursor(db=self.intents_db).putmulti([(block_key(tenant, key), stamp) for key in keys])
         return now
 
     def intents(self) -> dict[str, dict[float, list[bytes]]]:
@@ -717,12 +753,11 @@ class ChunkEngine:
     ) -> int:
         """Remove the committed shards ``items`` for which ``still(record)`` holds when looked at again under the
         lock (a shard written since the caller decided is left alone); returns how many."""
-        now = self.clock()
         with self._lock, self.env.begin(db=self.shards_db, write=True) as txn:
             found = [(skey, ShardRecord.unpack(raw)) for skey, raw in _shards_in_state(txn, tenant, items, COMMITTED)]
             found = [(skey, rec) for skey, rec in found if still is None or still(rec)]
-            for skey, rec in found:
-                self._release(rec, now)
+            self._release_slots([(rec.size_class, rec.slot) for _, rec in found])
+            for skey, _ in found:
                 txn.delete(skey)
         return len(found)
 

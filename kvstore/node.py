@@ -45,7 +45,7 @@ from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
-from kvtier.kvstore.placement import primary_budget_bytes
+from kvtier.kvstore.placement import Placement, primary_budget_bytes
 from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
@@ -117,6 +117,7 @@ class StorageNode:
         self.config = config
         self.node_id = node_id
         self.engine = engine
+        self.placement = Placement(config.groups)
         self.ttl_classes = dict(config.ttl_classes)  # replaced at run time by ADMIN ttl_set
         self.started = time.time()
         self.gc: GCService | None = None  # wired in by the process that composes the node (kvtier.gc.nodeproc)
@@ -332,7 +333,9 @@ class StorageNode:
         before = frame.meta.get("before")
         if before is not None and (not isinstance(before, float | int) or isinstance(before, bool)):
             raise bad("field 'before' must be a time in seconds")
-        removed = self.engine.delete(self.tenant(session, frame.meta), keys, before=before)
+        held = self.placement.shard_nodes(keys) == self.node_id  # the shard each key has here, by the map
+        index = np.where(held.any(axis=1), held.argmax(axis=1), 0)
+        removed = self.engine.delete(self.tenant(session, frame.meta), keys, before=before, index=index)
         return Reply({"removed": removed})
 
     def stat(self, session: Session, frame: Frame) -> Reply:
