@@ -1,6 +1,7 @@
 /* kvtier.kernels._hostcopy: the CPU row copy, dst[dst_rows[b]] = src[src_rows[b]] (first nbytes of each row), in
  * one call without the GIL: swap-in and swap-out between host staging slots and a KV cache in host memory; and
- * check_rows, the bounds and repeat check of a row list that swaps run first (a bitmap, in one pass).
+ * check_rows, the bounds and repeat check of a row list that swaps run first (a bitmap, in one pass, optionally
+ * writing the rows into an upload buffer as it goes).
  *
  * Why C: per row, a Python-level copy costs a microsecond or two of call overhead (a 16 KiB row moves in about
  * that time), and torch's index_copy_ is an element-wise loop plus a second pass for the gather. Why streaming
@@ -26,30 +27,47 @@
 
 /* Rows shorter than this are copied with memcpy: streaming pays only over whole cache lines. */
 #define STREAM_MIN 1024
-/* Software prefetch distance in the source, and how much of the next row is prefetched before each row is
- * copied. Measured on the H200 host (one thread, 256 MiB, random rows, ratio to one glibc memcpy of the same
- * bytes, 16 / 64 KiB rows): no prefetch 0.67-0.71x; 256 B ahead 0.70-0.73x; 1 KiB 0.74-0.79 / 0.79-0.83x; 2 KiB
- * 0.75-0.76 / 0.83x; 4 KiB 0.71-0.72 / 0.83-0.84x; 1 KiB plus the next row's first 1 KiB 0.79-0.81 / 0.84-0.85x
- * (this one). Copying four pages line by line in turn (glibc's large-copy scheme) reached 0.77-0.85x there but ran
- * at 0.2x on the 2-core development VM whenever the source was a shared-memory segment, so it is not used. */
+/* Software prefetch, measured on the H200 host (one thread, 256 MiB, random rows, ratio to one glibc memcpy of the
+ * same bytes in the same run, 16 / 64 KiB rows): no prefetch 0.67-0.71x; 1 KiB ahead in the row 0.74-0.79 /
+ * 0.79-0.83x; 2 or 4 KiB ahead no better; 1 KiB ahead plus the next row's first 1 KiB before each row 0.77-0.81 /
+ * 0.71-0.85x. This one: 1 KiB ahead into L1, and, for each line copied, the same line of the *next* row into L2,
+ * a prefetch distance of one whole row across the jump to the next row's random place: 0.87 / 0.83x (9 rounds;
+ * 0.83-0.86 / 0.82-0.83 with 16-byte stores or 2 KiB ahead). Copying four pages line by line in turn (glibc's
+ * large-copy scheme) reached 0.77-0.85x there but ran at 0.2x on the 2-core development VM whenever the source was
+ * a shared-memory segment, so it is not used. */
 #define PREFETCH_AHEAD 1024
 
-/* The start of the next row, which the in-row prefetch cannot reach (rows are in random places). */
-static inline void prefetch_head(const char *src, size_t n) {
 #ifdef HC_X86
-    for (size_t i = 0; i < n && i < PREFETCH_AHEAD; i += 64) _mm_prefetch(src + i, _MM_HINT_T0);
-#else
-    (void)src;
-    (void)n;
-#endif
-}
+#include <immintrin.h>
+/* 32-byte loads and streaming stores where the processor has AVX2 (checked once, at import), else 16-byte ones. */
+static int use_avx2;
 
-static void copy_row(char *dst, const char *src, size_t n) {
+__attribute__((target("avx2"))) static void stream_lines_avx2(char *dst, const char *src, const char *next,
+                                                               size_t body) {
+    for (size_t i = 0; i < body; i += 64) {
+        _mm_prefetch(src + i + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch(next + i, _MM_HINT_T1);
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+    }
+}
+#endif
+
+static void copy_row(char *dst, const char *src, const char *next, size_t n) {
 #ifdef HC_X86
+    if (use_avx2 && n >= STREAM_MIN && ((uintptr_t)dst & 31) == 0) {
+        size_t body = n & ~(size_t)63;
+        stream_lines_avx2(dst, src, next, body);
+        memcpy(dst + body, src + body, n - body);
+        return;
+    }
     if (n >= STREAM_MIN && ((uintptr_t)dst & 15) == 0) {
         size_t body = n & ~(size_t)63;
         for (size_t i = 0; i < body; i += 64) {
             _mm_prefetch(src + i + PREFETCH_AHEAD, _MM_HINT_T0); /* past the row's end it is a harmless hint */
+            _mm_prefetch(next + i, _MM_HINT_T1);
             __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
             __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
@@ -63,6 +81,7 @@ static void copy_row(char *dst, const char *src, size_t n) {
         return;
     }
 #endif
+    (void)next;
     memcpy(dst, src, n);
 }
 
@@ -87,10 +106,10 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     const int64_t *d = dst_rows.buf, *s = src_rows.buf;
     Py_ssize_t count = dst_rows.len / (Py_ssize_t)sizeof(int64_t);
     Py_BEGIN_ALLOW_THREADS
+    const char *base = (const char *)(uintptr_t)src_address;
     for (Py_ssize_t b = 0; b < count; b++) {
-        if (b + 1 < count) prefetch_head((const char *)(uintptr_t)src_address + s[b + 1] * src_pitch, (size_t)nbytes);
-        copy_row((char *)(uintptr_t)dst_address + d[b] * dst_pitch,
-                 (const char *)(uintptr_t)src_address + s[b] * src_pitch, (size_t)nbytes);
+        const char *next = base + s[b + 1 < count ? b + 1 : b] * src_pitch; /* the last row: itself, harmlessly */
+        copy_row((char *)(uintptr_t)dst_address + d[b] * dst_pitch, base + s[b] * src_pitch, next, (size_t)nbytes);
     }
 #ifdef HC_X86
     _mm_sfence(); /* streaming stores are weakly ordered: make them visible before returning */
@@ -104,40 +123,79 @@ done:
 }
 
 PyDoc_STRVAR(check_rows_doc,
-             "check_rows(rows, count, distinct) -> int\n\n"
+             "check_rows(rows, count, distinct, out=None) -> int\n\n"
              "The position of the first row index (rows: a contiguous int64 buffer) outside [0, count), or, with\n"
-             "distinct, equal to an earlier one; -1 when there is none. Runs without the GIL.");
+             "distinct, equal to an earlier one; -1 when there is none. With out (a writable buffer of at least as\n"
+             "many int64), every index checked is also written there: the check and the copy into an upload\n"
+             "buffer in one pass. Runs without the GIL.");
+
+/* The first bad position, one row at a time: only run once the fast pass below found something wrong. */
+static Py_ssize_t first_bad(const int64_t *r, Py_ssize_t n, Py_ssize_t count, uint64_t *seen) {
+    if (seen) memset(seen, 0, ((size_t)count / 64 + 1) * sizeof(uint64_t));
+    for (Py_ssize_t b = 0; b < n; b++) {
+        uint64_t v = (uint64_t)r[b];
+        if (v >= (uint64_t)count) return b; /* negative ones too */
+        if (seen) {
+            uint64_t bit = 1ull << (v & 63);
+            if (seen[v >> 6] & bit) return b;
+            seen[v >> 6] |= bit;
+        }
+    }
+    return -1;
+}
+
+/* One pass without branches (the range test and the copy vectorise; the bitmap test-and-set does not branch):
+ * swaps check 65,536 ids per GiB at 16 KiB pages, on the GPU's critical path. */
+static Py_ssize_t check_fast(const int64_t *r, int64_t *o, Py_ssize_t n, Py_ssize_t count, uint64_t *seen) {
+    uint64_t over = 0, dup = 0;
+    if (o) {
+        for (Py_ssize_t b = 0; b < n; b++) {
+            over |= (uint64_t)r[b] >= (uint64_t)count;
+            o[b] = r[b];
+        }
+    } else {
+        for (Py_ssize_t b = 0; b < n; b++) over |= (uint64_t)r[b] >= (uint64_t)count;
+    }
+    if (!over && seen) {
+        for (Py_ssize_t b = 0; b < n; b++) {
+            uint64_t v = (uint64_t)r[b], bit = 1ull << (v & 63);
+            dup |= seen[v >> 6] & bit;
+            seen[v >> 6] |= bit;
+        }
+    }
+    return over || dup ? first_bad(r, n, count, seen) : -1;
+}
 
 static PyObject *check_rows(PyObject *self, PyObject *args) {
-    Py_buffer rows;
+    Py_buffer rows, out = {0};
     Py_ssize_t count;
     int distinct;
-    if (!PyArg_ParseTuple(args, "y*np", &rows, &count, &distinct)) return NULL;
-    const int64_t *r = rows.buf;
+    PyObject *out_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*np|O", &rows, &count, &distinct, &out_obj)) return NULL;
+    if (out_obj != Py_None) {
+        if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&rows);
+            return NULL;
+        }
+        if (out.len < rows.len) {
+            PyBuffer_Release(&out);
+            PyBuffer_Release(&rows);
+            PyErr_SetString(PyExc_ValueError, "check_rows: out is shorter than rows");
+            return NULL;
+        }
+    }
     Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t), bad = -1;
-    uint8_t *seen = distinct ? calloc((size_t)count / 8 + 1, 1) : NULL;
+    uint64_t *seen = distinct ? calloc((size_t)count / 64 + 1, sizeof(uint64_t)) : NULL;
     if (distinct && seen == NULL) {
+        PyBuffer_Release(&out);
         PyBuffer_Release(&rows);
         return PyErr_NoMemory();
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t b = 0; b < n; b++) {
-        int64_t v = r[b];
-        if (v < 0 || v >= count) {
-            bad = b;
-            break;
-        }
-        if (seen) {
-            uint8_t bit = (uint8_t)(1u << (v & 7));
-            if (seen[v >> 3] & bit) {
-                bad = b;
-                break;
-            }
-            seen[v >> 3] |= bit;
-        }
-    }
+    bad = check_fast(rows.buf, out.buf, n, count < 0 ? 0 : count, seen);
     Py_END_ALLOW_THREADS
     free(seen);
+    PyBuffer_Release(&out);
     PyBuffer_Release(&rows);
     return PyLong_FromSsize_t(bad);
 }
@@ -152,4 +210,10 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_hostcopy", "The CPU row copy behind swap-in and swap-out.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__hostcopy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__hostcopy(void) {
+#ifdef HC_X86
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    return PyModule_Create(&module);
+}

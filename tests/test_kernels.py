@@ -76,3 +76,15 @@ def test_host_copy_refuses_row_lists_of_different_lengths() -> None:
 )
 def test_check_rows_names_the_first_bad_position(rows: list[int], distinct: bool, first_bad: int) -> None:
     assert _hostcopy.check_rows(torch.tensor(rows).numpy(), 4, distinct) == first_bad
+
+
+def test_check_rows_writes_the_rows_it_checked_into_out() -> None:
+    rows = torch.randperm(1000).numpy()
+    out = torch.full((1000,), -7, dtype=torch.int64).numpy()
+    assert _hostcopy.check_rows(rows, 1000, True, out) == -1
+    assert (out == rows).all()
+
+
+def test_check_rows_refuses_an_out_shorter_than_the_rows() -> None:
+    with pytest.raises(ValueError, match="out is shorter"):
+        _hostcopy.check_rows(torch.arange(4).numpy(), 4, True, torch.zeros(3, dtype=torch.int64).numpy())

@@ -7,8 +7,9 @@ packed with xz they fit (about 53 MB). Three subcommands::
 
     python3 tools/gpu_bundle.py build              # here: download the cp312 wheels, write .gpu/bundle.tar.xz
     python3 tools/gpu_bundle.py unpack DEST        # there: unpack into DEST, a folder to put on PYTHONPATH
-    python3 tools/gpu_bundle.py device OUT         # there: unpack, link kvtier's packages, build its C extensions,
-                                                   # run the GPU tests and the swap-in benchmark; output under OUT
+    python3 tools/gpu_bundle.py device OUT [--runs N]  # there: unpack, link kvtier's packages, build its C
+                                                   # extensions, run the GPU tests, then the swap-in benchmark N
+                                                   # times (default 3); output under OUT
 
 The device run, as one ``run`` call (carry ``.gpu``)::
 
@@ -117,19 +118,21 @@ def _symlink(link: Path, target: Path) -> None:
     link.symlink_to(target)
 
 
-def device(out: Path) -> int:
-    """Everything the GPU run does, output under ``out``: the GPU tests, then the swap-in benchmark (CPU and GPU)."""
+def device(out: Path, runs: int = 3) -> int:
+    """Everything the GPU run does, output under ``out``: the GPU tests (``tests.log``), then the swap-in benchmark
+    (CPU and GPU) ``runs`` times in a row (``bench.log``, ``swapin-1.json`` …), so that one call shows the spread."""
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvtier-gpu-"))
     site = unpack(ARCHIVE, work)
     packages = link_packages(work / "src")
     env = dict(os.environ, PYTHONPATH=f"{packages}:{site}", PYTHONUNBUFFERED="1")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rs", *GPU_TESTS]
-    bench = [sys.executable, "-m", "kvtier.tools.kvbench", "swapin", "--json-out", str(out / "swapin.json")]
+    bench = [sys.executable, "-m", "kvtier.tools.kvbench", "swapin", "--json-out"]
+    steps = [("tests", pytest)] + [("bench", [*bench, str(out / f"swapin-{i}.json")]) for i in range(1, runs + 1)]
     failed = 0
-    for name, command in (("tests", pytest), ("bench", bench)):
+    for name, command in steps:
         print(f"== {name}: {' '.join(command)}", flush=True)
-        with open(out / f"{name}.log", "w") as log:
+        with open(out / f"{name}.log", "a") as log:
             proc = subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
@@ -145,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("build", help="download the wheels and write .gpu/bundle.tar.xz")
     sub.add_parser("unpack", help="unpack the bundle into DEST").add_argument("dest", type=Path)
-    sub.add_parser("device", help="on the GPU machine: tests and benchmark, output under OUT").add_argument(
-        "out", type=Path
-    )
+    dev = sub.add_parser("device", help="on the GPU machine: tests and benchmark runs, output under OUT")
+    dev.add_argument("out", type=Path)
+    dev.add_argument("--runs", type=int, default=3, help="benchmark runs in a row (default 3)")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "unpack":
             print(unpack(ARCHIVE, args.dest))
         else:
-            return device(args.out)
+            return device(args.out, args.runs)
     except BundleError as err:
         print(f"gpu_bundle: error: {err}", file=sys.stderr)
         return 1

@@ -131,13 +131,14 @@ def _swap(slots: torch.Tensor, slot_ids: Any, kv_cache: torch.Tensor, page_ids: 
     if slots.device != kv_cache.device:
         hint = " (map the slots with CudaHostMapping)" if kv_cache.device.type == "cuda" else ""
         raise SwapError(f"slots are on {slots.device}, the KV cache on {kv_cache.device}{hint}")
-    s = _check_ids(slot_ids, slots.shape[0], "slot", distinct=not to_pages)
-    p = _check_ids(page_ids, pages.shape[0], "page", distinct=to_pages)
+    s, p = _ids(slot_ids, "slot"), _ids(page_ids, "page")
     if s.size != p.size:
         raise SwapError(f"{s.size} slot ids but {p.size} page ids")
     if s.size == 0:
         return
     if kv_cache.device.type == "cpu":
+        _check_ids(s, slots.shape[0], "slot", distinct=not to_pages)
+        _check_ids(p, pages.shape[0], "page", distinct=to_pages)
         _host_copy(slots, s, pages, p, to_pages)
     else:
         _device_copy(slots, s, pages, p, to_pages)
@@ -152,17 +153,22 @@ def _page_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
 
 
-def _check_ids(ids: Any, count: int, what: str, distinct: bool) -> np.ndarray:
+def _ids(ids: Any, what: str) -> np.ndarray:
+    """``ids`` as a contiguous int64 array (no copy when it already is one); SwapError if not 1-D integers."""
     arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise SwapError(f"{what} ids must be a 1-D sequence of integers, not {arr.dtype} of shape {arr.shape}")
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    bad = _hostcopy.check_rows(arr, count, distinct)
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _check_ids(arr: np.ndarray, count: int, what: str, distinct: bool, out: np.ndarray | None = None) -> None:
+    """SwapError unless every id is in ``[0, count)`` (and, with ``distinct``, none repeats). With ``out``, the ids
+    are also written there in the same pass (the GPU's upload buffer)."""
+    bad = _hostcopy.check_rows(arr, count, distinct, out)
     if bad >= 0 and not 0 <= arr[bad] < count:
         raise SwapError(f"{what} id {arr[bad]} out of range: there are {count} {what}s")
     if bad >= 0:
         raise SwapError(f"{what} id {arr[bad]} repeats: two blocks would be copied into one {what}")
-    return arr
 
 
 def _host_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.ndarray, to_pages: bool) -> None:
@@ -178,9 +184,11 @@ def _device_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.
         raise SwapError(f"on a GPU, page size ({nbytes}) and slot stride ({slots.shape[1]}) must be multiples of 4")
     slot_words = slots.view(torch.int32)
     page_words = pages.view(torch.int32)
-    ids = torch.empty((2, s.size), dtype=torch.int64, pin_memory=True)  # one asynchronous upload for both lists
+    # both lists checked straight into one pinned buffer (one pass over the ids), then one asynchronous upload
+    ids = torch.empty((2, s.size), dtype=torch.int64, pin_memory=True)
     host = ids.numpy()
-    host[0], host[1] = s, p
+    _check_ids(s, slots.shape[0], "slot", distinct=not to_pages, out=host[0])
+    _check_ids(p, pages.shape[0], "page", distinct=to_pages, out=host[1])
     s_dev, p_dev = ids.to(pages.device, non_blocking=True).unbind(0)
     width = nbytes // WORD_BYTES
     if to_pages:

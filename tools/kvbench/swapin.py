@@ -19,7 +19,9 @@ and torch ``copy_``. Also torch's ``index_copy_`` path (the kernels' reference),
 (``CudaHostMapping``), the cache in device memory. ``swap_in`` (the TileLang gather reading the segment across PCIe;
 timed end to end, argument checks and index upload included) against one contiguous ``cudaMemcpyAsync`` of the same
 bytes from a pinned buffer (the link), with one ``cudaMemcpyAsync`` per block (torch ``copy_`` of each slot into
-its page) and the contiguous copy from the registered segment beside them; ``swap_out`` (the scatter into the
+its page) and the contiguous copy from the registered segment beside them; the same bytes as ``swap_in`` calls of
+128 MiB queued back to back, as the engine issues them (``swap_in_grouped``: each call's host work, checking and
+uploading its ids, overlaps the previous call's copy); ``swap_out`` (the scatter into the
 segment) against one contiguous device → pinned copy; and the kernel alone at 128, 256 and 512 threads a CTA.
 Target: swap-in ≥ 0.9x the contiguous pinned copy.
 
@@ -48,6 +50,7 @@ from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import UsageError, VerifyError
 
 THREAD_VARIANTS = (128, 256, 512)
+GROUP_BYTES = 128 << 20  # the engine swaps a fetch in groups of this size (engine/fetch.py): one call each
 
 
 def register(commands: Subcommands) -> None:
@@ -197,6 +200,7 @@ def _gpu(page: int, n: int, rounds: int) -> dict[str, Any]:
         "host_memory": memory,
         "gbps": gbps,
         "swap_in_vs_pinned_copy": gbps["swap_in"] / gbps["pinned_copy"],
+        "swap_in_grouped_vs_pinned_copy": gbps["swap_in_grouped"] / gbps["pinned_copy"],
         "per_block_vs_pinned_copy": gbps["per_block_memcpy"] / gbps["pinned_copy"],
         "swap_out_vs_pinned_copy": gbps["swap_out"] / gbps["pinned_copy_d2h"],
     }
@@ -226,17 +230,25 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
             for s, p in pairs:
                 cache_rows[p].copy_(slot_rows[s], non_blocking=True)
 
+        per_group = max(1, GROUP_BYTES // page)
+        groups = [(slot_ids[i : i + per_group], page_ids[i : i + per_group]) for i in range(0, n, per_group)]
+
+        def grouped() -> None:
+            for s, p in groups:
+                swap_in(mapped, s, cache, p)
+
         methods: dict[str, Callable[[], object]] = {
             "pinned_copy": lambda: contiguous.copy_(pinned, non_blocking=True),
             "segment_copy": lambda: contiguous.copy_(slots.view(-1), non_blocking=True),
             "swap_in": lambda: swap_in(mapped, slot_ids, cache, page_ids),
+            "swap_in_grouped": grouped,
             "per_block_memcpy": per_block,
         }
         for threads in THREAD_VARIANTS:
             kernel = RowCopyKernel(page // 4, page // 4, page // 4, threads=threads)
             methods[f"kernel_{threads}"] = lambda k=kernel: k(words, s_dev, cache_words, p_dev)
         on_device = slots.to(device)  # the truth, to check against without reading the segment again
-        for name in ("swap_in", "per_block_memcpy", *(f"kernel_{t}" for t in THREAD_VARIANTS)):
+        for name in ("swap_in", "swap_in_grouped", "per_block_memcpy", *(f"kernel_{t}" for t in THREAD_VARIANTS)):
             cache.fill_(0xA5)
             methods[name]()
             torch.cuda.synchronize()
@@ -265,15 +277,17 @@ def _table(result: dict[str, Any]) -> str:
     if "gpu" in result:
         lines += [
             f"GPU: {result['gpu_device']} (GB/s)",
-            "page      swap_in  pinned copy  ratio  per-block memcpy  segment copy  swap_out  d2h copy  ratio  "
-            + "  ".join(f"kernel@{t}" for t in THREAD_VARIANTS),
+            "page      swap_in  pinned copy  ratio  grouped  ratio  per-block memcpy  segment copy  "
+            "swap_out  d2h copy  ratio  " + "  ".join(f"kernel@{t}" for t in THREAD_VARIANTS),
         ]
         for page, r in result["gpu"].items():
             g = r["gbps"]
             kernels = "  ".join(f"{g[f'kernel_{t}']:9.2f}" for t in THREAD_VARIANTS)
             lines.append(
                 f"{format_size(int(page)):<9} {g['swap_in']:7.2f}  {g['pinned_copy']:11.2f}  "
-                f"{r['swap_in_vs_pinned_copy']:5.2f}  {g['per_block_memcpy']:16.2f}  {g['segment_copy']:12.2f}  "
+                f"{r['swap_in_vs_pinned_copy']:5.2f}  {g['swap_in_grouped']:7.2f}  "
+                f"{r['swap_in_grouped_vs_pinned_copy']:5.2f}  {g['per_block_memcpy']:16.2f}  "
+                f"{g['segment_copy']:12.2f}  "
                 f"{g['swap_out']:8.2f}  {g['pinned_copy_d2h']:8.2f}  {r['swap_out_vs_pinned_copy']:5.2f}  {kernels}"
             )
     return "\n".join(lines)
