@@ -5,7 +5,11 @@
  * - recv_to_files: receive a PUT payload from a socket in cache-sized pieces, checksum each shard while it
  *   is hot and write it into its slab slot, runs of adjacent slots whole in one pwritev: no page of the slab
  *   is mapped or faulted, and the page cache never zero-fills a folio that a write covers only in part.
- * - send_all: send a list of buffers completely (sendmsg, resuming partial sends).
+ * - send_all: send a list of buffers completely (sendmsg, resuming partial sends); a Scatter among them sends
+ *   its (address, length) pieces, e.g. shards straight from a node's slab mappings.
+ * - recv_scatter: receive a reply's payload into (address, length) pieces, checksumming each shard in 256 KiB
+ *   steps while it is hot (end-to-end: the client checks what the node stored); crc32c_pieces: the same
+ *   checksums over memory already in place.
  * - bytearray_uninit: a bytearray whose bytes are not zeroed first (they are about to be overwritten).
  *
  * Socket calls follow Python's socket timeout semantics: the timeout bounds each wait for the socket to
@@ -426,101 +430,271 @@ done:
 #define IOV_BATCH 1024
 #define IOV_SCATTER 64 /* pieces one recv_scatter call offers the kernel */
 
+/* ---- Scatter: bytes spread over memory, sent as one payload ------------------------------------ */
+
+/* Scatter(plan, keep): an int64 (address, length) plan of pieces that send_all sends in order as if they were one
+ * buffer (len() is their total), and the object that keeps every address valid while the Scatter lives (a node
+ * passes views of its slab mappings: a mapping with views cannot be closed). */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer plan;
+    Py_ssize_t rows;
+    Py_ssize_t total;
+    PyObject *keep;
+} ScatterObject;
+
+static PyTypeObject ScatterType;
+
+static int scatter_init(ScatterObject *self, PyObject *args, PyObject *kwds) {
+    Py_buffer plan;
+    PyObject *keep;
+    if (!PyArg_ParseTuple(args, "y*O:Scatter", &plan, &keep)) return -1;
+    if (plan.len % (Py_ssize_t)(2 * sizeof(int64_t))) {
+        PyBuffer_Release(&plan);
+        PyErr_SetString(PyExc_ValueError, "plan must hold (address, length) int64 pairs");
+        return -1;
+    }
+    const int64_t *rows = plan.buf;
+    Py_ssize_t n = plan.len / (Py_ssize_t)(2 * sizeof(int64_t)), total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rows[2 * i + 1] < 0) {
+            PyBuffer_Release(&plan);
+            PyErr_SetString(PyExc_ValueError, "negative length in plan");
+            return -1;
+        }
+        total += (Py_ssize_t)rows[2 * i + 1];
+    }
+    if (self->plan.obj) PyBuffer_Release(&self->plan);
+    self->plan = plan;
+    self->rows = n;
+    self->total = total;
+    Py_INCREF(keep);
+    Py_XSETREF(self->keep, keep);
+    return 0;
+}
+
+static void scatter_dealloc(ScatterObject *self) {
+    if (self->plan.obj) PyBuffer_Release(&self->plan);
+    Py_XDECREF(self->keep);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t scatter_len(ScatterObject *self) { return self->total; }
+
+static PySequenceMethods scatter_as_sequence = {.sq_length = (lenfunc)scatter_len};
+
+static PyTypeObject ScatterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtier.kvstore._native.Scatter",
+    .tp_basicsize = sizeof(ScatterObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)scatter_init,
+    .tp_dealloc = (destructor)scatter_dealloc,
+    .tp_as_sequence = &scatter_as_sequence,
+    .tp_doc = "Scatter(plan, keep): int64 (address, length) pieces that send_all sends as one payload; keep holds\n"
+              "whatever keeps the addresses valid. len() is the total length.",
+};
+
 static PyObject *py_send_all(PyObject *self, PyObject *args) {
     int sock, timeout_ms;
     PyObject *seq;
     if (!PyArg_ParseTuple(args, "iiO:send_all", &sock, &timeout_ms, &seq)) return NULL;
-    Py_ssize_t n;
-    Py_buffer *views = acquire_views(seq, &n, 0);
-    if (!views) return NULL;
-    struct iovec *iov = PyMem_Malloc((n ? n : 1) * sizeof(struct iovec));
-    if (!iov) {
-        release_views(views, n);
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence of buffers");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), pieces = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        pieces += Py_IS_TYPE(item, &ScatterType) ? ((ScatterObject *)item)->rows : 1;
+    }
+    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    struct iovec *iov = PyMem_Malloc((pieces ? pieces : 1) * sizeof(struct iovec));
+    if (!views || !iov) {
+        PyMem_Free(views);
+        PyMem_Free(iov);
+        Py_DECREF(fast);
         return PyErr_NoMemory();
     }
     Py_ssize_t k = 0;
+    int err = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        if (Py_IS_TYPE(item, &ScatterType)) { /* held by fast; its keep holds the memory */
+            const ScatterObject *sc = (const ScatterObject *)item;
+            const int64_t *rows = sc->plan.buf;
+            for (Py_ssize_t r = 0; r < sc->rows; r++) {
+                if (!rows[2 * r + 1]) continue;
+                iov[k].iov_base = (void *)(uintptr_t)rows[2 * r];
+                iov[k].iov_len = (size_t)rows[2 * r + 1];
+                k++;
+            }
+            continue;
+        }
+        if (PyObject_GetBuffer(item, &views[i], PyBUF_C_CONTIGUOUS) < 0) {
+            err = -1;
+            break;
+        }
         if (views[i].len) {
             iov[k].iov_base = views[i].buf;
             iov[k].iov_len = (size_t)views[i].len;
             k++;
         }
     }
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS;
-    Py_ssize_t first = 0;
-    while (first < k) {
-        struct msghdr msg = {0};
-        msg.msg_iov = iov + first;
-        msg.msg_iovlen = (size_t)(k - first < IOV_BATCH ? k - first : IOV_BATCH);
-        ssize_t r = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                if (wait_ready(sock, POLLOUT, timeout_ms) < 0) {
-                    err = errno;
-                    break;
+    if (!err) {
+        Py_BEGIN_ALLOW_THREADS;
+        Py_ssize_t first = 0;
+        while (first < k) {
+            struct msghdr msg = {0};
+            msg.msg_iov = iov + first;
+            msg.msg_iovlen = (size_t)(k - first < IOV_BATCH ? k - first : IOV_BATCH);
+            ssize_t r = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                    if (wait_ready(sock, POLLOUT, timeout_ms) < 0) {
+                        err = errno;
+                        break;
+                    }
+                    continue;
                 }
-                continue;
+                err = errno;
+                break;
             }
-            err = errno;
-            break;
+            size_t sent = (size_t)r;
+            while (first < k && sent >= iov[first].iov_len) {
+                sent -= iov[first].iov_len;
+                first++;
+            }
+            if (sent) {
+                iov[first].iov_base = (char *)iov[first].iov_base + sent;
+                iov[first].iov_len -= sent;
+            }
         }
-        size_t sent = (size_t)r;
-        while (first < k && sent >= iov[first].iov_len) {
-            sent -= iov[first].iov_len;
-            first++;
-        }
-        if (sent) {
-            iov[first].iov_base = (char *)iov[first].iov_base + sent;
-            iov[first].iov_len -= sent;
-        }
+        Py_END_ALLOW_THREADS;
     }
-    Py_END_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (views[i].obj) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
     PyMem_Free(iov);
-    release_views(views, n);
+    Py_DECREF(fast);
+    if (err < 0) return NULL;
     if (err) return socket_error(err, 0);
     Py_RETURN_NONE;
 }
 
-/* recv_scatter(sock_fd, plan, done) -> int: one non-blocking recvmsg into the plan's (address, length) pieces,
- * starting done bytes into them. The caller guarantees that every address stays valid and writable. */
+#define RECV_HOT (256 << 10) /* bytes one checksummed recvmsg takes: they are checksummed while still in L2 */
+
+/* recv_scatter(sock_fd, plan, done, crcs=None) -> int: non-blocking recvmsg calls into the plan's pieces, starting
+ * done bytes into them, until nothing more is waiting or the plan is full. Without crcs the plan holds (address,
+ * length) rows; with crcs (a writable uint32 array) (address, length, shard) rows, and each piece's bytes are
+ * folded into crcs[shard] (shard -1: not checked) right after they land. The caller guarantees that every
+ * address stays valid and writable. */
 static PyObject *py_recv_scatter(PyObject *self, PyObject *args) {
     int sock;
-    Py_buffer plan;
+    Py_buffer plan, crcbuf = {0};
     long long done;
-    if (!PyArg_ParseTuple(args, "iy*L:recv_scatter", &sock, &plan, &done)) return NULL;
-    Py_ssize_t n = plan.len / (Py_ssize_t)(2 * sizeof(int64_t));
-    const int64_t *pieces = plan.buf;
-    struct iovec iov[IOV_SCATTER];
-    int k = 0;
-    for (Py_ssize_t i = 0; i < n && k < IOV_SCATTER; i++) {
-        int64_t len = pieces[2 * i + 1];
-        if (done >= len) {
-            done -= len;
-            continue;
+    PyObject *crc_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "iy*L|O:recv_scatter", &sock, &plan, &done, &crc_obj)) return NULL;
+    int cols = crc_obj == Py_None ? 2 : 3;
+    if (cols == 3 && PyObject_GetBuffer(crc_obj, &crcbuf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&plan);
+        return NULL;
+    }
+    Py_ssize_t n = plan.len / (Py_ssize_t)(cols * sizeof(int64_t));
+    Py_ssize_t ncrc = crcbuf.len / (Py_ssize_t)sizeof(uint32_t);
+    const int64_t *rows = plan.buf;
+    uint32_t *crcs = crcbuf.buf;
+    if (plan.len % (Py_ssize_t)(cols * sizeof(int64_t)) || done < 0) {
+        PyErr_SetString(PyExc_ValueError, "plan must hold int64 (address, length[, shard]) rows");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; cols == 3 && i < n; i++)
+        if (rows[3 * i + 2] >= ncrc) {
+            PyErr_SetString(PyExc_ValueError, "plan names a shard beyond crcs");
+            goto fail;
         }
-        iov[k].iov_base = (char *)(uintptr_t)pieces[2 * i] + done;
-        iov[k].iov_len = (size_t)(len - done);
-        done = 0;
-        k++;
+    Py_ssize_t row = 0;
+    int64_t off = done;
+    while (row < n && off >= rows[cols * row + 1]) off -= rows[cols * row++ + 1];
+    ssize_t total = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    while (row < n) {
+        struct iovec iov[IOV_SCATTER];
+        int k = 0;
+        size_t asked = 0;
+        for (Py_ssize_t i = row; i < n && k < IOV_SCATTER && (cols == 2 || asked < RECV_HOT); i++) {
+            int64_t skip = i == row ? off : 0;
+            size_t len = (size_t)(rows[cols * i + 1] - skip);
+            if (cols == 3 && asked + len > RECV_HOT) len = RECV_HOT - asked;
+            if (!len) continue;
+            iov[k].iov_base = (char *)(uintptr_t)rows[cols * i] + skip;
+            iov[k].iov_len = len;
+            asked += len;
+            k++;
+        }
+        if (!k) break;
+        struct msghdr msg = {0};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)k;
+        ssize_t r;
+        do {
+            r = recvmsg(sock, &msg, MSG_DONTWAIT);
+        } while (r < 0 && errno == EINTR);
+        if (r <= 0) {
+            if (r < 0) err = errno;
+            break;
+        }
+        total += r;
+        for (size_t left = (size_t)r; left;) { /* checksum what landed, piece by piece */
+            const int64_t *at = rows + cols * row;
+            size_t take = (size_t)(at[1] - off);
+            if (take > left) take = left;
+            if (cols == 3 && at[2] >= 0) crcs[at[2]] = crc32c_update(crcs[at[2]], (char *)(uintptr_t)at[0] + off, take);
+            off += (int64_t)take;
+            left -= take;
+            if (off == at[1]) {
+                row++;
+                off = 0;
+            }
+        }
+        if ((size_t)r < asked) break; /* the socket is drained: do not pay for an EAGAIN */
+    }
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&plan);
+    if (cols == 3) PyBuffer_Release(&crcbuf);
+    if (total == 0 && err) {
+        errno = err;
+        return PyErr_SetFromErrno(err == EAGAIN || err == EWOULDBLOCK ? PyExc_BlockingIOError : PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(total); /* an error after some bytes shows again on the next call */
+fail:
+    PyBuffer_Release(&plan);
+    if (cols == 3) PyBuffer_Release(&crcbuf);
+    return NULL;
+}
+
+/* crc32c_pieces(plan) -> bytes: the CRC-32C of each (address, length) row of an int64 plan, as little-endian
+ * uint32s, without the GIL. The caller guarantees that every address is valid. */
+static PyObject *py_crc32c_pieces(PyObject *self, PyObject *arg) {
+    Py_buffer plan;
+    if (PyObject_GetBuffer(arg, &plan, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (plan.len % (Py_ssize_t)(2 * sizeof(int64_t))) {
+        PyBuffer_Release(&plan);
+        PyErr_SetString(PyExc_ValueError, "plan must hold (address, length) int64 pairs");
+        return NULL;
+    }
+    Py_ssize_t n = plan.len / (Py_ssize_t)(2 * sizeof(int64_t));
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint32_t));
+    if (out) {
+        const int64_t *rows = plan.buf;
+        uint32_t *crcs = (uint32_t *)PyBytes_AS_STRING(out);
+        Py_BEGIN_ALLOW_THREADS;
+        for (Py_ssize_t i = 0; i < n; i++)
+            crcs[i] = crc32c_update(0, (const void *)(uintptr_t)rows[2 * i], (size_t)rows[2 * i + 1]);
+        Py_END_ALLOW_THREADS;
     }
     PyBuffer_Release(&plan);
-    if (k == 0) return PyLong_FromLong(0);
-    ssize_t r;
-    Py_BEGIN_ALLOW_THREADS;
-    struct msghdr msg = {0};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = (size_t)k;
-    do {
-        r = recvmsg(sock, &msg, MSG_DONTWAIT);
-    } while (r < 0 && errno == EINTR);
-    Py_END_ALLOW_THREADS;
-    if (r < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return PyErr_SetFromErrno(PyExc_BlockingIOError);
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return PyLong_FromSsize_t(r);
+    return out;
 }
 
 static PyObject *py_addresses(PyObject *self, PyObject *seq) {
@@ -555,11 +729,17 @@ static PyMethodDef methods[] = {
      "adjacent in a file in one pwritev (fd -1: received and dropped). Returns the shards' CRC-32Cs as\n"
      "little-endian uint32s. scratch is reused to receive in pieces. Raises TimeoutError, ConnectionResetError (peer closed) or OSError; after an error the\n"
      "stream is out of step and the connection must be closed."},
+    {"crc32c_pieces", py_crc32c_pieces, METH_O,
+     "crc32c_pieces(plan) -> bytes: CRC-32C of each (address, length) row of an int64 plan, as little-endian\n"
+     "uint32s. The caller keeps every address valid."},
     {"send_all", py_send_all, METH_VARARGS,
-     "send_all(sock_fd, timeout_ms, buffers): send every byte of buffers (sendmsg, partial sends resumed)."},
+     "send_all(sock_fd, timeout_ms, buffers): send every byte of buffers (sendmsg, partial sends resumed); an item\n"
+     "may be a Scatter, whose pieces are sent in its place."},
     {"recv_scatter", py_recv_scatter, METH_VARARGS,
-     "recv_scatter(sock_fd, plan, done) -> int: one non-blocking recvmsg into the pieces of plan (int64 pairs\n"
-     "(address, length)), skipping the first done bytes of them; bytes received, 0 when the peer closed.\n"
+     "recv_scatter(sock_fd, plan, done, crcs=None) -> int: non-blocking recvmsg calls into the pieces of plan,\n"
+     "skipping the first done bytes of them, until nothing more is waiting or the plan is full; bytes received,\n"
+     "0 when the peer closed. plan holds int64 (address, length) rows, or with crcs (a writable uint32 array)\n"
+     "(address, length, shard) rows, each piece folded into crcs[shard] (-1: none) in 256 KiB steps, while hot.\n"
      "Raises BlockingIOError when nothing is waiting. The caller keeps every address valid and writable."},
     {"addresses", py_addresses, METH_O,
      "addresses(buffers) -> bytes: the start address of each writable, C-contiguous buffer as int64s (valid\n"
@@ -574,7 +754,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvtier.kvstore._nati
 
 PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
+    if (PyType_Ready(&ScatterType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "HW_CRC", have_hw) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddObjectRef(m, "Scatter", (PyObject *)&ScatterType) < 0) Py_CLEAR(m);
     return m;
 }

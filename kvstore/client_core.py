@@ -45,7 +45,14 @@ class ClientCore:
             config.client.retry_down_after_s,
         )
         self._parity = bytearray()  # parity of the current put; a call's sends finish before it returns
-        self.stats = {"header_mismatches": 0, "degraded_reads": 0, "misses": 0, "hits": 0, "shards_repaired": 0}
+        self.stats = {
+            "header_mismatches": 0,
+            "degraded_reads": 0,
+            "misses": 0,
+            "hits": 0,
+            "shards_repaired": 0,
+            "corrupt_shards": 0,  # shards whose bytes failed the crc32c their node stored, caught by this client
+        }
 
     @contextlib.contextmanager
     def acting_for(self, tenant: str) -> Iterator[None]:

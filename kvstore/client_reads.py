@@ -4,7 +4,7 @@ shards of live blocks rewritten before the call returns; see docs/design.md §5.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from kvtier.kvstore.client_writes import Writes
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, shard_size
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER, Namespace, TokenInput
 from kvtier.kvstore.protocol import Frame, Op, Status
-from kvtier.kvstore.transport import Exchange
+from kvtier.kvstore.transport import Exchange, ReceivePlan
 
 
 class BlockLayout:
@@ -39,16 +39,16 @@ class ReadState:
         self.buffers = buffers
         self.allocate = allocate
         self.trust_primary = trust_primary
-        self.layouts: list[BlockLayout | None] = [BlockLayout(len(b)) if b is not None else None for b in buffers]
         self.valid = np.zeros((n, TOTAL_SHARDS), dtype=bool)
         self.asked = np.zeros((n, TOTAL_SHARDS), dtype=bool)
         self.lost = np.zeros((n, TOTAL_SHARDS), dtype=bool)  # a node answered MISSING or CORRUPT: repairable
         self.absent = np.zeros(n, dtype=bool)
         self.mismatch = np.zeros(n, dtype=bool)
+        self.corrupt = 0  # shards whose bytes failed their stored crc32c here, at the reader
         self.replies: list[tuple[np.ndarray, dict[str, Any]]] = []  # (entries, meta) of every GET reply
         self.primary_ok = np.zeros(n, dtype=bool)  # the primary answered OK: the block is live
         self.parity: dict[tuple[int, int], memoryview] = {}
-        self.receiving: dict[int, np.ndarray] = {}  # request id -> (block, shard) entries in its payload
+        self.receiving: dict[int, Landing] = {}  # request id -> the shards its payload brings
         # where replies land, by address (a plan per reply: see Reads._sink): each destination block's start and
         # length (-1: none yet), and the scratch memory each reply's plan points into, kept until the read ends
         self.base = np.zeros(n, dtype=np.int64)
@@ -59,7 +59,8 @@ class ReadState:
             self._place(known, [len(buffers[b]) for b in known])  # type: ignore[arg-type]
 
     def arrived(self, frame: Frame, entries: np.ndarray) -> None:
-        """A GET reply for ``entries`` is complete: its shards are in place, its verdicts known."""
+        """A GET reply for ``entries`` is complete: its shards are in place, its verdicts known. A shard whose
+        bytes do not match the crc32c the node stored for it is an erasure, like one the node found corrupt."""
         statuses = frame.meta.get("st")
         if isinstance(statuses, bytes) and len(statuses) == len(entries):
             st = np.frombuffer(statuses, dtype=np.uint8)
@@ -70,9 +71,17 @@ class ReadState:
             self.lost[lost[:, 0], lost[:, 1]] = True
             self.primary_ok[entries[(st == Status.OK) & (entries[:, 1] == 0), 0]] = True
             self.replies.append((entries, frame.meta))
-        landed = self.receiving.pop(frame.request_id, None)
-        if landed is not None and len(landed):
-            self.valid[landed[:, 0], landed[:, 1]] = True
+        landing = self.receiving.pop(frame.request_id, None)
+        if landing is None or not len(landing.shards):
+            return
+        good = landing.shards
+        if landing.crcs is not None:
+            bad = landing.crcs != landing.expected
+            if bad.any():
+                self.corrupt += int(bad.sum())
+                self.lost[good[bad, 0], good[bad, 1]] = True
+                good = good[~bad]
+        self.valid[good[:, 0], good[:, 1]] = True
 
     def stored_as(self, blocks: Sequence[int]) -> list[tuple[str | None, bytes]]:
         """TTL class and header digest of ``blocks`` as stored (a repair writes them back unchanged), from
@@ -108,7 +117,6 @@ class ReadState:
                 lengths = block_lens[fresh][first].tolist()
                 for b, length in zip(new.tolist(), lengths, strict=True):
                     self.buffers[b] = memoryview(_native.bytearray_uninit(length))
-                    self.layouts[b] = BlockLayout(length)
                 self._place(new.tolist(), lengths)
         return self.length[blocks] == block_lens
 
@@ -217,6 +225,7 @@ class Reads(Writes):
         for node_id, entries in _by_node(shard_nodes, wanted):
             state.asked[entries[:, 0], entries[:, 1]] = True
             meta = self._entry_meta(keys, entries, headers)
+            meta["client_crc"] = True  # the node sends stored crcs and does not read the bytes to check them
             exchange.request(
                 node_id,
                 Op.GET_SHARDS,
@@ -225,11 +234,14 @@ class Reads(Writes):
                 on_reply=lambda frame, e=entries: state.arrived(frame, e),
             )
         exchange.run(self.config.client.op_timeout_s, until=state.decodable if early else None)
+        self.stats["corrupt_shards"] += state.corrupt
+        state.corrupt = 0
 
-    def _sink(self, frame: Frame, entries: np.ndarray, state: ReadState) -> np.ndarray | None:
-        """Where each OK shard of a GET reply goes, as a plan of (address, length) pieces that the transport
-        receives into in compiled code: a data shard at its place in the destination block (the zero padding
-        of a tail shard into a shared pad), a parity shard or one that does not fit its block into scratch."""
+    def _sink(self, frame: Frame, entries: np.ndarray, state: ReadState) -> ReceivePlan | None:
+        """Where each OK shard of a GET reply goes, as a plan of (address, length, shard) pieces that the transport
+        receives into in compiled code, checksumming every shard while it is hot: a data shard at its place in
+        the destination block (the zero padding of a tail shard into scratch), a parity shard or one that does
+        not fit its block into scratch (parity is kept for decoding; a shard that does not fit is dropped)."""
         meta = frame.meta
         raw = [meta.get("st"), meta.get("lens"), meta.get("blen")]
         n = len(entries)
@@ -238,62 +250,67 @@ class Reads(Writes):
         ok = np.flatnonzero(np.frombuffer(raw[0], dtype=np.uint8) == Status.OK)
         lens = np.frombuffer(raw[1], dtype="<u4")[ok].astype(np.int64)
         block_lens = np.frombuffer(raw[2], dtype="<u8")[ok].astype(np.int64)
+        stored_crc = meta.get("crc")
+        if stored_crc is not None and (not isinstance(stored_crc, bytes) or len(stored_crc) != 4 * n):
+            return None
         blocks, index = entries[ok, 0], entries[ok, 1]
         fits = state.destinations(blocks, block_lens) & (lens == np.maximum(1, -(-block_lens // DATA_SHARDS)))
         data = fits & (index < DATA_SHARDS)
-        pieces = np.zeros((len(ok), 2, 2), dtype=np.int64)  # per shard: (address, length) of its bytes, of padding
         start = index[data] * lens[data]
         held = np.clip(state.length[blocks[data]] - start, 0, lens[data])  # bytes of the shard inside the block
-        pieces[data, 0] = np.stack([state.base[blocks[data]] + start, held], axis=1)
-        pieces[data, 1] = np.stack([np.full(len(held), _PAD_ADDRESS), lens[data] - held], axis=1)
+        padding = lens[data] - held
         elsewhere = ~data
-        if elsewhere.any():
-            scratch = state.scratch[frame.request_id] = _native.bytearray_uninit(int(lens[elsewhere].sum()))
-            offsets = np.cumsum(lens[elsewhere]) - lens[elsewhere]
-            base = np.frombuffer(_native.addresses([scratch]), dtype=np.int64)[0]
-            pieces[elsewhere, 0] = np.stack([base + offsets, lens[elsewhere]], axis=1)
-            view = memoryview(scratch)
-            parity = fits[elsewhere]  # what fits its block but is not a data shard: parity, kept for decoding
-            for b, i, at, length in zip(
-                blocks[elsewhere][parity].tolist(),
-                index[elsewhere][parity].tolist(),
-                offsets[parity].tolist(),
-                lens[elsewhere][parity].tolist(),
-                strict=True,
-            ):
-                state.parity[(b, i)] = view[at : at + length]
-        state.receiving[frame.request_id] = entries[ok[fits]]
-        plan = pieces.reshape(-1, 2)
-        return np.ascontiguousarray(plan[plan[:, 1] > 0])
+        # one scratch buffer per reply: tail padding (apart for each shard: the crc of a piece is taken after it
+        # lands), then parity and shards that do not fit
+        scratch_lens = np.concatenate([padding, lens[elsewhere]])
+        scratch = state.scratch[frame.request_id] = _native.bytearray_uninit(int(scratch_lens.sum()))
+        offsets = np.cumsum(scratch_lens) - scratch_lens
+        base = int(np.frombuffer(_native.addresses([scratch]), dtype=np.int64)[0])
+        pieces = np.zeros((len(ok), 2, 3), dtype=np.int64)  # per shard: (address, length, shard) of bytes, padding
+        pieces[data, 0, 0] = state.base[blocks[data]] + start
+        pieces[data, 0, 1] = held
+        pieces[data, 1, 0] = base + offsets[: len(padding)]
+        pieces[data, 1, 1] = padding
+        pieces[elsewhere, 0, 0] = base + offsets[len(padding) :]
+        pieces[elsewhere, 0, 1] = lens[elsewhere]
+        checked = np.full(len(ok), -1, dtype=np.int64)  # a shard that does not fit is dropped unchecked
+        checked[fits] = np.arange(int(fits.sum()))
+        pieces[:, :, 2] = checked[:, None]
+        view = memoryview(scratch)
+        parity = elsewhere & fits  # what fits its block but is not a data shard: parity, kept for decoding
+        for b, i, at, length in zip(
+            blocks[parity].tolist(),
+            index[parity].tolist(),
+            offsets[len(padding) :][fits[elsewhere]].tolist(),
+            lens[parity].tolist(),
+            strict=True,
+        ):
+            state.parity[(b, i)] = view[at : at + length]
+        crcs = expected = None
+        if stored_crc is not None:
+            crcs = np.zeros(int(fits.sum()), dtype=np.uint32)  # filled in by the receive, shard by shard
+            expected = np.frombuffer(stored_crc, dtype="<u4")[ok][fits]
+        state.receiving[frame.request_id] = Landing(entries[ok[fits]], crcs, expected)
+        plan = pieces.reshape(-1, 3)
+        plan = np.ascontiguousarray(plan[plan[:, 1] > 0])
+        return ReceivePlan(plan if crcs is not None else np.ascontiguousarray(plan[:, :2]), crcs)
 
     def _assemble(self, state: ReadState) -> list[bool]:
-        out = []
-        for b, layout in enumerate(state.layouts):
-            buf = state.buffers[b]
+        """Per block whether it was read; blocks missing a data shard are decoded from the others in place."""
+        hit = (state.valid.sum(axis=1) >= DATA_SHARDS) & ~state.absent & ~state.mismatch & (state.length >= 0)
+        self.stats["hits"] += int(hit.sum())
+        self.stats["misses"] += int((~hit).sum())
+        self.stats["header_mismatches"] += int((~hit & state.mismatch).sum())
+        for b in np.flatnonzero(hit & ~state.valid[:, :DATA_SHARDS].all(axis=1)).tolist():
             valid = np.flatnonzero(state.valid[b])
-            if state.absent[b] or state.mismatch[b] or layout is None or buf is None or len(valid) < DATA_SHARDS:
-                if state.mismatch[b]:
-                    self.stats["header_mismatches"] += 1
-                self.stats["misses"] += 1
-                out.append(False)
-                continue
-            missing_data = [i for i in range(DATA_SHARDS) if not state.valid[b, i]]
-            if missing_data:
-                self._reconstruct(b, layout, buf, valid[:DATA_SHARDS].tolist(), missing_data, state)
-                self.stats["degraded_reads"] += 1
-            self.stats["hits"] += 1
-            out.append(True)
-        return out
+            missing = np.flatnonzero(~state.valid[b, :DATA_SHARDS]).tolist()
+            self._reconstruct(b, BlockLayout(int(state.length[b])), valid[:DATA_SHARDS].tolist(), missing, state)
+            self.stats["degraded_reads"] += 1
+        return hit.tolist()
 
-    def _reconstruct(
-        self,
-        b: int,
-        layout: BlockLayout,
-        buf: memoryview,
-        use: list[int],
-        missing: list[int],
-        state: ReadState,
-    ) -> None:
+    def _reconstruct(self, b: int, layout: BlockLayout, use: list[int], missing: list[int], state: ReadState) -> None:
+        buf = state.buffers[b]
+        assert buf is not None
         present: dict[int, memoryview] = {}
         for i in use:
             if i >= DATA_SHARDS:
@@ -320,6 +337,11 @@ class Reads(Writes):
             region[:] = scratch[: len(region)]
 
 
-_PAD = bytearray(DATA_SHARDS)  # a tail shard is padded by fewer than 10 bytes: they land here, never read
-_PAD_VIEW = memoryview(_PAD)  # kept exported, so the pad never moves
-_PAD_ADDRESS = int(np.frombuffer(_native.addresses([_PAD_VIEW]), dtype=np.int64)[0])
+class Landing(NamedTuple):
+    """The shards a GET reply's payload brings: (block, shard) ``shards`` whose bytes land where they are
+    used, with the crc32c each accumulates as it arrives and the one its node stored (None: a node that
+    checks the shards itself)."""
+
+    shards: np.ndarray
+    crcs: np.ndarray | None
+    expected: np.ndarray | None

@@ -25,7 +25,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,8 +53,17 @@ class AuthError(Exception):
     """A node rejected this client's token: wrong token for the cluster, or an unknown tenant."""
 
 
-# where a reply's payload goes: buffers, an (address, length) plan (FrameReader.sink_plan), or None (its own buffer)
-Sink = Callable[[Frame], "Sequence[memoryview] | np.ndarray | None"]
+class ReceivePlan(NamedTuple):
+    """Where a reply's payload lands in raw memory (``FrameReader.sink_plan``): int64 rows (address, length), or
+    (address, length, shard) with ``crcs``, a uint32 per shard into which the receive folds each piece's bytes
+    as they land (shard -1: not checked). The sink keeps every address valid until the reply completes."""
+
+    plan: np.ndarray
+    crcs: np.ndarray | None = None
+
+
+# where a reply's payload goes: buffers, a ReceivePlan, or None (a buffer of its own)
+Sink = Callable[[Frame], "Sequence[memoryview] | ReceivePlan | None"]
 
 
 @dataclass(eq=False)
@@ -71,6 +80,7 @@ class Pending:
     sunk: bool = False
     wire: list[memoryview] = field(default_factory=list, repr=False)  # the request, kept for one resend
     resent: bool = False
+    crcs: np.ndarray | None = field(default=None, repr=False)  # of the ReceivePlan its reply lands by
 
     @property
     def done(self) -> bool:
@@ -367,22 +377,23 @@ class Exchange:
         reader = conn.reader
         while True:
             head = reader.head
-            if head is not None:
-                pending = conn.inflight.get(head.request_id)
-                if pending is not None and not pending.sunk:
-                    pending.sunk = True
-                    if pending.abandoned:
-                        reader.discard_payload(_SCRATCH)
-                    elif pending.sink is not None and head.opcode != Op.ERROR:
-                        where = pending.sink(head)
-                        if isinstance(where, np.ndarray):
-                            reader.sink_plan(where)
-                        elif where is not None:
-                            reader.sink(where)
+            pending = conn.inflight.get(head.request_id) if head is not None else None
+            if head is not None and pending is not None and not pending.sunk:
+                pending.sunk = True
+                if pending.abandoned:
+                    reader.discard_payload(_SCRATCH)
+                elif pending.sink is not None and head.opcode != Op.ERROR:
+                    where = pending.sink(head)
+                    if isinstance(where, ReceivePlan):
+                        reader.sink_plan(where.plan)
+                        pending.crcs = where.crcs
+                    elif where is not None:
+                        reader.sink(where)
             scatter = reader.scatter
             try:
-                if scatter is not None:  # compiled: no Python object per shard
-                    n = _native.recv_scatter(conn.sock.fileno(), *scatter)
+                if scatter is not None:  # compiled, checksumming as it lands: no Python object per shard
+                    crcs = pending.crcs if pending is not None else None
+                    n = _native.recv_scatter(conn.sock.fileno(), *scatter, crcs)
                 else:
                     n = conn.sock.recvmsg_into(reader.writable()[:RECV_IOV])[0]
             except BlockingIOError:

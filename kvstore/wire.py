@@ -44,6 +44,12 @@ def field(meta: dict[str, Any], name: str, kind: type) -> Any:
 
 
 def unpack_keys(meta: dict[str, Any], max_batch: int) -> list[bytes]:
+    blob, klen = unpack_key_blob(meta, max_batch)
+    return [blob[i * klen : (i + 1) * klen] for i in range(len(blob) // klen)]
+
+
+def unpack_key_blob(meta: dict[str, Any], max_batch: int) -> tuple[bytes, int]:
+    """The ``keys`` blob, checked (a whole number of keys of a known length, at most ``max_batch``), and ``klen``."""
     blob = field(meta, "keys", bytes)
     klen = field(meta, "klen", int)
     if klen not in KEY_LENGTHS:
@@ -53,7 +59,7 @@ def unpack_keys(meta: dict[str, Any], max_batch: int) -> list[bytes]:
     n = len(blob) // klen
     if n > max_batch:
         raise bad(f"batch of {n} keys exceeds the limit of {max_batch}")
-    return [blob[i * klen : (i + 1) * klen] for i in range(n)]
+    return blob, klen
 
 
 def unpack_array(meta: dict[str, Any], name: str, dtype: str, n: int) -> np.ndarray:
@@ -64,9 +70,15 @@ def unpack_array(meta: dict[str, Any], name: str, dtype: str, n: int) -> np.ndar
 
 
 def unpack_headers(meta: dict[str, Any], n: int) -> list[bytes | None]:
-    blob = meta.get("hdr")
+    blob = unpack_header_blob(meta, n)
     if blob is None:
         return [None] * n
-    if not isinstance(blob, bytes) or len(blob) != n * HEADER_DIGEST_BYTES:
-        raise bad(f"field 'hdr' must hold {n} digests of {HEADER_DIGEST_BYTES} bytes")
     return [blob[i * HEADER_DIGEST_BYTES : (i + 1) * HEADER_DIGEST_BYTES] for i in range(n)]
+
+
+def unpack_header_blob(meta: dict[str, Any], n: int) -> bytes | None:
+    """The ``hdr`` blob (``n`` digests, concatenated), checked, or None when the request carries none."""
+    blob = meta.get("hdr")
+    if blob is not None and (not isinstance(blob, bytes) or len(blob) != n * HEADER_DIGEST_BYTES):
+        raise bad(f"field 'hdr' must hold {n} digests of {HEADER_DIGEST_BYTES} bytes")
+    return blob

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import socket
 import threading
 
@@ -105,6 +107,11 @@ def test_recv_to_files_times_out_when_the_payload_stops_arriving() -> None:
 def test_send_all_sends_every_buffer_through_partial_sends() -> None:
     buffers = [os.urandom(n) for n in (5, 3 << 20, 0, 70_000)] + [b"ab"] * 2000  # more buffers than one sendmsg
     a, b = socket.socketpair()
+    assert _drained(a, b, lambda: _native.send_all(a.fileno(), 5000, buffers)) == b"".join(buffers)
+
+
+def _drained(a: socket.socket, b: socket.socket, send: object) -> bytes:
+    """What ``send()`` writes into ``a``, read from ``b`` by another thread."""
     received = bytearray()
 
     def drain() -> None:
@@ -114,10 +121,64 @@ def test_send_all_sends_every_buffer_through_partial_sends() -> None:
     reader = threading.Thread(target=drain)
     reader.start()
     with a:
-        _native.send_all(a.fileno(), 5000, buffers)
+        send()  # type: ignore[operator]
     reader.join()
     b.close()
-    assert received == b"".join(buffers)
+    return bytes(received)
+
+
+def test_send_all_sends_a_scatters_pieces_in_its_place() -> None:
+    memory = bytearray(os.urandom(1 << 20))
+    view = memoryview(memory)  # the Scatter keeps it exported: the memory cannot move while it lives
+    base = int(np.frombuffer(_native.addresses([view]), dtype=np.int64)[0])
+    pieces = [(700_000, 3000), (5, 0), (0, 10), (12, 600_000)] + [(9, 2)] * 2000  # more than one sendmsg takes
+    scatter = _native.Scatter(np.asarray([(base + at, n) for at, n in pieces], dtype=np.int64), view)
+    assert len(scatter) == sum(n for _, n in pieces)
+    a, b = socket.socketpair()
+    received = _drained(a, b, lambda: _native.send_all(a.fileno(), 5000, [b"head", scatter, b"tail"]))
+    assert received == b"head" + b"".join(memory[at : at + n] for at, n in pieces) + b"tail"
+
+
+def test_a_scatter_refuses_a_plan_that_is_not_address_length_pairs() -> None:
+    with pytest.raises(ValueError):
+        _native.Scatter(np.zeros(3, dtype=np.int64), None)
+    with pytest.raises(ValueError):
+        _native.Scatter(np.asarray([(0, -1)], dtype=np.int64), None)
+
+
+def test_crc32c_pieces_checksums_each_row_in_place() -> None:
+    memory = bytearray(os.urandom(200_000))
+    view = memoryview(memory)
+    base = int(np.frombuffer(_native.addresses([view]), dtype=np.int64)[0])
+    rows = [(0, 0), (3, 100_001), (150_000, 50_000)]
+    plan = np.asarray([(base + at, n) for at, n in rows], dtype=np.int64)
+    crcs = np.frombuffer(_native.crc32c_pieces(plan), dtype="<u4").tolist()
+    assert crcs == [crc32c.crc32c(memory[at : at + n]) for at, n in rows]
+
+
+def test_recv_scatter_checksums_each_shard_as_it_lands_across_partial_receives() -> None:
+    shards = [os.urandom(n) for n in (300_000, 7, 6554)]
+    memory = bytearray(sum(len(s) for s in shards) + 3)
+    view = memoryview(memory)
+    base = int(np.frombuffer(_native.addresses([view]), dtype=np.int64)[0])
+    # shard 2 arrives as two pieces (its tail lands apart), and 3 unchecked bytes (shard -1) end the payload
+    rows = [(0, 300_000, 0), (300_000, 7, 1), (300_007, 6000, 2), (306_010, 554, 2), (306_007, 3, -1)]
+    plan = np.asarray([(base + at, n, shard) for at, n, shard in rows], dtype=np.int64)
+    payload = b"".join(shards) + b"xyz"
+    crcs = np.zeros(3, dtype=np.uint32)
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=lambda: [a.sendall(payload[i : i + 999]) for i in range(0, len(payload), 999)])
+        sender.start()
+        done = 0
+        while done < len(payload):  # stops mid-piece, resumes where it stopped
+            select.select([b], [], [], 5)
+            with contextlib.suppress(BlockingIOError):
+                done += _native.recv_scatter(b.fileno(), plan, done, crcs)
+        sender.join()
+    assert crcs.tolist() == [crc32c.crc32c(s) for s in shards]
+    assert memory[:300_007] == payload[:300_007] and memory[306_007:306_010] == b"xyz"
+    assert memory[300_007:306_007] + memory[306_010:] == shards[2]
 
 
 def test_bytearray_uninit_is_a_bytearray_of_that_size() -> None:
