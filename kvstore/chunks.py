@@ -571,12 +571,10 @@ class ChunkEngine:
 
     def _release_slots(self, slots: Sequence[tuple[int, int]]) -> None:
         """With the lock held: (size class, slot)s no record names any more. A slot stays counted as used until
-        its grace time (``grace_s``, default none) has passed and no reply pins it; writers waiting for room
-        are woken."""
-        after = self.clock() + self.grace_s
-        release = self.slabs.release
-        for size_class, slot in slots:
-            release(size_class, slot, after)
+        its grace time (``grace_s``, default none) has passed and no reply pins it (without either it is free
+        at once); writers waiting for room are woken."""
+        now = self.clock()
+        self.used_bytes -= self.slabs.release(slots, now + self.grace_s, now)
         if slots:
             self._room.notify_all()
 
@@ -783,65 +781,54 @@ class ChunkEngine:
     def read(
         self,
         tenant: str,
-        wanted: Sequence[tuple[bytes, int, bytes | None]],
+        keys: bytes,
+        index: np.ndarray,
+        headers: bytes | None,
         ttl_s: Callable[[str], float | None],
+        *,
         probe: bool = False,
-    ) -> tuple[list[Status], list[memoryview | None], list[ShardRecord | None]]:
-        """Look up committed shards ``(key, index, expected header digest or None)``.
+        verify: bool = True,
+    ) -> ShardReads:
+        """Look up committed shards, given as columns: row ``i`` asks for key ``i`` of ``keys`` (all of one length,
+        concatenated), shard ``index[i]``, and when ``headers`` is given (16 bytes a row) that header digest.
 
-        Returns per shard a status, a view of its bytes in the slab file (None unless OK) and its record
-        (None unless OK). A shard whose crc32c does not verify is ``CORRUPT``: an erasure, never returned.
-        The slots of OK shards are *pinned*: however long the caller takes to send them, they are not
-        reused, even after a delete; the caller must ``unpin(records)`` when done.
-        ``probe`` skips the bytes and the crc check (a repair scan asking only what is there).
+        Per row a status: ``OK``; ``ABSENT`` (shard 0 asked of its primary, which has no live block record: the
+        block is gone, whatever shards remain); ``MISSING`` (absent, not committed, expired); ``MISMATCH``
+        (another header digest); ``CORRUPT`` (``verify`` and the bytes fail their crc32c: an erasure, never
+        returned). OK rows are *pinned*: however long the caller takes to send them, their slots are not
+        reused, even after a delete; the caller must ``unpin(reads)`` when done. ``verify=False`` leaves the
+        check to the reader, which gets each shard's stored crc32c (``reads.crc``) and checks the bytes as
+        they arrive, so the node never reads them itself (end to end: docs/design.md §5). ``probe``: statuses
+        only — no bytes, no pins, no check (a repair scan asking what is there).
         """
-        now = self.clock()
-        statuses: list[Status] = []
-        views: list[memoryview | None] = []
-        records: list[ShardRecord | None] = []
-        # the per-shard loop runs for every shard a read moves (10,000 of them for 64 MiB of 64 KiB blocks):
-        # the key prefix, the TTL cut-offs and the status values are worked out once, outside it
+        n = len(index)
+        klen = len(keys) // n if n else 16
         prefix = tenant_prefix(tenant)
-        cutoffs = _ExpiryCutoffs(ttl_s, now)
-        ok_, absent, missing, mismatch = Status.OK, Status.ABSENT, Status.MISSING, Status.MISMATCH
-        view, shards_db, block_entry = self.slabs.view, self.shards_db, self.lru.get
+        lmdb_keys = _shard_lmdb_keys(prefix, keys, klen, index)
+        now = self.clock()
         # Look up and pin under the lock that deletes and slot reuse take: a slot found here cannot be
         # reused before it is unpinned, however long the checks and the send take.
-        with self._lock, self.env.begin(buffers=True) as txn:
-            get = txn.get
-            for key, index, header in wanted:
-                raw = get(prefix + key + _INDEX_BYTES[index], db=shards_db)
-                rec = ShardRecord.unpack(raw) if raw is not None else None
-                status = ok_
-                entry = block_entry(prefix + key) if index == 0 else None
-                if index == 0 and (entry is None or entry.created < cutoffs[entry.ttl_class]):
-                    status = absent  # no live record: the block is gone, whatever shards remain
-                elif rec is None or rec.state != COMMITTED or rec.created < cutoffs[rec.ttl_class]:
-                    status = missing
-                elif header is not None and rec.header != header:
-                    status = mismatch
-                statuses.append(status)
-                if status is ok_:
-                    records.append(rec)
-                    views.append(None if probe else view(rec.size_class, rec.slot, rec.length))  # type: ignore[union-attr]
-                else:
-                    records.append(None)
-                    views.append(None)
+        with self._lock, self.env.begin(db=self.shards_db) as txn:
+            found = txn.cursor().getmulti(lmdb_keys)  # one call for the batch; absent keys are left out
+            values = [v for _, v in found] if len(found) == n else list(map(dict(found).get, lmdb_keys))
+            reads = ShardReads(values, _ExpiryCutoffs(ttl_s, now), headers)
+            for row in np.flatnonzero(index == 0).tolist():  # asked of the primary: is the block live?
+                if not self._record_alive(prefix + keys[row * klen : (row + 1) * klen], ttl_s, now):
+                    reads.status[row] = Status.ABSENT
+            reads.settle()
             if not probe:
-                self.slabs.pin([(r.size_class, r.slot) for r in records if r is not None])
-        held = [i for i, view in enumerate(views) if view is not None]
-        crcs = _native.crc32c_many([views[i] for i in held])  # one call, without the GIL
-        for i, crc in zip(held, crcs, strict=True):
-            if crc != records[i].crc:  # type: ignore[union-attr]
-                statuses[i], views[i] = Status.CORRUPT, None
-                self.unpin([records[i]])
-                records[i] = None
-        return statuses, views, records
+                reads.pin(self.slabs)
+        if verify and not probe and reads.pins:
+            corrupt = reads.check()
+            if corrupt:
+                with self._lock:
+                    self.slabs.unpin(corrupt)
+        return reads
 
-    def unpin(self, records: Sequence[ShardRecord | None]) -> None:
+    def unpin(self, reads: ShardReads) -> None:
         """Release the pins ``read`` took."""
         with self._lock:
-            self.slabs.unpin([(r.size_class, r.slot) for r in records if r is not None])
+            self.slabs.unpin(reads.pins)
             if self.slabs.quarantine:
                 self._room.notify_all()  # a removed slot whose reply was in flight may be free now
 
@@ -922,3 +909,127 @@ class _ExpiryCutoffs(dict[str, float]):
 def _shard_alive(rec: ShardRecord, ttl_s: Callable[[str], float | None], now: float) -> bool:
     ttl = ttl_s(rec.ttl_class)
     return ttl is not None and now <= rec.created + ttl
+
+
+def _shard_lmdb_keys(prefix: bytes, keys: bytes, klen: int, index: np.ndarray) -> list[bytes]:
+    """prefix + key + index of every row: the LMDB keys of shard records, built as one array."""
+    n, width = len(index), len(prefix) + klen + 1
+    table = np.empty((n, width), dtype=np.uint8)
+    table[:, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    table[:, len(prefix) : -1] = np.frombuffer(keys, dtype=np.uint8).reshape(n, klen)
+    table[:, -1] = index
+    return table.view(f"V{width}").ravel().tolist()  # void scalars come back as bytes, trailing zeros kept
+
+
+_FIXED = _shard_dtype(0)  # a shard record without its TTL class name
+
+
+class ShardReads:
+    """What ``ChunkEngine.read`` found, as columns over the rows asked (no Python object per shard: a 64 KiB-block
+    read asks every node for about a thousand).
+
+    ``status`` per row (``Status`` values). For OK rows, the record's ``length``, ``block_len``, ``crc``,
+    ``header`` (n × 16 digest bytes) and ``ttl`` (an index into ``ttl_classes``); zero (``ttl`` 255) elsewhere.
+    ``payload``: the OK shards' bytes in row order, a ``_native.Scatter`` over the slab mappings that keeps them
+    mapped (None until pinned). ``pins``: the (size class, slot) pairs pinned for it.
+    """
+
+    def __init__(self, values: list[bytes | None], cutoffs: _ExpiryCutoffs, headers: bytes | None) -> None:
+        n = len(values)
+        present = np.fromiter((v is not None for v in values), dtype=bool, count=n)
+        rows = np.flatnonzero(present)
+        held = values if len(rows) == n else [values[i] for i in rows.tolist()]
+        lengths = np.fromiter(map(len, held), dtype=np.int64, count=len(held))  # type: ignore[arg-type]
+        blob = np.frombuffer(b"".join(held), dtype=np.uint8)  # type: ignore[arg-type]
+        starts = np.cumsum(lengths) - lengths
+        self.records = np.zeros(n, dtype=_FIXED)
+        self.records[rows] = blob[starts[:, None] + np.arange(_FIXED.itemsize)].view(_FIXED)[:, 0]
+        self.ttl = np.full(n, 255, dtype=np.uint8)
+        self.ttl_classes: list[str] = []
+        for width in np.unique(lengths).tolist():  # a TTL class name ends each record: one length per class
+            same = np.flatnonzero(lengths == width)
+            tails = blob[starts[same, None] + np.arange(_FIXED.itemsize, width)]
+            if (tails == tails[0]).all():  # the usual case: one class of this name length
+                self.ttl[rows[same]] = len(self.ttl_classes)
+                self.ttl_classes.append(tails[0].tobytes().decode())
+                continue
+            for row, name in zip(rows[same].tolist(), (t.tobytes().decode() for t in tails), strict=True):
+                if name not in self.ttl_classes:
+                    self.ttl_classes.append(name)
+                self.ttl[row] = self.ttl_classes.index(name)
+        recs = self.records
+        cutoff = np.asarray([cutoffs[name] for name in self.ttl_classes] + [math.inf])  # absent rows: the last
+        expired = recs["created"] < cutoff[np.minimum(self.ttl, len(self.ttl_classes))]
+        missing = ~present | (recs["state"] != COMMITTED) | expired
+        self.status = np.full(n, Status.OK, dtype=np.uint8)
+        if headers is not None:
+            asked = np.frombuffer(headers, dtype=np.uint8).reshape(n, HEADER_BYTES)
+            self.status[(recs["header"] != asked).any(axis=1)] = Status.MISMATCH
+        self.status[missing] = Status.MISSING
+        self.payload: _native.Scatter | None = None
+        self.pins: list[tuple[int, int]] = []
+        self._plan = np.zeros((0, 2), dtype=np.int64)
+        self._keep: list[memoryview] = []
+
+    def settle(self) -> None:
+        """The statuses are final: clear the columns of rows that are not OK."""
+        other = self.status != Status.OK
+        self.records[other] = 0
+        self.ttl[other] = 255
+
+    @property
+    def ok(self) -> np.ndarray:
+        return np.flatnonzero(self.status == Status.OK)
+
+    @property
+    def length(self) -> np.ndarray:
+        return self.records["length"]
+
+    @property
+    def block_len(self) -> np.ndarray:
+        return self.records["block_len"]
+
+    @property
+    def crc(self) -> np.ndarray:
+        return self.records["crc"]
+
+    @property
+    def header(self) -> np.ndarray:
+        return self.records["header"]
+
+    def pin(self, slabs: SlabFiles) -> None:
+        """With the engine lock held: pin the OK rows' slots and point the payload at them in the slab mappings."""
+        ok = self.ok
+        size_class = self.records["size_class"][ok].astype(np.int64)
+        slot = self.records["slot"][ok].astype(np.int64)
+        self.pins = list(zip(size_class.tolist(), slot.tolist(), strict=True))
+        slabs.pin(self.pins)
+        if not len(ok):
+            return
+        per_extent = np.asarray([slabs.extent_slots(c) for c in range(len(SIZE_CLASSES))], dtype=np.int64)
+        extent = slot // per_extent[size_class]
+        maps, which = np.unique(size_class * (1 << 32) + extent, return_inverse=True)
+        for m in maps.tolist():  # a view of each mapping's start: the mapping cannot be closed while it lives
+            c, e = divmod(m, 1 << 32)
+            self._keep.append(slabs.view(c, e * int(per_extent[c]), 0))
+        bases = np.frombuffer(_native.addresses(self._keep), dtype=np.int64)
+        self._plan = np.empty((len(ok), 2), dtype=np.int64)
+        offset = (slot - extent * per_extent[size_class]) * _CLASS_BYTES[size_class]
+        self._plan[:, 0] = bases[which.reshape(-1)] + offset
+        self._plan[:, 1] = self.records["length"][ok]
+        self.payload = _native.Scatter(self._plan, self._keep)
+
+    def check(self) -> list[tuple[int, int]]:
+        """Checksum the pinned shards in the slab files; those that fail become ``CORRUPT`` and leave the payload.
+        Returns their pins, which the caller releases."""
+        ok = self.ok
+        bad = np.frombuffer(_native.crc32c_pieces(self._plan), dtype="<u4") != self.records["crc"][ok]
+        if not bad.any():
+            return []
+        self.status[ok[bad]] = Status.CORRUPT
+        self.settle()
+        corrupt = [pin for pin, b in zip(self.pins, bad.tolist(), strict=True) if b]
+        self.pins = [pin for pin, b in zip(self.pins, bad.tolist(), strict=True) if not b]
+        self._plan = np.ascontiguousarray(self._plan[~bad])
+        self.payload = _native.Scatter(self._plan, self._keep)
+        return corrupt

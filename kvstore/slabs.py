@@ -24,6 +24,7 @@ import math
 import mmap
 import os
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -159,10 +160,20 @@ class SlabFiles:
                 )
         return whole[index * size : index * size + length]
 
-    def release(self, size_class: int, slot: int, after: float) -> None:
-        """Make a slot reusable once the clock passes ``after``."""
-        self.quarantine.append((after, size_class, slot))
-        self.quarantined_bytes += SIZE_CLASSES[size_class]
+    def release(self, slots: Sequence[tuple[int, int]], after: float, now: float) -> int:
+        """Make (size class, slot)s reusable once the clock passes ``after`` and no reader pins them. Those
+        that may be reused already (``after`` is not in the future, and unpinned) go straight to the free
+        lists; returns their bytes. The others wait in quarantine for ``reap``."""
+        freed = 0
+        pins, free, quarantine = self.pins, self.free, self.quarantine
+        for size_class, slot in slots:
+            if after <= now and (size_class, slot) not in pins:
+                free.setdefault(size_class, []).append(slot)
+                freed += SIZE_CLASSES[size_class]
+            else:
+                quarantine.append((after, size_class, slot))
+                self.quarantined_bytes += SIZE_CLASSES[size_class]
+        return freed
 
     def release_now(self, size_class: int, slot: int) -> None:
         """Make a slot reusable at once (it was never visible to any reader)."""
