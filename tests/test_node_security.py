@@ -242,6 +242,7 @@ def _put_lens_do_not_add_up(sock: socket.socket, token: str) -> tuple[ErrorCode,
         "lens": np.array([4096, 4096], dtype="<u4").tobytes(),  # 8 KiB announced …
         "blen": np.array([40960, 40960], dtype="<u8").tobytes(),
         "cls": "chatbot",
+        "put": b"put-9",
     }
     send_frame(sock, Op.PUT_SHARDS, meta, b"s" * 4096, rid=9)  # … 4 KiB sent
     return ErrorCode.BAD_REQUEST, 9
@@ -440,6 +441,28 @@ def test_put_shards_with_ragged_lens_blob_gets_bad_request_and_close(local: Loca
         }
         send_frame(sock, Op.PUT_SHARDS, meta, b"s" * 4096, rid=21)
         assert_error_then_closed(sock, ErrorCode.BAD_REQUEST, 21)
+
+
+def test_a_commit_that_does_not_match_its_put_is_refused_and_loses_nothing(local: LocalCluster, admin_token: str):
+    put_id = os.urandom(8)
+    meta = {
+        **keys_meta(random_keys(2)),
+        "idx": bytes([2, 3]),
+        "lens": np.array([4096, 4096], dtype="<u4").tobytes(),
+        "blen": np.array([40960, 40960], dtype="<u8").tobytes(),
+        "cls": "chatbot",
+        "put": put_id,
+    }
+    with open_raw(local) as sock:
+        hello(sock, admin_token)
+        send_frame(sock, Op.PUT_SHARDS, meta, b"s" * 8192, rid=30)
+        assert recv_frame(sock).meta["st"] == bytes(2)  # OK, OK: pending
+        send_frame(sock, Op.COMMIT, {"put": put_id, "act": bytes([1, 1, 1])}, rid=31)  # three shards named
+        assert_error_then_closed(sock, ErrorCode.BAD_REQUEST, 31)
+    with open_raw(local) as sock:
+        hello(sock, admin_token)
+        send_frame(sock, Op.COMMIT, {"put": put_id, "act": bytes([1, 1])}, rid=32)
+        assert recv_frame(sock).meta["st"] == bytes(2)  # both committed: the bad COMMIT changed nothing
 
 
 def test_garbage_longer_than_a_header_gets_bad_frame_and_close(local: LocalCluster):

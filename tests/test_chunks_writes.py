@@ -1,0 +1,104 @@
+"""The chunk engine's write path in one process: a PUT's shards wait in memory for their COMMIT, so a put that
+is never committed (a writer that died, a node that crashed) leaves nothing visible and no slot used."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.kvstore.chunks import COMMIT, DROP, ChunkEngine, WriteBatch
+from kvtier.kvstore.protocol import Status
+from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
+
+CAPACITY = 64 << 20
+SHARD = 6554
+SLOT = SIZE_CLASSES[size_class_for(SHARD)]
+TTL = {"chatbot": 86400.0}.get
+
+
+def batch(keys: list[bytes], index: int = 0) -> WriteBatch:
+    n = len(keys)
+    return WriteBatch(b"".join(keys), 16, np.full(n, index), np.full(n, SHARD), np.full(n, 10 * SHARD), "chatbot")
+
+
+def staged(engine: ChunkEngine, keys: list[bytes], index: int = 0) -> tuple[bytes, WriteBatch]:
+    """A put whose shards are in their slots, waiting for its COMMIT (what a node holds between the phases)."""
+    put_id, shards = os.urandom(8), batch(keys, index)
+    engine.reserve("default", shards)
+    for i in shards.rows(Status.OK).tolist():
+        engine.slabs.write(int(shards.size_class[i]), int(shards.slot[i]), bytes([i]) * SHARD)
+    engine.stage("default", put_id, shards)
+    return put_id, shards
+
+
+@pytest.fixture
+def engine(tmp_path: Path):
+    engine = ChunkEngine(tmp_path, CAPACITY)
+    yield engine
+    engine.close()
+
+
+def test_a_put_that_is_never_committed_frees_its_slots_when_dropped(engine: ChunkEngine) -> None:
+    keys = [os.urandom(16) for _ in range(8)]
+    put_id, shards = staged(engine, keys)
+    assert engine.used_bytes == 8 * SLOT and engine.pending_primary_bytes == 8 * SLOT
+    assert engine.live_blocks("default", keys, TTL) == [False] * 8  # pending: invisible
+    ((_, stale_id, _),) = engine.stale_puts(engine.clock() + 1)
+    assert stale_id == put_id
+    assert engine.commit("default", put_id, np.full(8, DROP, dtype=np.uint8)) == bytes([Status.MISSING]) * 8
+    assert engine.used_bytes == 0 and engine.pending_primary_bytes == 0 and engine.stale_puts(engine.clock() + 1) == []
+    _, again = staged(engine, keys)
+    assert sorted(again.slot.tolist()) == sorted(shards.slot.tolist())  # the slots were free again
+
+
+def test_a_crash_between_put_and_commit_leaves_nothing_visible_and_no_slot_used(tmp_path: Path) -> None:
+    keys = [os.urandom(16) for _ in range(8)]
+    engine = ChunkEngine(tmp_path, CAPACITY)
+    staged(engine, keys)
+    engine.close()  # the process dies here: nothing of a staged put is in LMDB
+    engine = ChunkEngine(tmp_path, CAPACITY)
+    assert engine.used_bytes == 0 and engine.counts() == {"shards": 0, "blocks": 0}
+    assert engine.live_blocks("default", keys, TTL) == [False] * 8
+    assert engine.commit("default", os.urandom(8)) is None  # the writer's COMMIT finds no such put
+    _, shards = staged(engine, keys)
+    assert sorted(shards.slot.tolist()) == list(range(8))  # nothing leaked: the first slots are handed out again
+    engine.close()
+
+
+def test_a_committed_put_is_visible_and_its_resent_commit_gets_the_same_answer(engine: ChunkEngine) -> None:
+    keys = [os.urandom(16) for _ in range(4)]
+    put_id, _ = staged(engine, keys)
+    action = np.asarray([COMMIT, COMMIT, COMMIT, DROP], dtype=np.uint8)
+    answer = engine.commit("default", put_id, action)
+    assert answer == bytes([Status.OK, Status.OK, Status.OK, Status.MISSING])
+    assert engine.live_blocks("default", keys, TTL) == [True, True, True, False]
+    assert engine.used_bytes == 3 * SLOT and engine.pending_primary_bytes == 0
+    assert engine.commit("default", put_id, action) == answer
+
+
+def test_a_commit_naming_the_wrong_number_of_shards_changes_nothing(engine: ChunkEngine) -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    put_id, _ = staged(engine, keys)
+    with pytest.raises(ValueError, match="holds 3 shards"):
+        engine.commit("default", put_id, np.ones(4, dtype=np.uint8))
+    assert engine.commit("default", put_id) == bytes([Status.OK]) * 3
+
+
+def test_a_shard_another_writer_committed_first_wins_and_the_second_copy_is_given_back(engine: ChunkEngine) -> None:
+    key = os.urandom(16)
+    first, _ = staged(engine, [key], index=2)
+    second, _ = staged(engine, [key], index=2)
+    assert engine.used_bytes == 2 * SLOT
+    assert engine.commit("default", first) == engine.commit("default", second) == bytes([Status.OK])
+    assert engine.used_bytes == SLOT and len(list(engine.shard_records("default", key))) == 1
+
+
+def test_a_put_of_a_committed_shard_is_exists_and_takes_no_slot(engine: ChunkEngine) -> None:
+    key = os.urandom(16)
+    put_id, _ = staged(engine, [key])
+    engine.commit("default", put_id)
+    _, again = staged(engine, [key])
+    assert again.status.tolist() == [Status.EXISTS] and engine.used_bytes == SLOT
