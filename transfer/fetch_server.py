@@ -74,9 +74,16 @@ class Session:
     reader: FrameReader = field(default_factory=FrameReader)
     tenant: str | None = None
     out: bytearray = field(default_factory=bytearray)
-    pins: collections.Counter[tuple[int, int, int]] = field(default_factory=collections.Counter)  # pool, slot, gen
+    # per size class, the pins this connection holds on each slot (a pinned slot keeps its generation)
+    pins: dict[int, np.ndarray] = field(default_factory=dict)
     allocs: set[tuple[int, int, int]] = field(default_factory=set)
     closed: bool = False
+
+    def pins_of(self, cls: int, slots: int) -> np.ndarray:
+        held = self.pins.get(cls)
+        if held is None:
+            held = self.pins[cls] = np.zeros(slots, np.uint32)
+        return held
 
 
 @dataclass(eq=False)
@@ -98,41 +105,51 @@ class Answer:
             session, request_id, pin, np.full(n, BlockStatus.ERROR, np.uint8), np.zeros(n, "<u4"), np.zeros(n, "<u8"), n
         )
 
-
-@dataclass(eq=False)
-class Flight:
-    """One block being read from (or written to) the store through a slot."""
-
-    key: bytes
-    hdr: bytes | None  # header digest the store checks (None: no check)
-    pool: int  # size class
-    slot: int
-    gen: int
-    waiters: list[tuple[Answer, int]] = field(default_factory=list)
-    job: Job | None = None
+    @property
+    def pins(self) -> bool:
+        """Whether blocks answered to this request are pinned for its connection."""
+        return self.pin and not self.session.closed
 
 
 @dataclass(eq=False)
 class Job:
-    """One store call for a batch of flights, run by a worker."""
+    """One store call for a batch of blocks, each read into (or written from) a slot, run by a worker.
+
+    Block ``j`` answers position ``index[j]`` of the request that asked first (``answer``); other requests that
+    wait for the same block (a later FETCH of it, or the same key twice in one request) are in ``extra[j]``.
+    """
 
     put: bool
     tenant: str
     length: int
     pool: int
-    flights: list[Flight]
+    keys: list[bytes]
+    hdrs: list[bytes | None]  # header digests the store checks (None: no check)
+    slots: np.ndarray  # int64
+    gens: np.ndarray  # uint64
+    answer: Answer
+    index: np.ndarray  # int64
     ttl_class: str = ""
     priority: int = 0
     started: bool = False  # taken by a worker (a job may sit in the queue twice: see ``_hurry``)
     result: list[bool] | None = None
     error: str | None = None
+    extra: dict[int, list[tuple[Answer, int]]] = field(default_factory=dict)
+    _positions: dict[bytes, int] | None = None
 
     @property
     def headers(self) -> list[bytes] | None:
         """A request carries header digests for all its blocks or for none."""
-        if self.flights[0].hdr is None:
-            return None
-        return [f.hdr for f in self.flights if f.hdr is not None]
+        return None if self.hdrs[0] is None else self.hdrs  # type: ignore[return-value]
+
+    def position(self, key: bytes) -> int:
+        """Which block of this job ``key`` is (the job must hold it)."""
+        if self._positions is None:
+            self._positions = dict(zip(self.keys, range(len(self.keys)), strict=True))
+        return self._positions[key]
+
+    def wait(self, j: int, answer: Answer, i: int) -> None:
+        self.extra.setdefault(j, []).append((answer, i))
 
 
 class Fetcher:
@@ -146,7 +163,8 @@ class Fetcher:
         self.slot_sizes = [p.slot_bytes for p in self.pools]
         self.socket_path = socket_path
         self.selector = selectors.DefaultSelector()
-        self.flights: dict[tuple[int, bytes, bytes | None, int], Flight] = {}
+        # blocks being read, by (tenant id, length) then key: a request for one of them waits for that read
+        self.flights: dict[tuple[int, int], dict[bytes, Job]] = {}
         self.jobs: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
         self.done: collections.deque[Job] = collections.deque()
         self.seq = itertools.count()
@@ -305,9 +323,11 @@ class Fetcher:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(session.sock)
         session.sock.close()
-        for (pool, slot, gen), count in session.pins.items():
-            for _ in range(count):
-                self.pools[pool].unpin(slot, gen)
+        for cls, held in session.pins.items():
+            pool = self.pools[cls]
+            slots = np.flatnonzero(held)
+            repeated = np.repeat(slots, held[slots])
+            pool.unpin_many(repeated, pool.gen[repeated])
         for pool, slot, gen in session.allocs:
             self.pools[pool].abandon(slot, gen)
         session.pins.clear()
@@ -370,51 +390,97 @@ class Fetcher:
             slots = found[hit]
             if pin:
                 gens = pool.pin_many(slots)
-                session.pins.update((cls, s, g) for s, g in zip(slots.tolist(), gens.tolist(), strict=True))
+                np.add.at(session.pins_of(cls, pool.slots), slots, 1)
             else:
                 gens = pool.gen[slots]
                 for slot in slots.tolist():
                     pool.touch(slot)
             answer.status[hit], answer.slots[hit], answer.gens[hit] = BlockStatus.HIT, slots, gens
             answer.remaining -= len(hit)
-        wanted: dict[tuple[int, bytes, bytes | None, int], list[int]] = {}  # blocks no read is under way for
-        for i in np.flatnonzero(found < 0).tolist():
-            block = (tid, request.keys[i], request.headers[i], request.length)
-            flight = self.flights.get(block)
-            if flight is None:
-                wanted.setdefault(block, []).append(i)
-                continue
-            if flight.job is not None:  # another request's read: wait for it, at this request's priority
-                self._hurry(flight.job, priority)
-            flight.waiters.append((answer, i))
-        slots, gens = pool.reserve_many(len(wanted), os.getpid())
-        new: list[Flight] = []
-        for (block, indices), slot, gen in zip(wanted.items(), slots.tolist(), gens.tolist(), strict=False):
-            flight = self.flights[block] = Flight(block[1], block[2], cls, slot, gen, [(answer, i) for i in indices])
-            new.append(flight)
-        for _, indices in list(wanted.items())[len(slots) :]:  # no slot left: every one is pinned or filling
-            for i in indices:
-                self._settle(answer, i, BlockStatus.FULL)
-                self.counters["blocks_full"] += 1
+        missed = np.flatnonzero(found < 0)
+        if len(missed):
+            self._read(session, answer, request, missed, tid, cls, priority)
         pool.count(len(hit), len(request.keys) - len(hit))
         self.counters["blocks_hit"] += len(hit)
         self.counters["requests"] += 1
-        if new:  # one store call: measured, splitting it over the workers was slower (GIL, more requests per node)
-            job = Job(False, session.tenant, request.length, cls, new, priority=priority)
-            for flight in new:
-                flight.job = job
-            self.jobs.put((priority, next(self.seq), job))
         if answer.remaining == 0:
             self._answer(answer, frame.opcode)
+
+    def _read(
+        self,
+        session: Session,
+        answer: Answer,
+        request: fp.FetchRequest,
+        missed: np.ndarray,
+        tid: int,
+        cls: int,
+        priority: int,
+    ) -> None:
+        """The blocks of ``request`` at positions ``missed`` (not in the pool): each waits for a read already under
+        way, or joins this request's one store call into freshly reserved slots (FULL when none is left)."""
+        keys, hdrs = request.keys, request.headers
+        flying = self.flights.setdefault((tid, request.length), {})
+        wanted = missed.tolist()
+        wanted_keys = [keys[i] for i in wanted]
+        twice: list[tuple[int, int]] = []  # (block of this request's read, position): the same block asked again
+        if flying or len(set(wanted_keys)) != len(wanted_keys):
+            wanted, twice = self._join(answer, keys, hdrs, wanted, flying, priority)
+            wanted_keys = [keys[i] for i in wanted]
+        slots, gens = self.pools[cls].reserve_many(len(wanted), os.getpid())
+        got = len(slots)
+        if got:
+            job = Job(
+                False, session.tenant or "", request.length, cls, wanted_keys[:got], [hdrs[i] for i in wanted[:got]],
+                slots, gens, answer, np.array(wanted[:got], dtype=np.int64), priority=priority,
+            )  # fmt: skip
+            flying.update(zip(job.keys, itertools.repeat(job)))
+            self.jobs.put((priority, next(self.seq), job))  # one store call: measured, splitting it was slower
+        full = wanted[got:] + [i for j, i in twice if j >= got]  # no slot left: every one is pinned or filling
+        for j, i in twice:
+            if j < got:
+                job.wait(j, answer, i)
+        if full:
+            answer.status[full] = BlockStatus.FULL
+            answer.remaining -= len(full)
+            self.counters["blocks_full"] += len(full)
+        if not flying:
+            del self.flights[(tid, request.length)]
+
+    def _join(
+        self,
+        answer: Answer,
+        keys: list[bytes],
+        hdrs: list[bytes | None],
+        wanted: list[int],
+        flying: dict[bytes, Job],
+        priority: int,
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Positions that wait for another request's read (at this request's priority), and of the rest, those
+        still to be read and those that name a block twice; returns (to read, [(block to read, position)])."""
+        to_read: list[int] = []
+        twice: list[tuple[int, int]] = []
+        first: dict[tuple[bytes, bytes | None], int] = {}
+        hurried: set[Job] = set()
+        for i in wanted:
+            key, hdr = keys[i], hdrs[i]
+            job = flying.get(key)
+            if job is not None and job.hdrs[j := job.position(key)] == hdr:
+                job.wait(j, answer, i)
+                if job not in hurried:
+                    hurried.add(job)
+                    self._hurry(job, priority)
+                continue
+            j = first.setdefault((key, hdr), len(to_read))
+            if j == len(to_read):
+                to_read.append(i)
+            else:
+                twice.append((j, i))
+        return to_read, twice
 
     def _class_of(self, length: int) -> int:
         cls = fp.size_class(self.slot_sizes, length)
         assert cls is not None  # the parsers refused lengths beyond the largest slot
         return cls
-
-    def _settle(self, answer: Answer, i: int, status: BlockStatus, slot: int = 0, gen: int = 0) -> None:
-        answer.status[i], answer.slots[i], answer.gens[i] = status, slot, gen
-        answer.remaining -= 1
 
     def _answer(self, answer: Answer, opcode: int) -> None:
         meta = fp.slots_meta(answer.status, answer.slots, answer.gens, answer.errors)
@@ -422,21 +488,23 @@ class Fetcher:
 
     def _release(self, session: Session, frame: Frame) -> None:
         pools, slots, gens = fp.parse_release(frame.meta, self.config.limits.max_batch)
-        pinned = np.zeros(len(slots), dtype=bool)
         released = 0
-        for i, ref in enumerate(zip(pools.tolist(), slots.tolist(), gens.tolist(), strict=True)):
-            if session.pins[ref] > 0:  # only pins this connection holds: another's are not its to drop
-                session.pins[ref] -= 1
-                if not session.pins[ref]:
-                    del session.pins[ref]
-                pinned[i] = True
-            elif ref in session.allocs:
+        rest = np.ones(len(slots), dtype=bool)  # not a pin of this connection's: maybe a slot it allocated
+        for cls, held in session.pins.items():  # only pins this connection holds: another's are not its to drop
+            pool = self.pools[cls]
+            mine = np.flatnonzero((pools == cls) & (slots < pool.slots))
+            s = slots[mine].astype(np.int64)
+            pinned = (held[s] > 0) & (pool.gen[s] == gens[mine])
+            rest[mine[pinned]] = False  # (a slot pinned here is not one it allocates: FILLING is never pinned)
+            asked, count = np.unique(s[pinned], return_counts=True)
+            take = np.minimum(count, held[asked])  # never more than it holds
+            held[asked] -= take.astype(np.uint32)
+            released += pool.unpin_many(np.repeat(asked, take), np.repeat(pool.gen[asked], take))
+        for i in np.flatnonzero(rest).tolist():
+            ref = (int(pools[i]), int(slots[i]), int(gens[i]))
+            if ref in session.allocs:
                 session.allocs.discard(ref)
                 released += self.pools[ref[0]].abandon(ref[1], ref[2])
-        for cls, pool in enumerate(self.pools):
-            mine = pinned & (pools == cls)
-            if mine.any():
-                released += pool.unpin_many(slots[mine].astype(np.int64), gens[mine])
         self._reply(session, frame, {"released": released})
 
     def _alloc(self, session: Session, frame: Frame) -> None:
@@ -444,12 +512,10 @@ class Fetcher:
         cls = self._class_of(length)
         status = np.full(n, BlockStatus.FULL, np.uint8)
         slots, gens = np.zeros(n, "<u4"), np.zeros(n, "<u8")
-        for i in range(n):
-            reserved = self.pools[cls].reserve(session.pid)
-            if reserved is None:
-                break
-            status[i], (slots[i], gens[i]) = BlockStatus.ALLOCATED, reserved
-            session.allocs.add((cls, *reserved))
+        reserved, generations = self.pools[cls].reserve_many(n, session.pid)
+        got = len(reserved)
+        status[:got], slots[:got], gens[:got] = BlockStatus.ALLOCATED, reserved, generations
+        session.allocs.update(zip(itertools.repeat(cls), reserved.tolist(), generations.tolist()))
         self._reply(session, frame, fp.slots_meta(status, slots, gens, {}))
 
     def _put(self, session: Session, frame: Frame) -> None:
@@ -465,18 +531,31 @@ class Fetcher:
             answer.status[:], answer.slots[:], answer.gens[:] = BlockStatus.ALLOCATED, entries.slots, entries.gens
             self._answer(answer, frame.opcode)
             return
-        flights = []
-        rows = zip(entries.keys, request.headers, entries.slots.tolist(), entries.gens.tolist(), strict=True)
-        for i, (key, hdr, slot, gen) in enumerate(rows):
-            if (cls, slot, gen) not in session.allocs:
-                answer.errors[i] = f"slot {slot} generation {gen} was not allocated to this connection (or is stale)"
-                self._settle(answer, i, BlockStatus.ERROR, slot, gen)
-                continue
-            session.allocs.discard((cls, slot, gen))
-            flights.append(Flight(key, hdr, cls, slot, gen, [(answer, i)]))
-        if flights:
+        ok: list[int] = []
+        for i, ref in enumerate(zip(itertools.repeat(cls), entries.slots.tolist(), entries.gens.tolist())):
+            if ref in session.allocs:
+                session.allocs.discard(ref)
+                ok.append(i)
+            else:
+                answer.errors[i] = (
+                    f"slot {ref[1]} generation {ref[2]} was not allocated to this connection (or is stale)"
+                )
+        refused = answer.errors.keys()
+        if refused:
+            at = list(refused)
+            answer.status[at], answer.slots[at], answer.gens[at] = (
+                BlockStatus.ERROR,
+                entries.slots[at],
+                entries.gens[at],
+            )
+            answer.remaining -= len(at)
+        if ok:
             assert session.tenant is not None
-            job = Job(True, session.tenant, request.length, cls, flights, request.ttl_class)
+            job = Job(
+                True, session.tenant, request.length, cls, [entries.keys[i] for i in ok],
+                [request.headers[i] for i in ok], entries.slots[ok].astype(np.int64), entries.gens[ok], answer,
+                np.array(ok, dtype=np.int64), request.ttl_class,
+            )  # fmt: skip
             self.jobs.put((0, next(self.seq), job))
         if answer.remaining == 0:
             self._answer(answer, frame.opcode)
@@ -488,7 +567,7 @@ class Fetcher:
         return {
             **PoolStats.total([p.stats() for p in self.pools]).as_dict(),
             "slot_sizes": self.slot_sizes,
-            "in_flight": len(self.flights),
+            "in_flight": sum(len(flying) for flying in self.flights.values()),
             "queued_jobs": self.jobs.qsize(),
             "sessions": len(self.sessions),
             "pid": os.getpid(),
@@ -520,12 +599,13 @@ class Fetcher:
                 client = clients.get(job.tenant)
                 if client is None:
                     client = clients[job.tenant] = Client(self.config, token=self.config.tenants[job.tenant])
-                keys = [f.key for f in job.flights]
-                views = [self.pools[job.pool].view(f.slot, job.length) for f in job.flights]
+                pool, length = self.pools[job.pool], job.length
+                starts = (pool.data_offset + job.slots * pool.stride).tolist()
+                views = [pool.buffer[start : start + length] for start in starts]
                 if job.put:
-                    job.result = client.put(keys, views, job.ttl_class, headers=job.headers)
+                    job.result = client.put(job.keys, views, job.ttl_class, headers=job.headers)
                 else:
-                    job.result = client.get_into(keys, views, headers=job.headers)
+                    job.result = client.get_into(job.keys, views, headers=job.headers)
             except CapacityError as exc:
                 job.result, job.error = exc.stored, str(exc)
             except Exception as exc:  # any store failure becomes a per-block ERROR answer, never a crash
@@ -540,43 +620,71 @@ class Fetcher:
     def _complete(self) -> None:
         while self.done:
             job = self.done.popleft()
-            ok = job.result if job.result is not None else [False] * len(job.flights)
-            stored = [f for f, done in zip(job.flights, ok, strict=True) if done]
+            n = len(job.keys)
+            ok = np.zeros(n, dtype=bool) if job.result is None else np.fromiter(job.result, bool, n)
+            tid, pool = tenant_id(job.tenant), self.pools[job.pool]
             if not job.put:
-                for flight in job.flights:
-                    self.flights.pop((tenant_id(job.tenant), flight.key, flight.hdr, job.length), None)
+                self._land(job, tid)
             # pins: one per waiting FETCH whose connection is still there (a PUT's slot is left unpinned)
-            pins = np.array([sum(a.pin and not a.session.closed for a, _ in f.waiters) for f in stored], np.uint32)
-            pool = self.pools[job.pool]
-            if stored:
-                slots = np.array([f.slot for f in stored], dtype=np.int64)
-                hdrs = [f.hdr for f in stored]
-                pool.publish_many(slots, tenant_id(job.tenant), [f.key for f in stored], job.length, hdrs, pins)
-            for flight, done in zip(job.flights, ok, strict=True):
-                if not done:
-                    pool.abandon(flight.slot, flight.gen)
-                self._settle_flight(job, flight, done)
+            pins = np.full(n, 0 if job.put else int(job.answer.pins), dtype=np.uint32)
+            for j, waiters in job.extra.items():
+                pins[j] += sum(a.pins for a, _ in waiters)
+            stored, failed = np.flatnonzero(ok), np.flatnonzero(~ok)
+            if len(stored):
+                keys, hdrs = [job.keys[j] for j in stored.tolist()], [job.hdrs[j] for j in stored.tolist()]
+                pool.publish_many(job.slots[stored], tid, keys, job.length, hdrs, pins[stored])
+            if len(failed):
+                pool.abandon_many(job.slots[failed], job.gens[failed])
+            if job.put:
+                good, bad = BlockStatus.STORED, BlockStatus.ERROR
+                error = job.error or "the store did not commit the block (too few nodes took it)"
+            else:
+                good, bad = BlockStatus.FETCHED, BlockStatus.MISS if job.error is None else BlockStatus.ERROR
+                error = job.error or ""
+                self.counters["bytes_fetched"] += len(stored) * job.length
+            self.counters[_COUNTER_OF[(job.put, good)]] += len(stored)
+            self.counters[_COUNTER_OF[(job.put, bad)]] += len(failed)
+            self._settle(job, job.answer, job.index, ok, good, bad, error)
+            for j, waiters in job.extra.items():
+                for answer, i in waiters:
+                    self._settle(job, answer, np.array([i]), ok[j : j + 1], good, bad, error, j)
 
-    def _settle_flight(self, job: Job, flight: Flight, done: bool) -> None:
-        """Answer every request waiting for ``flight`` with what the store call did for it."""
-        if job.put:
-            status = BlockStatus.STORED if done else BlockStatus.ERROR
-            error = job.error or "the store did not commit the block (too few nodes took it)"
-        else:
-            status = BlockStatus.FETCHED if done else BlockStatus.MISS if job.error is None else BlockStatus.ERROR
-            error = job.error or ""
-        self.counters[_COUNTER_OF[(job.put, status)]] += 1
-        if done and not job.put:
-            self.counters["bytes_fetched"] += job.length
-        for answer, i in flight.waiters:
-            if done and answer.pin and not answer.session.closed:
-                answer.session.pins[(job.pool, flight.slot, flight.gen)] += 1
-            if status == BlockStatus.ERROR:
-                answer.errors[i] = error
-            keep = done or job.put
-            self._settle(answer, i, status, flight.slot if keep else 0, flight.gen if keep else 0)
-            if answer.remaining == 0:
-                self._answer(answer, FetchOp.PUT if job.put else FetchOp.FETCH if answer.pin else FetchOp.PREFETCH)
+    def _land(self, job: Job, tid: int) -> None:
+        """The job's reads are over: later requests for its blocks no longer wait for it."""
+        flying = self.flights.get((tid, job.length))
+        if flying is None:
+            return
+        for key in job.keys:
+            if flying.get(key) is job:
+                del flying[key]
+        if not flying:
+            del self.flights[(tid, job.length)]
+
+    def _settle(
+        self,
+        job: Job,
+        answer: Answer,
+        index: np.ndarray,
+        ok: np.ndarray,
+        good: BlockStatus,
+        bad: BlockStatus,
+        error: str,
+        first: int = 0,
+    ) -> None:
+        """Answer positions ``index`` of ``answer`` with what the store call did for blocks ``first …`` of ``job``."""
+        blocks = slice(first, first + len(index))
+        slots, gens = job.slots[blocks], job.gens[blocks]
+        keep = ok | job.put  # a PUT's answer names its slot either way; a failed read names none
+        answer.status[index] = np.where(ok, good, bad)
+        answer.slots[index] = np.where(keep, slots, 0)
+        answer.gens[index] = np.where(keep, gens, 0)
+        if bad == BlockStatus.ERROR and not ok.all():
+            answer.errors.update(dict.fromkeys(index[~ok].tolist(), error))
+        if not job.put and answer.pins:  # a job's slots are distinct
+            answer.session.pins_of(job.pool, self.pools[job.pool].slots)[slots[ok]] += np.uint32(1)
+        answer.remaining -= len(index)
+        if answer.remaining == 0:
+            self._answer(answer, FetchOp.PUT if job.put else FetchOp.FETCH if answer.pin else FetchOp.PREFETCH)
 
 
 def _alive(pid: int) -> bool:

@@ -41,6 +41,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -401,8 +402,8 @@ class StagingPool(SlotMap):
 
     def find(self, tenant: int, keys: Sequence[bytes], length: int, hdrs: Sequence[bytes | None]) -> np.ndarray:
         """:meth:`lookup` for a batch (keys already checked): per key its slot, or -1."""
-        with self._lock:
-            slots = np.fromiter((self._index.get((tenant, k), -1) for k in keys), np.int64, len(keys))
+        with self._lock:  # the lookups run in C (map over zip): no Python frame per key
+            slots = np.fromiter(map(self._index.get, zip(repeat(tenant), keys), repeat(-1)), np.int64, len(keys))
         held = np.flatnonzero(slots >= 0)
         found = slots[held]
         ok = self.length[found] == length
@@ -432,8 +433,13 @@ class StagingPool(SlotMap):
             held, asked = np.unique(slots[ok], return_counts=True)
             take = np.minimum(asked, self.pins[held]).astype(np.uint32)  # never more pins than there are
             self.pins[held] -= take
-            for slot in held[self.pins[held] == 0].tolist():
-                self._unpinned(slot)
+            unpinned = held[self.pins[held] == 0]
+            if self._detached.isdisjoint(unpinned.tolist()):  # the usual case: all READY again, most recent last
+                self.state[unpinned] = READY
+                self._evictable.update(dict.fromkeys(unpinned.tolist()))
+            else:
+                for slot in unpinned.tolist():
+                    self._unpinned(slot)
             return int(take.sum())
 
     def _unpinned(self, slot: int) -> None:
@@ -463,14 +469,19 @@ class StagingPool(SlotMap):
         with self._lock:
             take = self._free[len(self._free) - min(n, len(self._free)) :]
             del self._free[len(self._free) - len(take) :]
-            while len(take) < n and self._evictable:
-                slot, _ = self._evictable.popitem(last=False)
-                tenant, key = self._held.pop(slot)
-                self._unindex(slot, (tenant, key))
+            evict = min(n - len(take), len(self._evictable))
+            if evict:
+                popitem = self._evictable.popitem
+                evicted = [popitem(last=False)[0] for _ in range(evict)]
+                held = list(map(self._held.pop, evicted))
+                index = self._index
+                for entry in [e for s, e in zip(evicted, held, strict=True) if index.get(e) == s]:
+                    del index[entry]  # (unless a newer copy of the key owns the entry)
                 if self.on_evict is not None:
-                    self.on_evict(tenant, key, slot, int(self.gen[slot]))
-                self._counters[1] += np.uint64(1)
-                take.append(slot)
+                    for slot, entry in zip(evicted, held, strict=True):
+                        self.on_evict(entry[0], entry[1], slot, int(self.gen[slot]))
+                self._counters[1] += np.uint64(evict)
+                take += evicted
             slots = np.array(take, dtype=np.int64)
             self.state[slots] = FILLING  # the state first, then the generation: see ``valid``
             self.gen[slots] += np.uint64(1)
@@ -495,21 +506,34 @@ class StagingPool(SlotMap):
         pins: np.ndarray,
     ) -> None:
         """:meth:`publish` for a batch of distinct slots and keys."""
-        for key in keys:
-            self._checked(key)
+        klen = np.fromiter(map(len, keys), np.uint32, len(keys))
+        if ((klen != 16) & (klen != 32)).any():
+            self._checked(keys[int(np.flatnonzero((klen != 16) & (klen != 32))[0])])
         with self._lock:
             if (self.state[slots] != FILLING).any():
                 raise ValueError(f"slots {slots[self.state[slots] != FILLING].tolist()} are not FILLING")
-            for slot, key in zip(slots.tolist(), keys, strict=True):
-                old = self._index.get((tenant, key))
-                if old is not None and old != slot:
-                    self._detach(old)
-                self._index[(tenant, key)] = slot
-                self._held[slot] = (tenant, key)
+            entries = list(zip(repeat(tenant), keys))
+            slot_list = slots.tolist()
+            if len(set(entries)) == len(entries):
+                for slot, old in zip(slot_list, map(self._index.get, entries), strict=True):
+                    if old is not None and old != slot:  # a newer copy of a key the pool holds
+                        self._detach(old)
+                self._index.update(zip(entries, slot_list, strict=True))
+                self._held.update(zip(slot_list, entries, strict=True))
+            else:  # a key twice (two header digests): one at a time, so the last copy supersedes the first
+                for slot, entry in zip(slot_list, entries, strict=True):
+                    old = self._index.get(entry)
+                    if old is not None and old != slot:
+                        self._detach(old)
+                    self._index[entry], self._held[slot] = slot, entry
             self.tenant[slots] = tenant
-            padded = b"".join(key.ljust(KEY_BYTES, b"\0") for key in keys)
-            self.keys[slots] = np.frombuffer(padded, dtype=np.uint8).reshape(-1, KEY_BYTES)
-            self.klen[slots] = [len(key) for key in keys]
+            if (klen == klen[0]).all():  # one key length (the usual case): no per-key padding
+                self.keys[slots, : klen[0]] = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, int(klen[0]))
+                self.keys[slots, klen[0] :] = 0
+            else:
+                padded = b"".join(key.ljust(KEY_BYTES, b"\0") for key in keys)
+                self.keys[slots] = np.frombuffer(padded, dtype=np.uint8).reshape(-1, KEY_BYTES)
+            self.klen[slots] = klen
             hdr_bytes = b"".join(hdr or bytes(HDR_BYTES) for hdr in hdrs)
             self.hdrs[slots] = np.frombuffer(hdr_bytes, dtype=np.uint8).reshape(-1, HDR_BYTES)
             self.length[slots] = length
@@ -518,8 +542,12 @@ class StagingPool(SlotMap):
             self.lru[slots] = np.arange(clock + 1, clock + 1 + len(slots), dtype=np.uint64)
             self._counters[0] = clock + len(slots)
             self.state[slots] = np.where(pins > 0, PINNED, READY)  # last: the bytes and the table are in place
-            for slot in slots[pins == 0].tolist():  # (one superseded within this batch is freed at once)
-                self._unpinned(slot)
+            ready = slots[pins == 0].tolist()
+            if self._detached.isdisjoint(ready):
+                self._evictable.update(dict.fromkeys(ready))
+            else:  # one superseded within this batch is freed at once
+                for slot in ready:
+                    self._unpinned(slot)
 
     def _unindex(self, slot: int, held: tuple[int, bytes]) -> None:
         """Drop the index entry of ``held`` if it is ``slot``'s (not a newer copy's)."""
@@ -536,11 +564,19 @@ class StagingPool(SlotMap):
 
     def abandon(self, slot: int, generation: int) -> bool:
         """FILLING → FREE (the fill failed or its owner went away). False if ``generation`` is stale."""
+        return self.abandon_many(np.array([slot], dtype=np.int64), np.array([generation], dtype=np.uint64)) == 1
+
+    def abandon_many(self, slots: np.ndarray, gens: np.ndarray) -> int:
+        """:meth:`abandon` for a batch of distinct slots; how many were freed (the others were stale)."""
         with self._lock:
-            if int(self.gen[slot]) != generation or self.state[slot] != FILLING:
-                return False
-            self._to_free(slot)
-            return True
+            mine = slots[(self.gen[slots] == gens) & (self.state[slots] == FILLING)]
+            self.state[mine] = FREE  # the state first, then the generation: see ``valid``
+            self.gen[mine] += np.uint64(1)  # holders of the old generation now see a miss
+            self.pins[mine] = 0
+            self.owner[mine] = 0
+            self.length[mine] = 0
+            self._free += mine.tolist()
+            return len(mine)
 
     def pin(self, slot: int, generation: int, tenant: int | None = None, key: bytes | None = None) -> bool:
         """Pin a READY/PINNED slot at ``generation`` (so it is never evicted); False if it no longer holds it
