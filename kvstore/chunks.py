@@ -810,8 +810,13 @@ class ChunkEngine:
         # reused before it is unpinned, however long the checks and the send take.
         with self._lock, self.env.begin(db=self.shards_db) as txn:
             found = txn.cursor().getmulti(lmdb_keys)  # one call for the batch; absent keys are left out
-            values = [v for _, v in found] if len(found) == n else list(map(dict(found).get, lmdb_keys))
-            reads = ShardReads(values, _ExpiryCutoffs(ttl_s, now), headers)
+            if len(found) == n:
+                present, held = np.ones(n, dtype=bool), [v for _, v in found]
+            else:
+                got = dict(found)
+                present = np.fromiter(map(got.__contains__, lmdb_keys), dtype=bool, count=n)
+                held = [got[k] for k in lmdb_keys if k in got]
+            reads = ShardReads(present, held, _ExpiryCutoffs(ttl_s, now), headers)
             for row in np.flatnonzero(index == 0).tolist():  # asked of the primary: is the block live?
                 if not self._record_alive(prefix + keys[row * klen : (row + 1) * klen], ttl_s, now):
                     reads.status[row] = Status.ABSENT
@@ -924,6 +929,21 @@ def _shard_lmdb_keys(prefix: bytes, keys: bytes, klen: int, index: np.ndarray) -
 _FIXED = _shard_dtype(0)  # a shard record without its TTL class name
 
 
+def _by_length(records: list[bytes]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Packed records grouped by length (one group in the usual case): (their positions, their bytes as a table)."""
+    blob = np.frombuffer(b"".join(records), dtype=np.uint8)
+    widths = set(map(len, records))
+    if len(widths) == 1:
+        (width,) = widths
+        yield np.arange(len(records)), blob.reshape(len(records), width)
+        return
+    lengths = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
+    starts = np.cumsum(lengths) - lengths
+    for width in sorted(widths):
+        same = np.flatnonzero(lengths == width)
+        yield same, blob[starts[same, None] + np.arange(width)]
+
+
 class ShardReads:
     """What ``ChunkEngine.read`` found, as columns over the rows asked (no Python object per shard: a 64 KiB-block
     read asks every node for about a thousand).
@@ -934,21 +954,16 @@ class ShardReads:
     mapped (None until pinned). ``pins``: the (size class, slot) pairs pinned for it.
     """
 
-    def __init__(self, values: list[bytes | None], cutoffs: _ExpiryCutoffs, headers: bytes | None) -> None:
-        n = len(values)
-        present = np.fromiter((v is not None for v in values), dtype=bool, count=n)
+    def __init__(self, present: np.ndarray, held: list[bytes], cutoffs: _ExpiryCutoffs, headers: bytes | None) -> None:
+        """``held``: the packed records of the ``present`` rows, in row order."""
+        n = len(present)
         rows = np.flatnonzero(present)
-        held = values if len(rows) == n else [values[i] for i in rows.tolist()]
-        lengths = np.fromiter(map(len, held), dtype=np.int64, count=len(held))  # type: ignore[arg-type]
-        blob = np.frombuffer(b"".join(held), dtype=np.uint8)  # type: ignore[arg-type]
-        starts = np.cumsum(lengths) - lengths
         self.records = np.zeros(n, dtype=_FIXED)
-        self.records[rows] = blob[starts[:, None] + np.arange(_FIXED.itemsize)].view(_FIXED)[:, 0]
         self.ttl = np.full(n, 255, dtype=np.uint8)
         self.ttl_classes: list[str] = []
-        for width in np.unique(lengths).tolist():  # a TTL class name ends each record: one length per class
-            same = np.flatnonzero(lengths == width)
-            tails = blob[starts[same, None] + np.arange(_FIXED.itemsize, width)]
+        for same, table in _by_length(held):  # a TTL class name ends each record: one length per class
+            self.records[rows[same]] = np.ascontiguousarray(table[:, : _FIXED.itemsize]).view(_FIXED)[:, 0]
+            tails = table[:, _FIXED.itemsize :]
             if (tails == tails[0]).all():  # the usual case: one class of this name length
                 self.ttl[rows[same]] = len(self.ttl_classes)
                 self.ttl_classes.append(tails[0].tobytes().decode())

@@ -42,7 +42,7 @@ from kvtier.kvstore import _native
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.chunks import KEEP, ChunkEngine, WriteBatch
 from kvtier.kvstore.codec import TOTAL_SHARDS
-from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER
+from kvtier.kvstore.keys import HEADER_DIGEST_BYTES
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
 from kvtier.kvstore.placement import Placement, primary_budget_bytes
@@ -59,7 +59,14 @@ from kvtier.kvstore.protocol import (
 )
 from kvtier.kvstore.slabs import MAX_SHARD_BYTES
 from kvtier.kvstore.sockio import recv_frame
-from kvtier.kvstore.wire import bad, field, unpack_array, unpack_headers, unpack_keys
+from kvtier.kvstore.wire import (
+    bad,
+    field,
+    unpack_array,
+    unpack_header_blob,
+    unpack_key_blob,
+    unpack_keys,
+)
 
 log = logging.getLogger("kvtier.node")
 
@@ -288,39 +295,46 @@ class StorageNode:
         return Reply({"st": statuses if statuses is not None else bytes([Status.MISSING]) * len(action)})
 
     def get_shards(self, session: Session, frame: Frame) -> Reply:
-        """Shards by (key, index). ``probe``: statuses only, no bytes, no crc check (for repair scans)."""
-        keys, idx = self._entries(frame)
+        """Shards by (key, index), sent straight from the slab mappings (pinned until sent), with per-shard
+        columns: ``st``, ``lens``, ``blen``, ``ci`` (TTL class, an index into ``classes``), ``hdr``.
+
+        ``client_crc``: the reader checks every shard itself as it arrives, so the node sends each one's stored
+        crc32c (a ``crc`` column, ``<u4``) instead of reading the bytes to check them; otherwise a shard whose
+        bytes fail their crc is ``CORRUPT``. ``probe``: statuses only, no bytes, no check (for repair scans).
+        """
+        keys, idx, headers = self._shard_batch(frame)
         tenant = self.tenant(session, frame.meta)
-        headers = unpack_headers(frame.meta, len(keys))
-        probe = bool(frame.meta.get("probe"))
-        wanted = list(zip(keys, idx.tolist(), headers, strict=True))
-        statuses, views, records = self.engine.read(tenant, wanted, self.ttl_s, probe=probe)
+        probe, client_crc = bool(frame.meta.get("probe")), bool(frame.meta.get("client_crc"))
+        reads = self.engine.read(tenant, keys, idx, headers, self.ttl_s, probe=probe, verify=not client_crc)
+        status_bytes = reads.status.tobytes()
         if probe:
-            return Reply({"st": bytes(statuses)})
-        status_bytes = bytes(statuses)
+            return Reply({"st": status_bytes})
         self.metrics.lookups(status_bytes)
-        read_primary = [k for k, i, st in zip(keys, idx.tolist(), statuses, strict=True) if i == 0 and st == 0]
+        klen = len(keys) // max(1, len(idx))
+        read_primary = np.flatnonzero((idx == 0) & (reads.status == Status.OK)).tolist()
         if read_primary:
-            self.engine.touch(tenant, read_primary)
-        # one column at a time over the shards found (a record is there exactly where the status is OK)
-        found = [r for r in records if r is not None]
-        ok = np.frombuffer(status_bytes, dtype=np.uint8) == Status.OK
-        lens = np.zeros(len(records), dtype="<u4")
-        lens[ok] = [r.length for r in found]
-        block_lens = np.zeros(len(records), dtype="<u8")
-        block_lens[ok] = [r.block_len for r in found]
-        classes: dict[str, int] = {}
-        class_of = np.full(len(records), 255, dtype=np.uint8)
-        class_of[ok] = [classes.setdefault(r.ttl_class, len(classes)) for r in found]
+            self.engine.touch(tenant, [keys[row * klen : (row + 1) * klen] for row in read_primary])
         meta = {
             "st": status_bytes,
-            "lens": lens.tobytes(),
-            "blen": block_lens.tobytes(),
-            "classes": list(classes),
-            "ci": class_of.tobytes(),
-            "hdr": b"".join([r.header if r is not None else NO_HEADER for r in records]),
+            "lens": reads.length.tobytes(),
+            "blen": reads.block_len.tobytes(),
+            "classes": reads.ttl_classes,
+            "ci": reads.ttl.tobytes(),
+            "hdr": reads.header.tobytes(),
         }
-        return Reply(meta, [v for v in views if v is not None], on_sent=lambda: self.engine.unpin(records))
+        if client_crc:
+            meta["crc"] = reads.crc.tobytes()
+        payload = [reads.payload] if reads.payload is not None else []
+        return Reply(meta, payload, on_sent=lambda: self.engine.unpin(reads))  # type: ignore[list-item]
+
+    def _shard_batch(self, frame: Frame) -> tuple[bytes, np.ndarray, bytes | None]:
+        """A GET's rows as columns, checked: the keys blob, shard indices and header digests (or None)."""
+        keys, klen = unpack_key_blob(frame.meta, self.config.limits.max_batch)
+        n = len(keys) // klen
+        idx = unpack_array(frame.meta, "idx", "u1", n)
+        if n and int(idx.max()) >= TOTAL_SHARDS:
+            raise bad(f"shard index out of range 0..{TOTAL_SHARDS - 1}")
+        return keys, idx, unpack_header_blob(frame.meta, n)
 
     def match(self, session: Session, frame: Frame) -> Reply:
         keys = unpack_keys(frame.meta, self.config.limits.max_batch)

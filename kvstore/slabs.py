@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
+import itertools
 import math
 import mmap
 import os
@@ -181,16 +182,24 @@ class SlabFiles:
 
     def pin(self, slots: list[tuple[int, int]]) -> None:
         """Readers are sending these (size class, slot)s: they are not reused until unpinned."""
+        pins = self.pins
+        if pins.keys().isdisjoint(slots) and len(set(slots)) == len(slots):  # the usual case, in C loops
+            pins.update(zip(slots, itertools.repeat(1)))
+            return
         for key in slots:
-            self.pins[key] = self.pins.get(key, 0) + 1
+            pins[key] = pins.get(key, 0) + 1
 
     def unpin(self, slots: list[tuple[int, int]]) -> None:
+        pins = self.pins
+        if max(map(pins.__getitem__, slots), default=1) == 1:  # the usual case: pinned once, by this reader
+            deque(map(pins.__delitem__, slots), maxlen=0)
+            return
         for key in slots:
-            left = self.pins[key] - 1
+            left = pins[key] - 1
             if left:
-                self.pins[key] = left
+                pins[key] = left
             else:
-                del self.pins[key]
+                del pins[key]
 
     def reap(self, now: float) -> int:
         """Free the quarantined slots whose grace has passed and that no reader pins; returns their bytes."""

@@ -34,13 +34,34 @@ def rand_blocks(n: int, size: int = 64 << 10) -> list[bytes]:
     return [os.urandom(size) for _ in range(n)]
 
 
-def shard_status(client: Client, node_id: int, key: bytes, index: int) -> Status:
-    """Ask one node directly for one shard, as the client's reads do."""
+def shard_reply(client: Client, node_id: int, key: bytes, index: int, **flags: bool) -> dict:
+    """Ask one node directly for one shard; the metadata of its reply."""
     exchange = Exchange(client.pool)
-    pending = exchange.request(node_id, Op.GET_SHARDS, {"keys": key, "klen": len(key), "idx": bytes([index])})
+    meta = {"keys": key, "klen": len(key), "idx": bytes([index]), **flags}
+    pending = exchange.request(node_id, Op.GET_SHARDS, meta)
     exchange.run(10)
     assert pending.frame is not None
-    return Status(pending.frame.meta["st"][0])
+    return pending.frame.meta
+
+
+def shard_status(client: Client, node_id: int, key: bytes, index: int) -> Status:
+    """Ask one node directly for one shard, as a reader that leaves the crc check to the node."""
+    return Status(shard_reply(client, node_id, key, index)["st"][0])
+
+
+def corrupt_on_disk(local: LocalCluster, node_id: int, key: bytes, index: int) -> int:
+    """Overwrite 64 bytes of a stored shard in its slab file while its node is down, restart the node; returns the
+    crc32c the node stored for the shard."""
+    local.kill(node_id)
+    engine = ChunkEngine(local.config.nodes[node_id].data_dir, capacity_bytes=1 << 30)
+    rec = next(r for r in engine.shard_records("default", key) if r.index == index)
+    engine.close()
+    slab = local.config.nodes[node_id].data_dir / "slabs" / f"slab-{SIZE_CLASSES[rec.size_class]}.dat"
+    with open(slab, "r+b") as f:
+        f.seek(rec.slot * SIZE_CLASSES[rec.size_class] + 100)
+        f.write(b"\xff" * 64)
+    local.start([node_id])
+    return rec.crc
 
 
 def wait_reachable(client: Client) -> None:
@@ -259,18 +280,27 @@ def test_a_corrupt_shard_on_disk_is_an_erasure(make_cluster) -> None:
         keys, blocks = rand_keys(4), rand_blocks(4, 200_000)
         client.put(keys, blocks)
         victim = int(Placement(local.config.groups).shard_nodes(keys)[0, 3])  # holds data shard 3 of block 0
-        local.kill(victim)
-        engine = ChunkEngine(local.config.nodes[victim].data_dir, capacity_bytes=1 << 30)
-        rec = next(r for r in engine.shard_records("default", keys[0]) if r.index == 3)
-        engine.close()
-        slab = local.config.nodes[victim].data_dir / "slabs" / f"slab-{SIZE_CLASSES[rec.size_class]}.dat"
-        with open(slab, "r+b") as f:
-            f.seek(rec.slot * SIZE_CLASSES[rec.size_class] + 100)
-            f.write(b"\xff" * 64)
-        local.start([victim])
+        corrupt_on_disk(local, victim, keys[0], 3)
         wait_reachable(client)
         assert shard_status(client, victim, keys[0], 3) == Status.CORRUPT  # reported, not returned
         assert [bytes(b) for b in client.get(keys)] == blocks
+
+
+def test_a_corrupt_shard_is_caught_by_the_reader_as_it_arrives_and_read_around(make_cluster) -> None:
+    local = make_cluster()
+    with connect(local.config_path) as client:
+        keys, blocks = rand_keys(4), rand_blocks(4, 200_000)
+        client.put(keys, blocks)
+        victim = int(Placement(local.config.groups).shard_nodes(keys)[0, 3])  # holds data shard 3 of block 0
+        stored_crc = corrupt_on_disk(local, victim, keys[0], 3)
+        wait_reachable(client)
+        # asked by a reader that checks shards itself, the node sends the bytes as stored, with their crc, unread
+        reply = shard_reply(client, victim, keys[0], 3, client_crc=True)
+        assert reply["st"][0] == Status.OK and int.from_bytes(reply["crc"], "little") == stored_crc
+        out = [bytearray(200_000) for _ in keys]
+        assert client.get_into(keys, out) == [True] * 4
+        assert out == blocks  # decoded around the shard the reader caught
+        assert client.stats["corrupt_shards"] == 1 and client.stats["degraded_reads"] == 1
 
 
 def test_puts_beyond_capacity_are_refused_with_a_clear_error(make_cluster) -> None:
