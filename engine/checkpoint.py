@@ -20,21 +20,14 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvtier.engine.config import FULL, SLIDING, ModelConfig, UnsupportedModelError
+from kvtier.engine.config import FULL, SLIDING, ModelConfig, Shape, UnsupportedModelError
 from kvtier.engine.model import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
-class Preset:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class Preset(Shape):
     dtype: str
 
 

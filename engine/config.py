@@ -32,8 +32,9 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    family: str
+class Shape:
+    """A decoder's sizes (what a checkpoint preset chooses and a config.json states)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,6 +42,11 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelConfig(Shape):
+    family: str
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int

@@ -33,7 +33,7 @@ from kvtier.engine.dense import forward_logits
 from kvtier.engine.fetch import FetcherPages, PageTransfer, StorePages
 from kvtier.engine.model import CausalLM
 from kvtier.engine.paged_cache import PagedKVCache, block_layout
-from kvtier.engine.reuse import Plan, Reuse, plan, plan_resume
+from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.runner import Runner
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.sliding import STATE_INTERVAL, SlidingState, state_block_bytes
@@ -283,10 +283,9 @@ class Engine:
                 found[h] = self.state_blocks.get_into(self._state_key(state_keys, h), memoryview(buf.numpy()))
             return found[h]
 
-        rule = plan_resume if resume else plan
         block_hit = matched * self.block_tokens
         while True:
-            p: Plan = rule(len(seq.prompt), block_hit, self.block_tokens, self.config.sliding_window, has_state)
+            p: Plan = plan(len(seq.prompt), block_hit, self.block_tokens, self.config.sliding_window, has_state, resume)
             if p.reuse is Reuse.NONE:
                 return 0, None
             n = p.hit_tokens // self.block_tokens

@@ -37,29 +37,21 @@ def plan(
     block_tokens: int,
     window: int | None,
     has_state: Callable[[int], bool],
+    resume: bool = False,
 ) -> Plan:
-    """Apply the hit rule; ``has_state(h)`` says whether a StateBlock for ``prefix[:h]`` exists."""
+    """Apply the hit rule; ``has_state(h)`` says whether a StateBlock for ``prefix[:h]`` exists.
+
+    ``resume``: the decode worker's rule (P/D). The prefill worker stored every full block of this prompt and a
+    StateBlock at its last block boundary before the final token, so reuse up to there (exact) and recompute at
+    most the last block; without that StateBlock, the prefill rule.
+    """
+    last = min(block_hit_tokens, prompt_len - 1) // block_tokens * block_tokens
     if window is None:
-        h = min(block_hit_tokens, prompt_len - 1) // block_tokens * block_tokens
-        return Plan(h, Reuse.EXACT if h > 0 else Reuse.NONE)
+        return Plan(last, Reuse.EXACT if last > 0 else Reuse.NONE)
+    if resume and last and has_state(last):
+        return Plan(last, Reuse.EXACT)
     step = math.lcm(STATE_INTERVAL, block_tokens)
     h = max(0, min(block_hit_tokens, prompt_len - window - SPECULATIVE_POSITIONS)) // step * step
     if h == 0:
         return Plan(0, Reuse.NONE)
     return Plan(h, Reuse.EXACT if has_state(h) else Reuse.REPLAY)
-
-
-def plan_resume(
-    prompt_len: int,
-    block_hit_tokens: int,
-    block_tokens: int,
-    window: int | None,
-    has_state: Callable[[int], bool],
-) -> Plan:
-    """The decode worker's rule (P/D): the prefill worker stored every full block of this prompt and a
-    StateBlock at its last block boundary before the final token, so reuse up to there (exact) and recompute
-    at most the last block. Without that StateBlock, the prefill rule (:func:`plan`)."""
-    h = min(block_hit_tokens, prompt_len - 1) // block_tokens * block_tokens
-    if h and (window is None or has_state(h)):
-        return Plan(h, Reuse.EXACT)
-    return plan(prompt_len, block_hit_tokens, block_tokens, window, has_state)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from kvtier.tools.kvbench import main as kvbench
 from kvtier.transfer.fetcher import LocalFetcher
 
 TOLERANCE = 1e-4
+MakeEngine = Callable[..., Engine]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,8 +31,18 @@ def cluster_file(make_cluster) -> Path:
     return make_cluster(capacity_bytes=64 << 20).config_path
 
 
-def engine(checkpoint: Path, store: Path | None, states: LocalStateBlocks | None = None) -> Engine:
-    return Engine.from_pretrained(checkpoint, store=store, state_blocks=states, cache_tokens=8192)
+@pytest.fixture
+def engine() -> Iterator[MakeEngine]:
+    """Makes engines (store, StateBlocks, fetcher as given) and closes every one it made when the test ends."""
+    made: list[Engine] = []
+
+    def make(checkpoint: Path, store: Path | None, states: LocalStateBlocks | None = None, **kw: Any) -> Engine:
+        made.append(Engine.from_pretrained(checkpoint, store=store, state_blocks=states, cache_tokens=8192, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -70,7 +83,7 @@ def test_without_sliding_layers_the_hit_is_block_aligned_up_to_the_last_token() 
 # -- the paged path -------------------------------------------------------------------------------------
 
 
-def test_paged_greedy_decoding_equals_full_forwards(checkpoint: Path) -> None:
+def test_paged_greedy_decoding_equals_full_forwards(checkpoint: Path, engine: MakeEngine) -> None:
     e = engine(checkpoint, None)
     p = prompt(700, seed=1)
     result = e.generate([p], 12)[0]
@@ -82,7 +95,7 @@ def test_paged_greedy_decoding_equals_full_forwards(checkpoint: Path) -> None:
     assert e.cache.free_pages == len(e.cache.pages)  # every page back
 
 
-def test_a_prompt_longer_than_the_context_is_one_clear_error(checkpoint: Path) -> None:
+def test_a_prompt_longer_than_the_context_is_one_clear_error(checkpoint: Path, engine: MakeEngine) -> None:
     e = engine(checkpoint, None)
     too_long = [1] * (e.config.max_position_embeddings + 1)
     with pytest.raises(PromptError, match="longer than the model's context") as info:
@@ -93,7 +106,9 @@ def test_a_prompt_longer_than_the_context_is_one_clear_error(checkpoint: Path) -
 # -- with the store -------------------------------------------------------------------------------------
 
 
-def test_exact_reuse_gives_the_same_logits_and_tokens_as_no_reuse(checkpoint: Path, cluster_file: Path) -> None:
+def test_exact_reuse_gives_the_same_logits_and_tokens_as_no_reuse(
+    checkpoint: Path, cluster_file: Path, engine: MakeEngine
+) -> None:
     e = engine(checkpoint, cluster_file)
     p = prompt(2000, seed=2)
     cold = e.generate([p], 32)[0]
@@ -104,7 +119,7 @@ def test_exact_reuse_gives_the_same_logits_and_tokens_as_no_reuse(checkpoint: Pa
     assert (warm.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
 
 
-def test_a_later_turn_reuses_the_earlier_turn_exactly(checkpoint: Path, cluster_file: Path) -> None:
+def test_a_later_turn_reuses_the_earlier_turn_exactly(checkpoint: Path, cluster_file: Path, engine: MakeEngine) -> None:
     e = engine(checkpoint, cluster_file)
     first = prompt(1000, seed=3)
     e.generate([first], 4)
@@ -116,7 +131,7 @@ def test_a_later_turn_reuses_the_earlier_turn_exactly(checkpoint: Path, cluster_
     assert (turn.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
 
 
-def test_the_next_turn_reuses_the_answer_decode_wrote(checkpoint: Path, cluster_file: Path) -> None:
+def test_the_next_turn_reuses_the_answer_decode_wrote(checkpoint: Path, cluster_file: Path, engine: MakeEngine) -> None:
     e = engine(checkpoint, cluster_file)
     first = prompt(1000, seed=12)
     answer = e.generate([first], 200)[0].tokens  # decode computes positions up to 1198: blocks to 1151
@@ -128,7 +143,9 @@ def test_the_next_turn_reuses_the_answer_decode_wrote(checkpoint: Path, cluster_
     assert (turn.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
 
 
-def test_block_kv_without_its_state_is_replayed_and_never_stored(checkpoint: Path, cluster_file: Path) -> None:
+def test_block_kv_without_its_state_is_replayed_and_never_stored(
+    checkpoint: Path, cluster_file: Path, engine: MakeEngine
+) -> None:
     producer = engine(checkpoint, cluster_file)
     p = prompt(2000, seed=5)
     producer.generate([p], 1)
@@ -142,7 +159,9 @@ def test_block_kv_without_its_state_is_replayed_and_never_stored(checkpoint: Pat
     assert consumer.store.match(keys) == len(p) // 64 < len(keys)  # none of the replayed request's blocks
 
 
-def test_a_window_of_256_reuses_exactly_and_replays_from_position_0_at_most(tmp_path: Path, cluster_file: Path) -> None:
+def test_a_window_of_256_reuses_exactly_and_replays_from_position_0_at_most(
+    tmp_path: Path, cluster_file: Path, engine: MakeEngine
+) -> None:
     wide = make_checkpoint(tmp_path / "w256", "tiny", seed=1, sliding_window=256)
     p = prompt(1200, seed=14)
     producer = engine(wide, cluster_file)
@@ -164,7 +183,7 @@ def test_a_directory_address_without_a_port_is_one_clear_error(checkpoint: Path,
         Engine.from_pretrained(checkpoint, store=cluster_file, directory="dirhost")
 
 
-def test_a_store_that_is_down_means_recompute(checkpoint: Path, tmp_path: Path) -> None:
+def test_a_store_that_is_down_means_recompute(checkpoint: Path, tmp_path: Path, engine: MakeEngine) -> None:
     dead = cluster_mod.write_default(tmp_path / "dead", nodes=12)  # nodes never started
     p = prompt(600, seed=7)
     result = engine(checkpoint, dead).generate([p, p], 8)
@@ -174,14 +193,12 @@ def test_a_store_that_is_down_means_recompute(checkpoint: Path, tmp_path: Path) 
 
 @pytest.mark.parametrize(("slot_sizes", "seed"), [("64KiB", 8), ("16KiB,64KiB", 20)])  # pages are 32 KiB
 def test_reuse_through_the_fetcher_process_is_exact(
-    checkpoint: Path, cluster_file: Path, tmp_path: Path, slot_sizes: str, seed: int
+    checkpoint: Path, cluster_file: Path, tmp_path: Path, slot_sizes: str, seed: int, engine: MakeEngine
 ) -> None:
     states = LocalStateBlocks()
     shm = f"kvt-engine-{secrets.token_hex(6)}"
     with LocalFetcher(cluster_file, shm, tmp_path / "fetcher.sock", "8MiB", slot_sizes) as fetcher:
-        e = Engine.from_pretrained(
-            checkpoint, store=cluster_file, fetcher=fetcher.socket_path, state_blocks=states, cache_tokens=8192
-        )
+        e = engine(checkpoint, cluster_file, states, fetcher=fetcher.socket_path)
         p = prompt(1500, seed=seed)
         cold, warm = e.generate([p], 16)[0], e.generate([p], 16)[0]
         longer = p + prompt(300, seed=seed + 2)
@@ -193,7 +210,9 @@ def test_reuse_through_the_fetcher_process_is_exact(
     assert fetched["hits"] > 0  # put through the fetcher's pool, read back from it
 
 
-def test_a_model_without_sliding_layers_reuses_up_to_the_last_block(tmp_path: Path, cluster_file: Path) -> None:
+def test_a_model_without_sliding_layers_reuses_up_to_the_last_block(
+    tmp_path: Path, cluster_file: Path, engine: MakeEngine
+) -> None:
     path = make_checkpoint(tmp_path / "llama", "tiny", seed=0, layer_types="full", family="llama")
     e = engine(path, cluster_file)
     p = prompt(641, seed=9)
