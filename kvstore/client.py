@@ -7,8 +7,9 @@ Promises, for every method:
   shards) or whose header does not match the caller's tokens is a miss: ``None`` / ``False`` /
   a shorter ``match``. Exceptions mean a caller error (bad arguments, unknown TTL class), a wrong token
   (:class:`~kvtier.kvstore.transport.AuthError`) or a full cluster (:class:`CapacityError`).
-- **Never wrong bytes.** Shards are crc-checked on the node; a read decodes around up to two lost or
-  corrupt shards and is a miss beyond that.
+- **Never wrong bytes.** Each shard is checked against the crc32c its node stored as it lands (end to end,
+  counted in ``stats["corrupt_shards"]``); a read decodes around up to two lost or corrupt shards and is a
+  miss beyond that.
 - **Zero-copy.** ``get_into`` receives each node's shards straight into the caller's buffers;
   ``put_from`` sends shards as views of the caller's buffers. The caller must not modify buffers while a
   call runs; once it returns, kvtier holds no reference to them.
