@@ -797,9 +797,9 @@ class ChunkEngine:
         (another header digest); ``CORRUPT`` (``verify`` and the bytes fail their crc32c: an erasure, never
         returned). OK rows are *pinned*: however long the caller takes to send them, their slots are not
         reused, even after a delete; the caller must ``unpin(reads)`` when done. ``verify=False`` leaves the
-        check to the reader, which gets each shard's stored crc32c (``reads.crc``) and checks the bytes as
-        they arrive, so the node never reads them itself (end to end: docs/design.md §5). ``probe``: statuses
-        only — no bytes, no pins, no check (a repair scan asking what is there).
+        check to the reader, which gets each shard's stored crc32c (``reads.records["crc"]``) and checks the
+        bytes as they arrive, so the node never reads them itself (end to end: docs/design.md §5). ``probe``:
+        statuses only — no bytes, no pins, no check (a repair scan asking what is there).
         """
         n = len(index)
         klen = len(keys) // n if n else 16
@@ -948,8 +948,8 @@ class ShardReads:
     """What ``ChunkEngine.read`` found, as columns over the rows asked (no Python object per shard: a 64 KiB-block
     read asks every node for about a thousand).
 
-    ``status`` per row (``Status`` values). For OK rows, the record's ``length``, ``block_len``, ``crc``,
-    ``header`` (n × 16 digest bytes) and ``ttl`` (an index into ``ttl_classes``); zero (``ttl`` 255) elsewhere.
+    ``status`` per row (``Status`` values). For OK rows, the shard ``records`` (``_shard_dtype(0)``: ``length``,
+    ``block_len``, ``crc``, ``header`` …) and ``ttl`` (an index into ``ttl_classes``); zero (``ttl`` 255) elsewhere.
     ``payload``: the OK shards' bytes in row order, a ``_native.Scatter`` over the slab mappings that keeps them
     mapped (None until pinned). ``pins``: the (size class, slot) pairs pinned for it.
     """
@@ -995,22 +995,6 @@ class ShardReads:
     @property
     def ok(self) -> np.ndarray:
         return np.flatnonzero(self.status == Status.OK)
-
-    @property
-    def length(self) -> np.ndarray:
-        return self.records["length"]
-
-    @property
-    def block_len(self) -> np.ndarray:
-        return self.records["block_len"]
-
-    @property
-    def crc(self) -> np.ndarray:
-        return self.records["crc"]
-
-    @property
-    def header(self) -> np.ndarray:
-        return self.records["header"]
 
     def pin(self, slabs: SlabFiles) -> None:
         """With the engine lock held: pin the OK rows' slots and point the payload at them in the slab mappings."""

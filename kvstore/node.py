@@ -314,16 +314,17 @@ class StorageNode:
         read_primary = np.flatnonzero((idx == 0) & (reads.status == Status.OK)).tolist()
         if read_primary:
             self.engine.touch(tenant, [keys[row * klen : (row + 1) * klen] for row in read_primary])
+        records = reads.records
         meta = {
             "st": status_bytes,
-            "lens": reads.length.tobytes(),
-            "blen": reads.block_len.tobytes(),
+            "lens": records["length"].tobytes(),
+            "blen": records["block_len"].tobytes(),
             "classes": reads.ttl_classes,
             "ci": reads.ttl.tobytes(),
-            "hdr": reads.header.tobytes(),
+            "hdr": records["header"].tobytes(),
         }
         if client_crc:
-            meta["crc"] = reads.crc.tobytes()
+            meta["crc"] = records["crc"].tobytes()
         payload = [reads.payload] if reads.payload is not None else []
         return Reply(meta, payload, on_sent=lambda: self.engine.unpin(reads))  # type: ignore[list-item]
 

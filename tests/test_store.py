@@ -49,19 +49,23 @@ def shard_status(client: Client, node_id: int, key: bytes, index: int) -> Status
     return Status(shard_reply(client, node_id, key, index)["st"][0])
 
 
-def corrupt_on_disk(local: LocalCluster, node_id: int, key: bytes, index: int) -> int:
-    """Overwrite 64 bytes of a stored shard in its slab file while its node is down, restart the node; returns the
-    crc32c the node stored for the shard."""
-    local.kill(node_id)
-    engine = ChunkEngine(local.config.nodes[node_id].data_dir, capacity_bytes=1 << 30)
-    rec = next(r for r in engine.shard_records("default", key) if r.index == index)
+def store_with_a_corrupt_shard(local: LocalCluster, client: Client) -> tuple[list[bytes], list[bytes], int, int]:
+    """Store 4 blocks of 200 kB, then overwrite 64 bytes of data shard 3 of the first in its slab file (its node
+    stopped meanwhile): (keys, blocks, the node holding that shard, the crc32c it stored for it)."""
+    keys, blocks = rand_keys(4), rand_blocks(4, 200_000)
+    client.put(keys, blocks)
+    victim = int(Placement(local.config.groups).shard_nodes(keys)[0, 3])
+    local.kill(victim)
+    engine = ChunkEngine(local.config.nodes[victim].data_dir, capacity_bytes=1 << 30)
+    rec = next(r for r in engine.shard_records("default", keys[0]) if r.index == 3)
     engine.close()
-    slab = local.config.nodes[node_id].data_dir / "slabs" / f"slab-{SIZE_CLASSES[rec.size_class]}.dat"
+    slab = local.config.nodes[victim].data_dir / "slabs" / f"slab-{SIZE_CLASSES[rec.size_class]}.dat"
     with open(slab, "r+b") as f:
         f.seek(rec.slot * SIZE_CLASSES[rec.size_class] + 100)
         f.write(b"\xff" * 64)
-    local.start([node_id])
-    return rec.crc
+    local.start([victim])
+    wait_reachable(client)
+    return keys, blocks, victim, rec.crc
 
 
 def wait_reachable(client: Client) -> None:
@@ -277,11 +281,7 @@ def test_a_writer_killed_between_phases_leaves_nothing_visible(store: LocalClust
 def test_a_corrupt_shard_on_disk_is_an_erasure(make_cluster) -> None:
     local = make_cluster()
     with connect(local.config_path) as client:
-        keys, blocks = rand_keys(4), rand_blocks(4, 200_000)
-        client.put(keys, blocks)
-        victim = int(Placement(local.config.groups).shard_nodes(keys)[0, 3])  # holds data shard 3 of block 0
-        corrupt_on_disk(local, victim, keys[0], 3)
-        wait_reachable(client)
+        keys, blocks, victim, _ = store_with_a_corrupt_shard(local, client)
         assert shard_status(client, victim, keys[0], 3) == Status.CORRUPT  # reported, not returned
         assert [bytes(b) for b in client.get(keys)] == blocks
 
@@ -289,11 +289,7 @@ def test_a_corrupt_shard_on_disk_is_an_erasure(make_cluster) -> None:
 def test_a_corrupt_shard_is_caught_by_the_reader_as_it_arrives_and_read_around(make_cluster) -> None:
     local = make_cluster()
     with connect(local.config_path) as client:
-        keys, blocks = rand_keys(4), rand_blocks(4, 200_000)
-        client.put(keys, blocks)
-        victim = int(Placement(local.config.groups).shard_nodes(keys)[0, 3])  # holds data shard 3 of block 0
-        stored_crc = corrupt_on_disk(local, victim, keys[0], 3)
-        wait_reachable(client)
+        keys, blocks, victim, stored_crc = store_with_a_corrupt_shard(local, client)
         # asked by a reader that checks shards itself, the node sends the bytes as stored, with their crc, unread
         reply = shard_reply(client, victim, keys[0], 3, client_crc=True)
         assert reply["st"][0] == Status.OK and int.from_bytes(reply["crc"], "little") == stored_crc
