@@ -7,18 +7,18 @@ page-size bytes of ``slots[slot_ids[b]]`` into page ``page_ids[b]`` for every ``
 slots, leaving the rest of each slot untouched.
 
 - **CPU** (the KV cache on the CPU): the slots' CPU view; all blocks in one call of a C loop without the GIL
-  (``kvtier.kernels._hostcopy``: streaming stores, no read-for-ownership of the destination). On the H200 host,
-  one thread, 16/64 KiB blocks: 0.8/0.85x one glibc ``memcpy`` of the same bytes (1.4x torch's contiguous
-  ``copy_``), where torch's ``index_copy_`` over the same views (the reference) ran at 0.07x and a ``memmove`` per
-  block from Python at 0.5x (docs/swapin.md).
+  (``kvtier.kernels._hostcopy``: streaming stores, no read-for-ownership of the destination, the next row
+  prefetched while a row is copied). On the H200 host, one thread, 16/64 KiB blocks: 0.91-1.0/0.94-1.04x one
+  glibc ``memcpy`` of the same bytes (1.7x torch's contiguous ``copy_``), where torch's ``index_copy_`` over the
+  same views (the reference) ran at 0.04-0.07x (docs/swapin.md).
 - **GPU** (the KV cache on a CUDA device): the slots must be seen through a :class:`CudaHostMapping`, which
   page-locks the host memory (``cudaHostRegister``) and hands out a CUDA tensor aliasing it. The TileLang row-copy
   kernel (``kvtier.kernels.rowcopy``) then reads the slots across PCIe and writes each page where it belongs in one
   launch: no ``cudaMemcpy`` per block, no staging copy in device memory. Swap-out is the same kernel with the
   roles swapped (pages in HBM → slots in host memory). On the H200 (PCIe 5 x16), 16/64 KiB blocks, 1 GiB a call:
   0.89-0.90/0.90-0.92x one contiguous pinned ``cudaMemcpyAsync`` of the same bytes end to end (the kernel alone
-  0.93x; the rest is checking the ids and uploading them), against 0.03-0.06/0.15-0.25x for a ``cudaMemcpyAsync``
-  per block.
+  0.925x; the rest, 0.6 ms, is host work: checking the ids into the upload buffer, the upload, the launch),
+  against 0.03-0.06/0.14-0.25x for a ``cudaMemcpyAsync`` per block.
 
 Both functions check their arguments first and raise :class:`SwapError` (one line: what is wrong) before moving
 a byte: ids must be integers in range, as many slot ids as page ids, destination ids distinct, page size within
