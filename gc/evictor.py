@@ -33,16 +33,19 @@ class Evictor:
     def __init__(self, engine: ChunkEngine, config: ClusterConfig) -> None:
         self.engine = engine
         self.client = Client(config)  # the cluster token: may act for any tenant; used under the lock only
+        self.low_watermark = config.gc.low_watermark
         self._lock = threading.Lock()
         self.evicted_on_demand = 0
         self.deletes_replayed = 0
 
     def make_room(self) -> None:
         """Evict this primary's least recently used unpinned blocks until it is within its budget (or nothing
-        evictable is left; the caller refuses what still does not fit). Called by the chunk engine, without its
-        lock, when a write's shard 0s take the primary over budget."""
+        evictable is left; the caller refuses what still does not fit), and down to the low watermark, as the
+        GC would: one removal (and its DELETE to the 12 nodes) then makes room for many writes, not one.
+        Called by the chunk engine, without its lock, when a write's shard 0s take the primary over budget."""
         with self._lock:
-            victims = self.engine.eviction_candidates()
+            budget = self.engine.primary_budget_bytes
+            victims = self.engine.eviction_candidates(headroom=int(budget * (1 - self.low_watermark)))
             if victims:
                 self._remove(victims)
                 self.evicted_on_demand += len(victims)

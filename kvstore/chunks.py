@@ -669,13 +669,16 @@ class ChunkEngine:
             for key in keys:
                 txn.delete(block_key(tenant, key))
 
-    def eviction_candidates(self) -> list[bytes]:
+    def eviction_candidates(self, headroom: int = 0) -> list[bytes]:
         """This primary's least recently used blocks (keys as in the LRU index) whose removal brings it within
-        its budget, skipping blocks whose shard 0 a reply is sending (pinned): their bytes could not be reused
-        now anyway, and a block being read is not cold. Fewer than needed when too many are pinned; none
-        when within budget. Blocks of pending writes are not in the index and are never candidates."""
+        its budget, and ``headroom`` bytes below it, skipping blocks whose shard 0 a reply is sending (pinned):
+        their bytes could not be reused now anyway, and a block being read is not cold. Fewer than needed when
+        too many are pinned; none when within budget. Blocks of pending writes are not in the index and are
+        never candidates."""
         with self._lock, self.env.begin(db=self.shards_db, buffers=True) as txn:
             excess = self.primary_excess()
+            if excess > 0:
+                excess += headroom
             out = []
             for entry in self.lru:
                 if excess <= 0:
