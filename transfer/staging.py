@@ -514,10 +514,12 @@ class StagingPool(SlotMap):
                 raise ValueError(f"slots {slots[self.state[slots] != FILLING].tolist()} are not FILLING")
             entries = list(zip(repeat(tenant), keys))
             slot_list = slots.tolist()
-            if len(set(entries)) == len(entries):
-                for slot, old in zip(slot_list, map(self._index.get, entries), strict=True):
-                    if old is not None and old != slot:  # a newer copy of a key the pool holds
-                        self._detach(old)
+            if len(set(keys)) == len(keys):
+                olds = list(map(self._index.get, entries))
+                if olds.count(None) < len(olds):  # newer copies of keys the pool holds: the old ones go
+                    for slot, old in zip(slot_list, olds, strict=True):
+                        if old is not None and old != slot:
+                            self._detach(old)
                 self._index.update(zip(entries, slot_list, strict=True))
                 self._held.update(zip(slot_list, entries, strict=True))
             else:  # a key twice (two header digests): one at a time, so the last copy supersedes the first
