@@ -42,7 +42,6 @@ from kvtier.kvstore import _native
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.chunks import KEEP, ChunkEngine, WriteBatch
 from kvtier.kvstore.codec import TOTAL_SHARDS
-from kvtier.kvstore.keys import HEADER_DIGEST_BYTES
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
 from kvtier.kvstore.placement import Placement, primary_budget_bytes
@@ -225,8 +224,8 @@ class StorageNode:
 
     def _write_batch(self, meta: dict[str, Any]) -> WriteBatch:
         """A PUT's metadata as a :class:`WriteBatch`; ``bad`` (the connection is closed) for malformed fields."""
-        keys = field(meta, "keys", bytes)
-        n = len(unpack_keys(meta, self.config.limits.max_batch))
+        keys, klen = unpack_key_blob(meta, self.config.limits.max_batch)
+        n = len(keys) // klen
         idx = unpack_array(meta, "idx", "u1", n)
         if n and int(idx.max()) >= TOTAL_SHARDS:
             raise bad(f"shard index out of range 0..{TOTAL_SHARDS - 1}")
@@ -247,12 +246,10 @@ class StorageNode:
             or not all(isinstance(p, bytes) and len(p) <= 255 for p in parents)
         ):
             raise bad("field 'par' must list one parent key (at most 255 bytes) per shard 0 or 1")
-        hdr = meta.get("hdr")
-        if hdr is not None and (not isinstance(hdr, bytes) or len(hdr) != n * HEADER_DIGEST_BYTES):
-            raise bad(f"field 'hdr' must hold {n} digests of {HEADER_DIGEST_BYTES} bytes")
+        hdr = unpack_header_blob(meta, n)
         return WriteBatch(
             keys,
-            field(meta, "klen", int),
+            klen,
             idx,
             lens,
             unpack_array(meta, "blen", "<u8", n),
