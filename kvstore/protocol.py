@@ -33,7 +33,7 @@ import crc32c
 import msgpack
 
 MAGIC = b"KVT\x01"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PUT_SHARDS names its put (`put`), COMMIT settles it by name (`act`); no ABORT
 HEADER = struct.Struct("<4sBBHQIQI")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
