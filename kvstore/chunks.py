@@ -57,6 +57,9 @@ from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
+# The primary (data shard 0) keeps the block record; the holder of shard 1 keeps a copy, so a wiped
+# primary's blocks can be found and its record rebuilt by repair.
+RECORD_HOLDERS = (0, 1)
 SETTLED_KEPT = 256  # settled puts whose COMMIT answer is kept, for a COMMIT resent after a lost connection
 
 
@@ -148,7 +151,7 @@ class WriteBatch:
         self.digests = digests if digests is not None else bytes(HEADER_BYTES * n)
         self.replace = replace
         self.ns = ns.ljust(32, b"\0")
-        holders = np.flatnonzero(self.index <= 1).tolist()
+        holders = np.flatnonzero(np.isin(self.index, RECORD_HOLDERS)).tolist()
         self.parents = dict(zip(holders, parents or [b""] * len(holders), strict=True))
         self.created = created
         self.status = np.zeros(n, dtype=np.uint8)  # Status.OK
@@ -235,11 +238,6 @@ _BLOCK_DTYPE = np.dtype(
 # what a COMMIT asks per row of its PUT
 DROP, COMMIT, KEEP = 0, 1, 2
 _CLASS_BYTES = np.asarray(SIZE_CLASSES, dtype=np.int64)
-
-
-# The primary (data shard 0) keeps the block record; the holder of shard 1 keeps a copy, so a wiped
-# primary's blocks can be found and its record rebuilt by repair.
-RECORD_HOLDERS = (0, 1)
 
 
 def tenant_prefix(tenant: str) -> bytes:
@@ -480,7 +478,7 @@ class ChunkEngine:
                     names = [batch.shard_keys[i] for i in again.tolist()]
                     found = {bytes(k) for k, _ in txn.cursor(db=self.shards_db).getmulti(names)}
                     out[_rows([i for i in again.tolist() if batch.shard_keys[i] in found])] = Status.OK
-                holders = np.flatnonzero((out == Status.OK) & (batch.index <= 1))
+                holders = np.flatnonzero((out == Status.OK) & np.isin(batch.index, RECORD_HOLDERS))
                 if len(holders):
                     self._write_block_records(txn, tenant, batch, holders, now, indexed)
             for bkey, *entry in indexed:
