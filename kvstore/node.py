@@ -40,7 +40,7 @@ import numpy as np
 
 from kvtier.kvstore import _native
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.chunks import KEEP, ChunkEngine, WriteBatch
+from kvtier.kvstore.chunks import KEEP, RECORD_HOLDERS, ChunkEngine, WriteBatch
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
@@ -224,11 +224,8 @@ class StorageNode:
 
     def _write_batch(self, meta: dict[str, Any]) -> WriteBatch:
         """A PUT's metadata as a :class:`WriteBatch`; ``bad`` (the connection is closed) for malformed fields."""
-        keys, klen = unpack_key_blob(meta, self.config.limits.max_batch)
-        n = len(keys) // klen
-        idx = unpack_array(meta, "idx", "u1", n)
-        if n and int(idx.max()) >= TOTAL_SHARDS:
-            raise bad(f"shard index out of range 0..{TOTAL_SHARDS - 1}")
+        keys, klen, idx, hdr = self._shard_batch(meta)
+        n = len(idx)
         lens = unpack_array(meta, "lens", "<u4", n)
         if n and (int(lens.min()) == 0 or int(lens.max()) > MAX_SHARD_BYTES):
             raise bad(f"shard lengths must be between 1 and {MAX_SHARD_BYTES} bytes")
@@ -237,7 +234,7 @@ class StorageNode:
             raise bad("field 'put' must be a put id of 1 to 32 bytes")
         ns = meta.get("ns", b"")
         parents = meta.get("par")
-        holders = int((idx <= 1).sum())
+        holders = int(np.isin(idx, RECORD_HOLDERS).sum())
         if not isinstance(ns, bytes) or len(ns) > 32:
             raise bad("field 'ns' must be a namespace digest of at most 32 bytes")
         if parents is not None and (
@@ -246,7 +243,6 @@ class StorageNode:
             or not all(isinstance(p, bytes) and len(p) <= 255 for p in parents)
         ):
             raise bad("field 'par' must list one parent key (at most 255 bytes) per shard 0 or 1")
-        hdr = unpack_header_blob(meta, n)
         return WriteBatch(
             keys,
             klen,
@@ -299,7 +295,7 @@ class StorageNode:
         crc32c (a ``crc`` column, ``<u4``) instead of reading the bytes to check them; otherwise a shard whose
         bytes fail their crc is ``CORRUPT``. ``probe``: statuses only, no bytes, no check (for repair scans).
         """
-        keys, idx, headers = self._shard_batch(frame)
+        keys, klen, idx, headers = self._shard_batch(frame.meta)
         tenant = self.tenant(session, frame.meta)
         probe, client_crc = bool(frame.meta.get("probe")), bool(frame.meta.get("client_crc"))
         reads = self.engine.read(tenant, keys, idx, headers, self.ttl_s, probe=probe, verify=not client_crc)
@@ -307,7 +303,6 @@ class StorageNode:
         if probe:
             return Reply({"st": status_bytes})
         self.metrics.lookups(status_bytes)
-        klen = len(keys) // max(1, len(idx))
         read_primary = np.flatnonzero((idx == 0) & (reads.status == Status.OK)).tolist()
         if read_primary:
             self.engine.touch(tenant, [keys[row * klen : (row + 1) * klen] for row in read_primary])
@@ -325,14 +320,15 @@ class StorageNode:
         payload = [reads.payload] if reads.payload is not None else []
         return Reply(meta, payload, on_sent=lambda: self.engine.unpin(reads))  # type: ignore[list-item]
 
-    def _shard_batch(self, frame: Frame) -> tuple[bytes, np.ndarray, bytes | None]:
-        """A GET's rows as columns, checked: the keys blob, shard indices and header digests (or None)."""
-        keys, klen = unpack_key_blob(frame.meta, self.config.limits.max_batch)
+    def _shard_batch(self, meta: dict[str, Any]) -> tuple[bytes, int, np.ndarray, bytes | None]:
+        """A PUT's or GET's rows as columns, checked: the keys blob, its key length, shard indices and header
+        digests (or None)."""
+        keys, klen = unpack_key_blob(meta, self.config.limits.max_batch)
         n = len(keys) // klen
-        idx = unpack_array(frame.meta, "idx", "u1", n)
+        idx = unpack_array(meta, "idx", "u1", n)
         if n and int(idx.max()) >= TOTAL_SHARDS:
             raise bad(f"shard index out of range 0..{TOTAL_SHARDS - 1}")
-        return keys, idx, unpack_header_blob(frame.meta, n)
+        return keys, klen, idx, unpack_header_blob(meta, n)
 
     def match(self, session: Session, frame: Frame) -> Reply:
         keys = unpack_keys(frame.meta, self.config.limits.max_batch)
