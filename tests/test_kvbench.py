@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.tools.benchutil import busy_seconds, latency_percentiles, raw_stream_gbps
+from kvtier.tools.benchutil import (
+    busy_seconds,
+    latency_percentiles,
+    memory_free_bytes,
+    page_cache_filled,
+    raw_stream_gbps,
+)
 from kvtier.tools.kvbench.common import ProgressView, VerifyError
 from kvtier.tools.kvbench.phases import Session, Spec, Worker, run_putget
 
@@ -266,3 +272,15 @@ def test_latency_percentiles_nearest_rank() -> None:
 
 def test_raw_stream_moves_the_bytes() -> None:
     assert raw_stream_gbps(8 << 20) > 0
+
+
+def test_a_page_cache_fill_leaves_no_file_behind(tmp_path: Path) -> None:
+    with page_cache_filled(str(tmp_path), leave_free=max(0, memory_free_bytes() - (16 << 20))) as fill:
+        assert list(tmp_path.iterdir()) == []
+        assert fill.refresh() == fill.bytes
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_page_cache_fill_takes_nothing_when_memory_is_short(tmp_path: Path) -> None:
+    with page_cache_filled(str(tmp_path), leave_free=memory_free_bytes() + (1 << 40)) as fill:
+        assert fill.bytes == 0

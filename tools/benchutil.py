@@ -8,6 +8,8 @@
 - :func:`temp_cluster`: a local cluster of real node processes in a temporary directory, stopped and removed
   on exit.
 - :func:`free_port`: a loopback port the kernel hands out right now.
+- :func:`memory_free_bytes` and :func:`page_cache_filled`: the machine's free memory, and a way to fill it with
+  clean page cache for the length of a run, as on a storage host that has been up for a while.
 """
 
 from __future__ import annotations
@@ -120,6 +122,69 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def memory_free_bytes() -> int:
+    """``MemFree`` of ``/proc/meminfo`` in bytes (0 where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemFree:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+FILL_CHUNK = 8 << 20
+FILL_DISK_RESERVE = 4 << 30  # disk space a fill never takes
+
+
+class PageCacheFill:
+    """An unlinked file whose pages are kept in the page cache: see :func:`page_cache_filled`."""
+
+    def __init__(self, fd: int, leave_free: int) -> None:
+        self.fd = fd
+        self.leave_free = leave_free
+        self.bytes = 0
+        self._chunk = bytearray(FILL_CHUNK)
+
+    def refresh(self) -> int:
+        """Read the whole file again (its pages count as recently used, and pages the kernel dropped come back),
+        then grow it until only about ``leave_free`` bytes of memory are free; returns the bytes cached."""
+        stat = os.fstatvfs(self.fd)
+        room = stat.f_bavail * stat.f_frsize - FILL_DISK_RESERVE
+        grow = min(memory_free_bytes() - self.leave_free, room) // FILL_CHUNK * FILL_CHUNK
+        if grow > 0:
+            os.posix_fallocate(self.fd, self.bytes, grow)
+            self.bytes += grow
+        for offset in range(0, self.bytes, FILL_CHUNK):
+            os.preadv(self.fd, [self._chunk], offset)
+        return self.bytes
+
+
+@contextlib.contextmanager
+def page_cache_filled(directory: str, leave_free: int = 2 << 30) -> Iterator[PageCacheFill]:
+    """Fill free memory with clean page cache, down to about ``leave_free`` bytes, until the block exits.
+
+    Why: a virtual machine whose balloon driver reports free pages to its host (``virtio_balloon`` free page
+    reporting) pays a host fault the first time a page that sat free is touched. A page-cache write into such
+    memory runs at a fraction of memory speed, so a put into an empty cluster on a freshly booted VM measures
+    the hypervisor. A storage host that has been up for a while has its memory full of page cache, and new pages
+    come from reclaim, already touched. This makes that state: an unlinked file in ``directory``, allocated with
+    ``posix_fallocate`` (no data is written) and read, so its pages are cached and clean; closing it at the end
+    frees them, and the file never outlives the process. A VM that also pages out idle memory (DAMON
+    ``pageout``) drops such pages after a minute unused: call :meth:`PageCacheFill.refresh` between measurements.
+    Fills less where the file system has less room, and nothing where memory is already short of free pages.
+    """
+    fd, path = tempfile.mkstemp(dir=directory, prefix="kvtier-page-cache-fill-")
+    try:
+        os.unlink(path)
+        fill = PageCacheFill(fd, leave_free)
+        fill.refresh()
+        yield fill
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
