@@ -6,7 +6,8 @@
  *   is hot and write it into its slab slot, runs of adjacent slots whole in one pwritev: no page of the slab
  *   is mapped or faulted, and the page cache never zero-fills a folio that a write covers only in part.
  * - send_all: send a list of buffers completely (sendmsg, resuming partial sends); a Scatter among them sends
- *   its (address, length) pieces, e.g. shards straight from a node's slab mappings.
+ *   its (address, length) pieces, e.g. shards straight from a node's slab mappings or a client's blocks.
+ *   send_some: the same without waiting, from a byte offset on (a non-blocking socket driven by a selector).
  * - recv_scatter: receive a reply's payload into (address, length) pieces, checksumming each shard in 1 MiB
  *   steps while it is hot (end-to-end: the client checks what the node stored); crc32c_pieces: the same
  *   checksums over memory already in place.
@@ -28,7 +29,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KV_X86 1
-#include <nmmintrin.h>
+#include <immintrin.h>
 #endif
 
 /* ---- CRC-32C ------------------------------------------------------------------------------------- */
@@ -41,6 +42,12 @@ static uint32_t crc_table[8][256];
 static uint32_t crc_long[4][256];  /* shift a crc over LONG_BLOCK zero bytes */
 static uint32_t crc_short[4][256]; /* ... over SHORT_BLOCK zero bytes */
 static int have_hw;
+/* The implementations, slowest first: a table (any CPU), the SSE4.2 crc32 instruction, carry-less multiplication
+ * folding 16 bytes a step (PCLMULQDQ) or 32 (VPCLMULQDQ, AVX2). crc_level is the best this CPU has. */
+enum { CRC_TABLE, CRC_INSN, CRC_PCLMUL, CRC_VPCLMUL, CRC_LEVELS };
+static const char *const crc_names[CRC_LEVELS] = {"table", "crc32", "pclmul", "vpclmul"};
+static int crc_level;
+#define FOLD_MIN 256 /* shorter buffers go through the crc32 instruction: folding has a fixed cost */
 
 static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
     uint32_t sum = 0;
@@ -91,6 +98,104 @@ static inline uint32_t shift(uint32_t zeros[][256], uint32_t crc) {
     return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
 }
 
+#ifdef KV_X86
+/* Folding (Intel, "Fast CRC computation for generic polynomials using PCLMULQDQ"): a 128-bit accumulator that
+ * stands D bytes before the next 16 input bytes is carried over them as lo * (x^(8D+32) mod P) xor hi *
+ * (x^(8D-32) mod P), both products at most 96 bits; the constants in the bit-reflected form the instruction
+ * multiplies (reflected 32 bits, shifted left by one). The last accumulator's 16 bytes, run through the crc32
+ * instruction from a zero state, give the crc of everything folded (the crc is linear; the start state was
+ * xored into the first 4 bytes). */
+static uint64_t fold_16[2], fold_32[2], fold_64[2], fold_128[2];
+
+static uint64_t xpow_mod(unsigned n) {
+    uint32_t r = 1; /* x^0; P = 0x1edc6f41 (+ x^32), not reflected */
+    while (n--) r = (r << 1) ^ (r & 0x80000000u ? 0x1edc6f41u : 0);
+    uint32_t reflected = 0;
+    for (int b = 0; b < 32; b++) reflected |= ((r >> b) & 1u) << (31 - b);
+    return (uint64_t)reflected << 1;
+}
+
+static void fold_constants(void) {
+    uint64_t *tables[] = {fold_16, fold_32, fold_64, fold_128};
+    unsigned distance[] = {16, 32, 64, 128};
+    for (int i = 0; i < 4; i++) {
+        tables[i][0] = xpow_mod(8 * distance[i] + 32);
+        tables[i][1] = xpow_mod(8 * distance[i] - 32);
+    }
+}
+
+__attribute__((target("sse4.2,pclmul"))) static inline __m128i fold128(__m128i acc, __m128i k, __m128i next) {
+    __m128i lo = _mm_clmulepi64_si128(acc, k, 0x00), hi = _mm_clmulepi64_si128(acc, k, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+/* The crc of a folded accumulator, then the last len (< 16) bytes. */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t fold_finish(__m128i acc, const unsigned char *p, size_t len) {
+    uint64_t crc = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(acc));
+    crc = _mm_crc32_u64(crc, (uint64_t)_mm_extract_epi64(acc, 1));
+    if (len >= 8) {
+        uint64_t word;
+        memcpy(&word, p, 8);
+        crc = _mm_crc32_u64(crc, word);
+        p += 8;
+        len -= 8;
+    }
+    while (len--) crc = _mm_crc32_u8((uint32_t)crc, *p++);
+    return (uint32_t)crc ^ 0xffffffffu;
+}
+
+#define LOAD128(p) _mm_loadu_si128((const __m128i *)(p))
+
+/* len >= 64: four accumulators 64 bytes apart, then one. */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t crc_pclmul(uint32_t crc, const unsigned char *p, size_t len) {
+    __m128i x0 = _mm_xor_si128(LOAD128(p), _mm_cvtsi32_si128((int)(crc ^ 0xffffffffu)));
+    __m128i x1 = LOAD128(p + 16), x2 = LOAD128(p + 32), x3 = LOAD128(p + 48);
+    __m128i k = LOAD128(fold_64);
+    for (p += 64, len -= 64; len >= 64; p += 64, len -= 64) {
+        x0 = fold128(x0, k, LOAD128(p));
+        x1 = fold128(x1, k, LOAD128(p + 16));
+        x2 = fold128(x2, k, LOAD128(p + 32));
+        x3 = fold128(x3, k, LOAD128(p + 48));
+    }
+    k = LOAD128(fold_16);
+    x0 = fold128(fold128(fold128(x0, k, x1), k, x2), k, x3);
+    for (; len >= 16; p += 16, len -= 16) x0 = fold128(x0, k, LOAD128(p));
+    return fold_finish(x0, p, len);
+}
+
+__attribute__((target("sse4.2,pclmul,avx2,vpclmulqdq"))) static inline __m256i fold256(__m256i acc, __m256i k,
+                                                                                        __m256i next) {
+    __m256i lo = _mm256_clmulepi64_epi128(acc, k, 0x00), hi = _mm256_clmulepi64_epi128(acc, k, 0x11);
+    return _mm256_xor_si256(_mm256_xor_si256(lo, hi), next);
+}
+
+#define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
+
+/* len >= 128: four 32-byte accumulators 128 bytes apart, then one, then its two halves. */
+__attribute__((target("sse4.2,pclmul,avx2,vpclmulqdq"))) static uint32_t crc_vpclmul(uint32_t crc,
+                                                                                   const unsigned char *p, size_t len) {
+    __m256i y0 = _mm256_xor_si256(LOAD256(p), _mm256_set_epi64x(0, 0, 0, (long long)(crc ^ 0xffffffffu)));
+    __m256i y1 = LOAD256(p + 32), y2 = LOAD256(p + 64), y3 = LOAD256(p + 96);
+    __m256i k = _mm256_broadcastsi128_si256(LOAD128(fold_128));
+    for (p += 128, len -= 128; len >= 128; p += 128, len -= 128) {
+        y0 = fold256(y0, k, LOAD256(p));
+        y1 = fold256(y1, k, LOAD256(p + 32));
+        y2 = fold256(y2, k, LOAD256(p + 64));
+        y3 = fold256(y3, k, LOAD256(p + 96));
+    }
+    k = _mm256_broadcastsi128_si256(LOAD128(fold_32));
+    y0 = fold256(fold256(fold256(y0, k, y1), k, y2), k, y3);
+    for (; len >= 32; p += 32, len -= 32) y0 = fold256(y0, k, LOAD256(p));
+    __m128i x = fold128(_mm256_castsi256_si128(y0), LOAD128(fold_16), _mm256_extracti128_si256(y0, 1));
+    if (len >= 16) {
+        x = fold128(x, LOAD128(fold_16), LOAD128(p));
+        p += 16;
+        len -= 16;
+    }
+    return fold_finish(x, p, len);
+}
+#endif
+
 static void crc_init(void) {
     for (uint32_t n = 0; n < 256; n++) {
         uint32_t crc = n;
@@ -104,6 +209,11 @@ static void crc_init(void) {
 #ifdef KV_X86
     __builtin_cpu_init();
     have_hw = __builtin_cpu_supports("sse4.2") != 0;
+    crc_level = have_hw ? CRC_INSN : CRC_TABLE;
+    if (have_hw && __builtin_cpu_supports("pclmul")) crc_level = CRC_PCLMUL;
+    if (crc_level == CRC_PCLMUL && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq"))
+        crc_level = CRC_VPCLMUL;
+    fold_constants();
 #endif
 }
 
@@ -169,20 +279,33 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uns
 }
 #endif
 
-static uint32_t crc32c_update(uint32_t crc, const void *buf, size_t len) {
+static uint32_t crc_with(int level, uint32_t crc, const void *buf, size_t len) {
 #ifdef KV_X86
-    if (have_hw) return crc_hw(crc, (const unsigned char *)buf, len);
+    if (level == CRC_VPCLMUL && len >= FOLD_MIN) return crc_vpclmul(crc, (const unsigned char *)buf, len);
+    if (level >= CRC_PCLMUL && len >= FOLD_MIN) return crc_pclmul(crc, (const unsigned char *)buf, len);
+    if (level >= CRC_INSN) return crc_hw(crc, (const unsigned char *)buf, len);
 #endif
     return crc_sw(crc, (const unsigned char *)buf, len);
 }
 
+static uint32_t crc32c_update(uint32_t crc, const void *buf, size_t len) { return crc_with(crc_level, crc, buf, len); }
+
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     Py_buffer view;
     unsigned int crc = 0;
-    if (!PyArg_ParseTuple(args, "y*|I:crc32c", &view, &crc)) return NULL;
+    const char *impl = NULL;
+    if (!PyArg_ParseTuple(args, "y*|Iz:crc32c", &view, &crc, &impl)) return NULL;
+    int level = crc_level;
+    if (impl) {
+        for (level = crc_level; level >= 0 && strcmp(impl, crc_names[level]); level--) {}
+        if (level < 0) {
+            PyBuffer_Release(&view);
+            return PyErr_Format(PyExc_ValueError, "crc32c implementation %s is not available on this CPU", impl);
+        }
+    }
     uint32_t out;
     Py_BEGIN_ALLOW_THREADS;
-    out = crc32c_update(crc, view.buf, (size_t)view.len);
+    out = crc_with(level, crc, view.buf, (size_t)view.len);
     Py_END_ALLOW_THREADS;
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(out);
@@ -495,90 +618,152 @@ static PyTypeObject ScatterType = {
               "whatever keeps the addresses valid. len() is the total length.",
 };
 
-static PyObject *py_send_all(PyObject *self, PyObject *args) {
-    int sock, timeout_ms;
-    PyObject *seq;
-    if (!PyArg_ParseTuple(args, "iiO:send_all", &sock, &timeout_ms, &seq)) return NULL;
-    PyObject *fast = PySequence_Fast(seq, "expected a sequence of buffers");
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), pieces = 0;
+/* The pieces of a sequence of buffers and Scatters, in order, as an iovec array: plain buffers are acquired
+ * (release_pieces releases them), a Scatter's rows are its pieces (its keep holds their memory while the
+ * sequence holds the Scatter); empty pieces are left out. */
+typedef struct {
+    PyObject *fast;
+    Py_buffer *views;
+    struct iovec *iov;
+    Py_ssize_t k;
+} pieces_t;
+
+static void release_pieces(pieces_t *p) {
+    if (p->views)
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(p->fast); i++)
+            if (p->views[i].obj) PyBuffer_Release(&p->views[i]);
+    PyMem_Free(p->views);
+    PyMem_Free(p->iov);
+    Py_XDECREF(p->fast);
+}
+
+static int collect_pieces(PyObject *seq, pieces_t *p) {
+    *p = (pieces_t){0};
+    p->fast = PySequence_Fast(seq, "expected a sequence of buffers");
+    if (!p->fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(p->fast), pieces = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *item = PySequence_Fast_GET_ITEM(p->fast, i);
         pieces += Py_IS_TYPE(item, &ScatterType) ? ((ScatterObject *)item)->rows : 1;
     }
-    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
-    struct iovec *iov = PyMem_Malloc((pieces ? pieces : 1) * sizeof(struct iovec));
-    if (!views || !iov) {
-        PyMem_Free(views);
-        PyMem_Free(iov);
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
+    p->views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    p->iov = PyMem_Malloc((pieces ? pieces : 1) * sizeof(struct iovec));
+    if (!p->views || !p->iov) {
+        release_pieces(p);
+        PyErr_NoMemory();
+        return -1;
     }
-    Py_ssize_t k = 0;
-    int err = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
-        if (Py_IS_TYPE(item, &ScatterType)) { /* held by fast; its keep holds the memory */
+        PyObject *item = PySequence_Fast_GET_ITEM(p->fast, i);
+        if (Py_IS_TYPE(item, &ScatterType)) {
             const ScatterObject *sc = (const ScatterObject *)item;
             const int64_t *rows = sc->plan.buf;
             for (Py_ssize_t r = 0; r < sc->rows; r++) {
                 if (!rows[2 * r + 1]) continue;
-                iov[k].iov_base = (void *)(uintptr_t)rows[2 * r];
-                iov[k].iov_len = (size_t)rows[2 * r + 1];
-                k++;
+                p->iov[p->k].iov_base = (void *)(uintptr_t)rows[2 * r];
+                p->iov[p->k].iov_len = (size_t)rows[2 * r + 1];
+                p->k++;
             }
             continue;
         }
-        if (PyObject_GetBuffer(item, &views[i], PyBUF_C_CONTIGUOUS) < 0) {
-            err = -1;
+        if (PyObject_GetBuffer(item, &p->views[i], PyBUF_C_CONTIGUOUS) < 0) {
+            release_pieces(p);
+            return -1;
+        }
+        if (p->views[i].len) {
+            p->iov[p->k].iov_base = p->views[i].buf;
+            p->iov[p->k].iov_len = (size_t)p->views[i].len;
+            p->k++;
+        }
+    }
+    return 0;
+}
+
+/* Drop the first n bytes of iov[*first..k) in place (advancing *first past whole pieces). */
+static void skip_pieces(struct iovec *iov, Py_ssize_t k, Py_ssize_t *first, size_t n) {
+    while (*first < k && n >= iov[*first].iov_len) n -= iov[(*first)++].iov_len;
+    if (n && *first < k) {
+        iov[*first].iov_base = (char *)iov[*first].iov_base + n;
+        iov[*first].iov_len -= n;
+    }
+}
+
+/* sendmsg the pieces, IOV_BATCH at a time, resuming partial sends. With wait, a full socket is waited on (each
+ * wait bounded by timeout_ms, -1: forever) until all is sent; without, sending stops as soon as the socket takes
+ * less than it was offered (the next call would only get EAGAIN). Returns the bytes sent; *err is the errno that
+ * stopped it early (EAGAIN without wait when nothing was sent), else 0. Called without the GIL. */
+static size_t send_pieces(int sock, struct iovec *iov, Py_ssize_t k, int wait, int timeout_ms, int *err) {
+    Py_ssize_t first = 0;
+    size_t total = 0;
+    *err = 0;
+    while (first < k) {
+        struct msghdr msg = {0};
+        msg.msg_iov = iov + first;
+        msg.msg_iovlen = (size_t)(k - first < IOV_BATCH ? k - first : IOV_BATCH);
+        size_t asked = 0;
+        for (size_t i = 0; !wait && i < msg.msg_iovlen; i++) asked += iov[first + (Py_ssize_t)i].iov_len;
+        ssize_t r = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (wait && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                if (wait_ready(sock, POLLOUT, timeout_ms) < 0) {
+                    *err = errno;
+                    break;
+                }
+                continue;
+            }
+            *err = errno;
             break;
         }
-        if (views[i].len) {
-            iov[k].iov_base = views[i].buf;
-            iov[k].iov_len = (size_t)views[i].len;
-            k++;
-        }
+        total += (size_t)r;
+        skip_pieces(iov, k, &first, (size_t)r);
+        if (!wait && (size_t)r < asked) break;
     }
-    if (!err) {
-        Py_BEGIN_ALLOW_THREADS;
-        Py_ssize_t first = 0;
-        while (first < k) {
-            struct msghdr msg = {0};
-            msg.msg_iov = iov + first;
-            msg.msg_iovlen = (size_t)(k - first < IOV_BATCH ? k - first : IOV_BATCH);
-            ssize_t r = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                    if (wait_ready(sock, POLLOUT, timeout_ms) < 0) {
-                        err = errno;
-                        break;
-                    }
-                    continue;
-                }
-                err = errno;
-                break;
-            }
-            size_t sent = (size_t)r;
-            while (first < k && sent >= iov[first].iov_len) {
-                sent -= iov[first].iov_len;
-                first++;
-            }
-            if (sent) {
-                iov[first].iov_base = (char *)iov[first].iov_base + sent;
-                iov[first].iov_len -= sent;
-            }
-        }
-        Py_END_ALLOW_THREADS;
-    }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (views[i].obj) PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    PyMem_Free(iov);
-    Py_DECREF(fast);
-    if (err < 0) return NULL;
+    return total;
+}
+
+static PyObject *py_send_all(PyObject *self, PyObject *args) {
+    int sock, timeout_ms;
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "iiO:send_all", &sock, &timeout_ms, &seq)) return NULL;
+    pieces_t p;
+    if (collect_pieces(seq, &p) < 0) return NULL;
+    int err;
+    Py_BEGIN_ALLOW_THREADS;
+    send_pieces(sock, p.iov, p.k, 1, timeout_ms, &err);
+    Py_END_ALLOW_THREADS;
+    release_pieces(&p);
     if (err) return socket_error(err, 0);
     Py_RETURN_NONE;
+}
+
+/* send_some(sock_fd, buffers, skip) -> int: what send_all sends, from byte skip on, without waiting. */
+static PyObject *py_send_some(PyObject *self, PyObject *args) {
+    int sock;
+    long long skip;
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "iOL:send_some", &sock, &seq, &skip)) return NULL;
+    if (skip < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative skip");
+        return NULL;
+    }
+    pieces_t p;
+    if (collect_pieces(seq, &p) < 0) return NULL;
+    Py_ssize_t first = 0;
+    skip_pieces(p.iov, p.k, &first, (size_t)skip);
+    int err = 0;
+    size_t sent = 0;
+    if (first < p.k) {
+        Py_BEGIN_ALLOW_THREADS;
+        sent = send_pieces(sock, p.iov + first, p.k - first, 0, 0, &err);
+        Py_END_ALLOW_THREADS;
+    }
+    release_pieces(&p);
+    if (sent == 0 && err) {
+        errno = err;
+        return PyErr_SetFromErrno(err == EAGAIN || err == EWOULDBLOCK ? PyExc_BlockingIOError : PyExc_OSError);
+    }
+    return PyLong_FromSize_t(sent); /* an error after some bytes shows again on the next call */
 }
 
 /* bytes one checksummed recvmsg takes: checksummed at once, from cache (measured on a loopback stream of 100 KiB
@@ -723,7 +908,9 @@ static PyObject *py_bytearray_uninit(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
-    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int: CRC-32C of data, continuing from crc."},
+    {"crc32c", py_crc32c, METH_VARARGS,
+     "crc32c(data, crc=0, impl=None) -> int: CRC-32C of data, continuing from crc; impl names one of CRC_IMPLS\n"
+     "(default: the fastest)."},
     {"crc32c_many", py_crc32c_many, METH_O, "crc32c_many(buffers) -> list[int]: CRC-32C of each buffer."},
     {"recv_to_files", py_recv_to_files, METH_VARARGS,
      "recv_to_files(sock_fd, timeout_ms, plan, scratch) -> bytes: receive exactly the plan's bytes.\n\n"
@@ -738,6 +925,10 @@ static PyMethodDef methods[] = {
     {"send_all", py_send_all, METH_VARARGS,
      "send_all(sock_fd, timeout_ms, buffers): send every byte of buffers (sendmsg, partial sends resumed); an item\n"
      "may be a Scatter, whose pieces are sent in its place."},
+    {"send_some", py_send_some, METH_VARARGS,
+     "send_some(sock_fd, buffers, skip) -> int: send what send_all would, starting skip bytes in, without waiting:\n"
+     "sendmsg calls until the socket takes less than offered or all is sent; bytes sent. Raises BlockingIOError\n"
+     "when the socket takes nothing, OSError when the connection failed before any byte was sent."},
     {"recv_scatter", py_recv_scatter, METH_VARARGS,
      "recv_scatter(sock_fd, plan, done, crcs=None) -> int: non-blocking recvmsg calls into the pieces of plan,\n"
      "skipping the first done bytes of them, until nothing more is waiting or the plan is full; bytes received,\n"
@@ -760,6 +951,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&ScatterType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "HW_CRC", have_hw) < 0) Py_CLEAR(m);
+    PyObject *impls = PyTuple_New(crc_level + 1);
+    for (int i = 0; impls && i <= crc_level; i++) PyTuple_SET_ITEM(impls, i, PyUnicode_FromString(crc_names[i]));
+    if (m && (!impls || PyModule_AddObjectRef(m, "CRC_IMPLS", impls) < 0)) Py_CLEAR(m);
+    Py_XDECREF(impls);
     if (m && PyModule_AddObjectRef(m, "Scatter", (PyObject *)&ScatterType) < 0) Py_CLEAR(m);
     return m;
 }

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.kvstore import _native
 from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node
-from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, addresses, shard_size
+from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, addresses
 from kvtier.kvstore.keys import Namespace, TokenInput
 from kvtier.kvstore.protocol import Op, Status
 from kvtier.kvstore.transport import Exchange
@@ -88,9 +90,9 @@ class Writes(ClientCore):
         Returns the (n × 12) shards now durable, per block whether it committed (its primary recorded it),
         and per block whether a node refused a shard for lack of space.
         """
-        shards, tails = self._encode(views)
-        block_lens = np.asarray([len(v) for v in views], dtype="<u8")
-        shard_lens = np.asarray([shard_size(len(v)) for v in views], dtype="<u4")  # all 12 shards of a block
+        stripes = self._encode(views)
+        block_lens = stripes.lens.astype("<u8")
+        shard_lens = stripes.sizes.astype("<u4")  # all 12 shards of a block
         put_id = os.urandom(8)  # names this put's pending shards on every node: the COMMIT refers to them
 
         # phase 1: shards PENDING on every node
@@ -107,12 +109,8 @@ class Writes(ClientCore):
                 meta["created"] = np.asarray(created, dtype="<f8")[blocks].tobytes()
             if repair:
                 meta["replace"] = True
-            payload = []
-            for b, i in entries.tolist():
-                payload.append(shards[b][i])
-                if i == DATA_SHARDS - 1 and b in tails:
-                    payload.append(tails[b])
-            plans.append((node_id, entries, exchange.request(node_id, Op.PUT_SHARDS, meta, payload)))
+            payload = _native.Scatter(stripes.pieces[blocks, indices].reshape(-1, 2), stripes.keep)
+            plans.append((node_id, entries, exchange.request(node_id, Op.PUT_SHARDS, meta, [payload])))
         exchange.run(self.config.client.op_timeout_s)
         ok = np.zeros(shard_nodes.shape, dtype=bool)
         no_space = np.zeros(len(keys), dtype=bool)
@@ -168,43 +166,53 @@ class Writes(ClientCore):
         ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True)
         return int((ok & which).sum())
 
-    def _encode(self, views: Sequence[memoryview]) -> tuple[list[list[memoryview]], dict[int, memoryview]]:
-        """The 12 shards of every block, all views, and the zero padding sent after short last shards (by
-        block). Data shards are slices of the block; padding is a shared zero buffer; the parity of the whole
-        batch lives in one buffer reused across calls (no fresh pages to fault in). Parity is computed from a
-        pointer table built with numpy, one ISA-L call per block (two when its last shard is short: the bytes
-        where every shard has data, then the rest with the zero buffer for the last shard); a block too small
-        for that (its last shard empty) is padded by a copy."""
-        lens = np.asarray([len(view) for view in views], dtype=np.int64)
+    def _encode(self, views: Sequence[memoryview]) -> Stripes:
+        """The shards of every block as (address, length) pieces, parity computed. Data shards are the block's
+        own bytes; a short last data shard is followed by a piece of a shared zero buffer (its padding); the
+        parity of the whole batch lives in one buffer reused across calls (no fresh pages to fault in). Parity
+        is computed from a pointer table built with numpy, one ISA-L call per block (two when its last shard is
+        short: the bytes where every shard has data, then the rest with the zero buffer for the last shard); a
+        block too small for that (its last shard empty) is padded by a copy. No Python object per shard."""
+        lens = np.fromiter(map(len, views), dtype=np.int64, count=len(views))
         sizes = np.maximum(1, -(-lens // DATA_SHARDS))  # codec.shard_size of every block
         full = lens - (DATA_SHARDS - 1) * sizes  # bytes of the last shard that the block holds
+        sources = list(views)
+        for b in np.flatnonzero(full <= 0).tolist():  # tiny: its last shards are empty; padding by a copy is free
+            sources[b] = memoryview(bytes(views[b]).ljust(DATA_SHARDS * int(sizes[b]), b"\0"))
+            full[b] = sizes[b]
         if len(self._parity) < 2 * int(sizes.sum()):
             self._parity = bytearray(2 * int(sizes.sum()))
         parity = memoryview(self._parity)
-        offsets = (2 * (np.cumsum(sizes) - sizes)).tolist()
-        tails: dict[int, memoryview] = {}
-        shards, sources = [], []
-        for b, (view, size, at) in enumerate(zip(views, sizes.tolist(), offsets, strict=True)):
-            if full[b] <= 0:  # tiny: its last shards are empty; padding it by a copy costs nothing
-                view = memoryview(bytes(view).ljust(DATA_SHARDS * size, b"\0"))
-                full[b] = size
-            elif full[b] < size:
-                tails[b] = _zeros(size - int(full[b]))
-            sources.append(view)
-            data = [view[i * size : (i + 1) * size] for i in range(DATA_SHARDS)]
-            shards.append([*data, parity[at : at + size], parity[at + size : at + 2 * size]])
+        zeros = _zeros(int((sizes - full).max(initial=0)))
         table = np.empty((len(views), TOTAL_SHARDS), dtype=np.int64)
         table[:, 0] = addresses(sources)
         table[:, 1:DATA_SHARDS] = table[:, :1] + sizes[:, None] * np.arange(1, DATA_SHARDS)
-        table[:, DATA_SHARDS] = addresses([parity])[0] + np.asarray(offsets, dtype=np.int64)
+        table[:, DATA_SHARDS] = addresses([parity])[0] + 2 * (np.cumsum(sizes) - sizes)
         table[:, DATA_SHARDS + 1] = table[:, DATA_SHARDS] + sizes
         self.codec.encode_parity_at(table, full)
         short = np.flatnonzero(full < sizes)
         if len(short):  # [full, size) of every shard, the last one's from the zero buffer
             rest = table[short] + full[short, None]
-            rest[:, DATA_SHARDS - 1] = addresses([_zeros(int((sizes - full).max()))])[0]
+            rest[:, DATA_SHARDS - 1] = addresses([zeros])[0]
             self.codec.encode_parity_at(rest, (sizes - full)[short])
-        return shards, tails
+        pieces = np.zeros((len(views), TOTAL_SHARDS, 2, 2), dtype=np.int64)  # per shard: its bytes, its padding
+        pieces[:, :, 0, 0] = table
+        pieces[:, :, 0, 1] = sizes[:, None]
+        pieces[:, DATA_SHARDS - 1, 0, 1] = full
+        if len(zeros):
+            pieces[:, DATA_SHARDS - 1, 1, 0] = addresses([zeros])[0]
+        pieces[:, DATA_SHARDS - 1, 1, 1] = sizes - full
+        return Stripes(pieces, lens, sizes, (sources, parity, zeros))
+
+
+class Stripes(NamedTuple):
+    """A batch's shards, ready to send: ``pieces[block, shard]`` is two (address, length) rows (the shard's bytes,
+    then its zero padding, usually empty), valid while ``keep`` lives; ``lens`` and ``sizes`` are per block."""
+
+    pieces: np.ndarray
+    lens: np.ndarray
+    sizes: np.ndarray
+    keep: object
 
 
 def _zeros(n: int) -> memoryview:

@@ -39,7 +39,7 @@ from kvtier.kvstore.protocol import (
     ProtocolError,
     encode_head,
 )
-from kvtier.kvstore.sockio import IOV_MAX, consume, recv_frame
+from kvtier.kvstore.sockio import recv_frame
 
 _SCRATCH = memoryview(bytearray(1 << 20))
 # buffers offered to one recvmsg_into: a call acquires every buffer it is given, however few bytes are waiting
@@ -62,6 +62,9 @@ class ReceivePlan(NamedTuple):
     crcs: np.ndarray | None = None
 
 
+# what a request sends: bytes, or (address, length) pieces sent in compiled code, no Python object per piece
+Outgoing = bytes | memoryview | _native.Scatter
+
 # where a reply's payload goes: buffers, a ReceivePlan, or None (a buffer of its own)
 Sink = Callable[[Frame], "Sequence[memoryview] | ReceivePlan | None"]
 
@@ -78,7 +81,7 @@ class Pending:
     error: str | None = None
     abandoned: bool = False
     sunk: bool = False
-    wire: list[memoryview] = field(default_factory=list, repr=False)  # the request, kept for one resend
+    wire: list[Outgoing] = field(default_factory=list, repr=False)  # the request, kept for one resend
     resent: bool = False
     crcs: np.ndarray | None = field(default=None, repr=False)  # of the ReceivePlan its reply lands by
 
@@ -97,7 +100,8 @@ class NodeConn:
     address: tuple[str, int]
     sock: socket.socket | None = None
     reader: FrameReader = field(default_factory=FrameReader)
-    outgoing: list[memoryview] = field(default_factory=list)
+    outgoing: list[Outgoing] = field(default_factory=list)
+    sent: int = 0  # bytes of outgoing[0] already sent
     inflight: dict[int, Pending] = field(default_factory=dict)
     down_until: float = 0.0
     timeouts: int = 0  # connection attempts that timed out in a row
@@ -107,6 +111,7 @@ class NodeConn:
             self.sock.close()
             self.sock = None
         self.outgoing.clear()
+        self.sent = 0
         for pending in self.inflight.values():
             if not pending.done:
                 pending.error = error
@@ -202,12 +207,13 @@ class Exchange:
         node_id: int,
         opcode: Op,
         meta: dict[str, Any],
-        payload: Sequence[memoryview] = (),
+        payload: Sequence[Outgoing] = (),
         sink: Sink | None = None,
         on_reply: Callable[[Frame], None] | None = None,
     ) -> Pending:
         """Queue a request to ``node_id``.
 
+        ``payload`` items are buffers or ``_native.Scatter`` pieces, which stay valid until ``run`` returns.
         ``sink(head)`` chooses where the reply's payload goes (None: a buffer of its own);
         ``on_reply(frame)`` runs as soon as a non-error reply is complete, before ``run`` returns.
         """
@@ -226,8 +232,8 @@ class Exchange:
             meta = {**meta, "tenant": self.pool.act_as}
         head = encode_head(opcode, pending.request_id, meta, size)
         self._check_limits(meta, len(head), size)
-        pending.wire = [memoryview(head)]
-        pending.wire.extend(memoryview(p).cast("B") for p in payload if len(p))
+        pending.wire = [head]
+        pending.wire.extend(p if isinstance(p, _native.Scatter) else memoryview(p).cast("B") for p in payload if len(p))
         conn.outgoing.extend(pending.wire)
         conn.inflight[pending.request_id] = pending
         return pending
@@ -363,13 +369,19 @@ class Exchange:
 
     @staticmethod
     def _send(conn: NodeConn) -> None:
+        """Send what the socket takes now (compiled: it stops once the socket is full)."""
         assert conn.sock is not None
-        while conn.outgoing:
-            try:
-                sent = conn.sock.sendmsg(conn.outgoing[:IOV_MAX])
-            except BlockingIOError:
-                return
-            consume(conn.outgoing, sent)
+        try:
+            sent = conn.sent + _native.send_some(conn.sock.fileno(), conn.outgoing, conn.sent)
+        except BlockingIOError:
+            return
+        outgoing = conn.outgoing
+        whole = 0
+        while whole < len(outgoing) and sent >= len(outgoing[whole]):
+            sent -= len(outgoing[whole])
+            whole += 1
+        del outgoing[:whole]
+        conn.sent = sent
 
     @staticmethod
     def _receive(conn: NodeConn) -> None:

@@ -139,6 +139,36 @@ def test_send_all_sends_a_scatters_pieces_in_its_place() -> None:
     assert received == b"head" + b"".join(memory[at : at + n] for at, n in pieces) + b"tail"
 
 
+def test_send_some_sends_from_an_offset_on_without_waiting_until_all_is_sent() -> None:
+    memory = bytearray(os.urandom(1 << 20))
+    view = memoryview(memory)
+    base = int(np.frombuffer(_native.addresses([view]), dtype=np.int64)[0])
+    pieces = [(500_000, 300_000), (7, 0), (0, 200_000)] + [(11, 3)] * 1500  # more than one sendmsg takes
+    scatter = _native.Scatter(np.asarray([(base + at, n) for at, n in pieces], dtype=np.int64), view)
+    items = [b"head", scatter, os.urandom(3 << 20)]
+    wire = b"head" + b"".join(memory[at : at + n] for at, n in pieces) + items[2]
+    a, b = socket.socketpair()
+    a.setblocking(False)
+
+    def send() -> None:
+        sent = 2  # the first 2 bytes went out before: they are skipped
+        while sent < len(wire):
+            try:
+                sent += _native.send_some(a.fileno(), items, sent)
+            except BlockingIOError:  # the socket is full: wait for room, then resume
+                select.select([], [a], [], 5)
+        assert sent == len(wire)
+
+    assert _drained(a, b, send) == wire[2:]
+
+
+def test_send_some_raises_when_the_peer_is_gone() -> None:
+    a, b = socket.socketpair()
+    b.close()
+    with a, pytest.raises(OSError):
+        _native.send_some(a.fileno(), [b"x" * 100], 0)
+
+
 def test_a_scatter_refuses_a_plan_that_is_not_address_length_pairs() -> None:
     with pytest.raises(ValueError):
         _native.Scatter(np.zeros(3, dtype=np.int64), None)
