@@ -15,17 +15,28 @@ import pytest
 
 from kvtier.kvstore import _native
 
-# lengths around the 8-byte words and the 3-way interleaved blocks (3 × 256 and 3 × 8192 bytes)
-LENGTHS = [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 9, 104_858, 1 << 20]
+# lengths around the 8-byte words, the 3-way interleaved blocks (3 × 256 and 3 × 8192 bytes) and the folding steps
+# (256 bytes at least, 128 bytes a step, then 32, 16 and the last bytes)
+LENGTHS = [0, 1, 7, 8, 9, 255, 256, 257, 303, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 9, 104_858, 1 << 20]
 
 
+@pytest.mark.parametrize("impl", _native.CRC_IMPLS)
 @pytest.mark.parametrize("length", LENGTHS)
-def test_crc32c_matches_the_reference_at_any_length_and_alignment(length: int) -> None:
+def test_crc32c_matches_the_reference_at_any_length_and_alignment(length: int, impl: str) -> None:
     data = memoryview(os.urandom(length + 8))
     for start in (0, 3):
         view = data[start : start + length]
-        assert _native.crc32c(view) == crc32c.crc32c(view)
-        assert _native.crc32c(view[length // 3 :], _native.crc32c(view[: length // 3])) == crc32c.crc32c(view)
+        assert _native.crc32c(view, 0, impl) == crc32c.crc32c(view)
+        head = _native.crc32c(view[: length // 3], 0, impl)
+        assert _native.crc32c(view[length // 3 :], head, impl) == crc32c.crc32c(view)
+
+
+def test_crc32c_uses_the_fastest_implementation_and_refuses_an_unknown_one() -> None:
+    data = os.urandom(4096)
+    assert _native.CRC_IMPLS[0] == "table"
+    assert _native.crc32c(data) == _native.crc32c(data, 0, _native.CRC_IMPLS[-1])
+    with pytest.raises(ValueError, match="not available"):
+        _native.crc32c(data, 0, "abacus")
 
 
 def test_crc32c_many_checksums_each_buffer() -> None:
