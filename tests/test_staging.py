@@ -75,6 +75,20 @@ def test_eviction_takes_the_least_recently_used_ready_slot_and_never_a_pinned_on
     pool.close()
 
 
+def test_eviction_order_holds_over_many_turnovers_of_the_pool(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 8 * SLOT, SLOT)
+    held = {i: fill(pool, i) for i in range(8)}  # block i in slot held[i][0]
+    for i in range(8, 400):  # each new block evicts the least recently used one; a touch moves one to the end
+        touched = i - 7 + (i % 3)  # one of the oldest few, so the order is not plain insertion order
+        if touched in held and touched != i - 8:
+            assert pool.pin(*held[touched]) and pool.unpin(*held[touched])
+        oldest = min(held, key=lambda b: int(pool.lru[held[b][0]]))
+        held[i] = fill(pool, i)
+        assert held[i][0] == held.pop(oldest)[0] and pool.lookup(TENANT, key(oldest)) is None
+    assert sorted(pool.lookup(TENANT, key(b)) for b in held) == sorted(slot for slot, _ in held.values())
+    pool.close()
+
+
 def test_a_reader_holding_a_reused_slot_sees_a_miss_in_another_process(shm_name: str) -> None:
     pool = StagingPool.own(shm_name, 1 * SLOT, SLOT)
     slot, gen = fill(pool, 1)
