@@ -54,22 +54,30 @@ class ReadState:
         self.base = np.zeros(n, dtype=np.int64)
         self.length = np.full(n, -1, dtype=np.int64)
         self.scratch: dict[int, bytearray] = {}
-        known = [b for b, buf in enumerate(buffers) if buf is not None]
-        if known:
-            self._place(known, [len(buffers[b]) for b in known])  # type: ignore[arg-type]
+        self.arrivals = 0  # GET replies complete so far
+        self._decodable = (-1, False)  # (arrivals, whether every block was decodable then)
+        if all(buf is not None for buf in buffers):  # get_into: every destination known from the start
+            self._place(range(n), np.fromiter(map(len, buffers), dtype=np.int64, count=n))  # type: ignore[arg-type]
+        else:
+            known = [b for b, buf in enumerate(buffers) if buf is not None]
+            if known:
+                self._place(known, [len(buffers[b]) for b in known])  # type: ignore[arg-type]
 
     def arrived(self, frame: Frame, entries: np.ndarray) -> None:
         """A GET reply for ``entries`` is complete: its shards are in place, its verdicts known. A shard whose
         bytes do not match the crc32c the node stored for it is an erasure, like one the node found corrupt."""
+        self.arrivals += 1
         statuses = frame.meta.get("st")
         if isinstance(statuses, bytes) and len(statuses) == len(entries):
             st = np.frombuffer(statuses, dtype=np.uint8)
-            if self.trust_primary:
-                self.absent[entries[st == Status.ABSENT, 0]] = True
-            self.mismatch[entries[st == Status.MISMATCH, 0]] = True
-            lost = entries[(st == Status.MISSING) | (st == Status.CORRUPT)]
-            self.lost[lost[:, 0], lost[:, 1]] = True
-            self.primary_ok[entries[(st == Status.OK) & (entries[:, 1] == 0), 0]] = True
+            ok = st == Status.OK
+            if not ok.all():  # the usual reply is all OK: nothing absent, mismatched or lost
+                if self.trust_primary:
+                    self.absent[entries[st == Status.ABSENT, 0]] = True
+                self.mismatch[entries[st == Status.MISMATCH, 0]] = True
+                lost = entries[(st == Status.MISSING) | (st == Status.CORRUPT)]
+                self.lost[lost[:, 0], lost[:, 1]] = True
+            self.primary_ok[entries[ok & (entries[:, 1] == 0), 0]] = True
             self.replies.append((entries, frame.meta))
         landing = self.receiving.pop(frame.request_id, None)
         if landing is None or not len(landing.shards):
@@ -101,10 +109,11 @@ class ReadState:
                     header[b] = hdr[j * HEADER_DIGEST_BYTES : (j + 1) * HEADER_DIGEST_BYTES]
         return [(ttl_class.get(b), header.get(b, NO_HEADER)) for b in blocks]
 
-    def _place(self, blocks: Sequence[int], lengths: Sequence[int]) -> None:
+    def _place(self, blocks: Sequence[int], lengths: Sequence[int] | np.ndarray) -> None:
         """Record where ``blocks`` land; the buffers stay exported by ``self.buffers``, so they cannot move."""
-        self.base[blocks] = np.frombuffer(_native.addresses([self.buffers[b] for b in blocks]), dtype=np.int64)
-        self.length[blocks] = lengths
+        rows = slice(None) if isinstance(blocks, range) else blocks  # range(n): all of them, without an index pass
+        self.base[rows] = np.frombuffer(_native.addresses([self.buffers[b] for b in blocks]), dtype=np.int64)
+        self.length[rows] = lengths
 
     def destinations(self, blocks: np.ndarray, block_lens: np.ndarray) -> np.ndarray:
         """Per shard of a reply: whether its block has a destination of the block length the node reported. A
@@ -121,8 +130,11 @@ class ReadState:
         return self.length[blocks] == block_lens
 
     def decodable(self) -> bool:
-        have = self.valid.sum(axis=1)
-        return bool(np.all((have >= DATA_SHARDS) | self.absent | self.mismatch))
+        """Whether every block is decodable or known missing (worked out again only after a reply arrived)."""
+        if self._decodable[0] != self.arrivals:
+            have = self.valid.sum(axis=1)
+            self._decodable = (self.arrivals, bool(np.all((have >= DATA_SHARDS) | self.absent | self.mismatch)))
+        return self._decodable[1]
 
 
 class Reads(Writes):
@@ -247,50 +259,59 @@ class Reads(Writes):
         n = len(entries)
         if not all(isinstance(r, bytes) for r in raw) or [len(r) for r in raw] != [n, 4 * n, 8 * n]:
             return None
-        ok = np.flatnonzero(np.frombuffer(raw[0], dtype=np.uint8) == Status.OK)
-        lens = np.frombuffer(raw[1], dtype="<u4")[ok].astype(np.int64)
-        block_lens = np.frombuffer(raw[2], dtype="<u8")[ok].astype(np.int64)
         stored_crc = meta.get("crc")
         if stored_crc is not None and (not isinstance(stored_crc, bytes) or len(stored_crc) != 4 * n):
             return None
+        # rows are picked with a slice where all qualify (the usual reply): no mask or index pass per column
+        ok = _rows(np.frombuffer(raw[0], dtype=np.uint8) == Status.OK)
+        lens = np.frombuffer(raw[1], dtype="<u4")[ok].astype(np.int64)
+        block_lens = np.frombuffer(raw[2], dtype="<u8")[ok].astype(np.int64)
         blocks, index = entries[ok, 0], entries[ok, 1]
         fits = state.destinations(blocks, block_lens) & (lens == np.maximum(1, -(-block_lens // DATA_SHARDS)))
         data = fits & (index < DATA_SHARDS)
+        elsewhere = _rows(~data)
+        data = _rows(data)
         start = index[data] * lens[data]
         held = np.clip(state.length[blocks[data]] - start, 0, lens[data])  # bytes of the shard inside the block
         padding = lens[data] - held
-        elsewhere = ~data
         # one scratch buffer per reply: tail padding (apart for each shard: the crc of a piece is taken after it
         # lands), then parity and shards that do not fit
         scratch_lens = np.concatenate([padding, lens[elsewhere]])
         scratch = state.scratch[frame.request_id] = _native.bytearray_uninit(int(scratch_lens.sum()))
         offsets = np.cumsum(scratch_lens) - scratch_lens
         base = int(np.frombuffer(_native.addresses([scratch]), dtype=np.int64)[0])
-        pieces = np.zeros((len(ok), 2, 3), dtype=np.int64)  # per shard: (address, length, shard) of bytes, padding
+        count = len(lens)
+        pieces = np.zeros((count, 2, 3), dtype=np.int64)  # per shard: (address, length, shard) of bytes, padding
         pieces[data, 0, 0] = state.base[blocks[data]] + start
         pieces[data, 0, 1] = held
         pieces[data, 1, 0] = base + offsets[: len(padding)]
         pieces[data, 1, 1] = padding
         pieces[elsewhere, 0, 0] = base + offsets[len(padding) :]
         pieces[elsewhere, 0, 1] = lens[elsewhere]
-        checked = np.full(len(ok), -1, dtype=np.int64)  # a shard that does not fit is dropped unchecked
-        checked[fits] = np.arange(int(fits.sum()))
-        pieces[:, :, 2] = checked[:, None]
-        view = memoryview(scratch)
-        parity = elsewhere & fits  # what fits its block but is not a data shard: parity, kept for decoding
-        for b, i, at, length in zip(
-            blocks[parity].tolist(),
-            index[parity].tolist(),
-            offsets[len(padding) :][fits[elsewhere]].tolist(),
-            lens[parity].tolist(),
-            strict=True,
-        ):
-            state.parity[(b, i)] = view[at : at + length]
+        fitting = int(fits.sum())
+        if fitting == count:
+            pieces[:, :, 2] = np.arange(count)[:, None]
+        else:
+            checked = np.full(count, -1, dtype=np.int64)  # a shard that does not fit is dropped unchecked
+            checked[fits] = np.arange(fitting)
+            pieces[:, :, 2] = checked[:, None]
+        parity = fits & (index >= DATA_SHARDS)  # what fits its block but is not a data shard: kept for decoding
+        if parity.any():
+            view = memoryview(scratch)
+            for b, i, at, length in zip(
+                blocks[parity].tolist(),
+                index[parity].tolist(),
+                offsets[len(padding) :][fits[elsewhere]].tolist(),
+                lens[parity].tolist(),
+                strict=True,
+            ):
+                state.parity[(b, i)] = view[at : at + length]
         crcs = expected = None
+        landed = _rows(fits)
         if stored_crc is not None:
-            crcs = np.zeros(int(fits.sum()), dtype=np.uint32)  # filled in by the receive, shard by shard
-            expected = np.frombuffer(stored_crc, dtype="<u4")[ok][fits]
-        state.receiving[frame.request_id] = Landing(entries[ok[fits]], crcs, expected)
+            crcs = np.zeros(fitting, dtype=np.uint32)  # filled in by the receive, shard by shard
+            expected = np.frombuffer(stored_crc, dtype="<u4")[ok][landed]
+        state.receiving[frame.request_id] = Landing(entries[ok][landed], crcs, expected)
         plan = pieces.reshape(-1, 3)
         plan = np.ascontiguousarray(plan[plan[:, 1] > 0])
         return ReceivePlan(plan if crcs is not None else np.ascontiguousarray(plan[:, :2]), crcs)
@@ -335,6 +356,13 @@ class Reads(Writes):
         for i, scratch in tails.items():
             region = layout.region(buf, i)
             region[:] = scratch[: len(region)]
+
+
+def _rows(mask: np.ndarray) -> slice | np.ndarray:
+    """The rows a mask selects, as a slice when it selects all or none (indexing then costs no pass)."""
+    if mask.all():
+        return slice(None)
+    return np.flatnonzero(mask) if mask.any() else slice(0, 0)
 
 
 class Landing(NamedTuple):
