@@ -15,8 +15,12 @@ How a FETCH is answered, per block:
    priority order (PREFETCH after FETCH). FETCHED, MISS or ERROR when it returns; FULL if no slot could be had.
 
 The reply goes out when every block of the request has its answer. Pins belong to the connection: RELEASE drops
-them, and so does the connection closing (an engine that dies loses nothing and leaks nothing). All table
-changes happen on the main thread; workers only fill slot bytes and call the store.
+them, and so does the connection closing (an engine that dies loses nothing and leaks nothing).
+
+Threads: the main thread reads requests and answers what needs no store call; a worker runs a store call (no lock
+held: it only fills slot bytes) and then, under the server's lock, publishes the slots and sends the answers of the
+requests that waited for it itself, so a fetch's reply leaves from the thread that read its blocks, with no hand-off
+back to the main thread. Every change to the tables, pins and connections happens under that lock.
 """
 
 from __future__ import annotations
@@ -166,11 +170,11 @@ class Fetcher:
         # blocks being read, by (tenant id, length) then key: a request for one of them waits for that read
         self.flights: dict[tuple[int, int], dict[bytes, Job]] = {}
         self.jobs: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
-        self.done: collections.deque[Job] = collections.deque()
         self.seq = itertools.count()
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))  # every key present: scraped from a thread
         self.sessions: set[Session] = set()
-        self._take_lock = threading.Lock()
+        self._lock = threading.RLock()  # everything but a store call in progress happens under it
+        self._take_lock = threading.Lock()  # a queued job is taken by one worker
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -212,22 +216,24 @@ class Fetcher:
         next_sweep = time.monotonic() + PEER_SWEEP_S
         while not self.stopping:
             if time.monotonic() >= next_sweep:
-                self._sweep_dead_peers()
+                with self._lock:
+                    self._sweep_dead_peers()
                 next_sweep = time.monotonic() + PEER_SWEEP_S
-            for key, events in self.selector.select(timeout=0.5):
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    with contextlib.suppress(BlockingIOError):
-                        while self._wake_r.recv(4096):
-                            pass
-                    self._complete()
-                else:
-                    session: Session = key.data
-                    if events & selectors.EVENT_READ:
-                        self._receive(session)
-                    if events & selectors.EVENT_WRITE and not session.closed:
-                        self._flush(session)
+            ready = self.selector.select(timeout=0.5)
+            with self._lock:
+                for key, events in ready:
+                    if key.data == "listen":
+                        self._accept()
+                    elif key.data == "wake":
+                        with contextlib.suppress(BlockingIOError):
+                            while self._wake_r.recv(4096):
+                                pass
+                    else:
+                        session: Session = key.data
+                        if events & selectors.EVENT_READ and not session.closed:
+                            self._receive(session)
+                        if events & selectors.EVENT_WRITE and not session.closed:
+                            self._flush(session)
 
     def _sweep_dead_peers(self) -> None:
         """Close connections whose process is gone although the socket lives on (a child inherited it): their
@@ -243,8 +249,9 @@ class Fetcher:
             self._wake_w.send(b"x")
 
     def close(self) -> None:
-        for session in list(self.sessions):
-            self._close(session)
+        with self._lock:
+            for session in list(self.sessions):
+                self._close(session)
         for _ in self.workers:
             self.jobs.put((-1, -1, None))
         self.selector.close()
@@ -421,17 +428,19 @@ class Fetcher:
         keys, hdrs = request.keys, request.headers
         flying = self.flights.setdefault((tid, request.length), {})
         wanted = missed.tolist()
-        wanted_keys = [keys[i] for i in wanted]
+        wanted_keys = keys if len(wanted) == len(keys) else list(map(keys.__getitem__, wanted))
         twice: list[tuple[int, int]] = []  # (block of this request's read, position): the same block asked again
         if flying or len(set(wanted_keys)) != len(wanted_keys):
             wanted, twice = self._join(answer, keys, hdrs, wanted, flying, priority)
-            wanted_keys = [keys[i] for i in wanted]
+            wanted_keys = list(map(keys.__getitem__, wanted))
         slots, gens = self.pools[cls].reserve_many(len(wanted), os.getpid())
         got = len(slots)
         if got:
             job = Job(
-                False, session.tenant or "", request.length, cls, wanted_keys[:got], [hdrs[i] for i in wanted[:got]],
-                slots, gens, answer, np.array(wanted[:got], dtype=np.int64), priority=priority,
+                False, session.tenant or "", request.length, cls, wanted_keys[:got],
+                hdrs[:got] if wanted_keys is keys else list(map(hdrs.__getitem__, wanted[:got])),
+                slots, gens, answer, np.arange(got) if wanted_keys is keys else np.array(wanted[:got], np.int64),
+                priority=priority,
             )  # fmt: skip
             flying.update(zip(job.keys, itertools.repeat(job)))
             self.jobs.put((priority, next(self.seq), job))  # one store call: measured, splitting it was slower
@@ -564,6 +573,11 @@ class Fetcher:
         self._reply(session, frame, self.stats())
 
     def stats(self) -> dict[str, Any]:
+        """Pool and server counters (any thread: ``/metrics`` asks from its own)."""
+        with self._lock:
+            return self._counted()
+
+    def _counted(self) -> dict[str, Any]:
         return {
             **PoolStats.total([p.stats() for p in self.pools]).as_dict(),
             "slot_sizes": self.slot_sizes,
@@ -611,51 +625,60 @@ class Fetcher:
             except Exception as exc:  # any store failure becomes a per-block ERROR answer, never a crash
                 log.warning("store call failed: %s", exc)
                 job.error = f"{type(exc).__name__}: {exc}"
-            self.done.append(job)
-            with contextlib.suppress(BlockingIOError):
-                self._wake_w.send(b"x")
+            with self._lock:  # answered from this thread: no hand-off back to the main thread
+                try:
+                    self._complete(job)
+                except Exception:  # a bug must not stop the worker (its requests' connections see no answer)
+                    log.exception("completing a store call failed")
         for client in clients.values():
             client.close()
 
-    def _complete(self) -> None:
-        while self.done:
-            job = self.done.popleft()
-            n = len(job.keys)
-            ok = np.zeros(n, dtype=bool) if job.result is None else np.fromiter(job.result, bool, n)
-            tid, pool = tenant_id(job.tenant), self.pools[job.pool]
-            if not job.put:
-                self._land(job, tid)
-            # pins: one per waiting FETCH whose connection is still there (a PUT's slot is left unpinned)
-            pins = np.full(n, 0 if job.put else int(job.answer.pins), dtype=np.uint32)
-            for j, waiters in job.extra.items():
-                pins[j] += sum(a.pins for a, _ in waiters)
-            stored, failed = np.flatnonzero(ok), np.flatnonzero(~ok)
-            if len(stored):
-                keys, hdrs = [job.keys[j] for j in stored.tolist()], [job.hdrs[j] for j in stored.tolist()]
-                pool.publish_many(job.slots[stored], tid, keys, job.length, hdrs, pins[stored])
-            if len(failed):
-                pool.abandon_many(job.slots[failed], job.gens[failed])
-            if job.put:
-                good, bad = BlockStatus.STORED, BlockStatus.ERROR
-                error = job.error or "the store did not commit the block (too few nodes took it)"
-            else:
-                good, bad = BlockStatus.FETCHED, BlockStatus.MISS if job.error is None else BlockStatus.ERROR
-                error = job.error or ""
-                self.counters["bytes_fetched"] += len(stored) * job.length
-            self.counters[_COUNTER_OF[(job.put, good)]] += len(stored)
-            self.counters[_COUNTER_OF[(job.put, bad)]] += len(failed)
-            self._settle(job, job.answer, job.index, ok, good, bad, error)
-            for j, waiters in job.extra.items():
-                for answer, i in waiters:
-                    self._settle(job, answer, np.array([i]), ok[j : j + 1], good, bad, error, j)
+    def _complete(self, job: Job) -> None:
+        """The store call of ``job`` is over (under the lock): its slots published (pinned once per waiting FETCH)
+        or freed, every request waiting for it answered, then its blocks no longer in flight."""
+        n = len(job.keys)
+        ok = np.zeros(n, dtype=bool) if job.result is None else np.fromiter(job.result, bool, n)
+        tid, pool = tenant_id(job.tenant), self.pools[job.pool]
+        # pins: one per waiting FETCH whose connection is still there (a PUT's slot is left unpinned)
+        pins = np.full(n, 0 if job.put else int(job.answer.pins), dtype=np.uint32)
+        for j, waiters in job.extra.items():
+            pins[j] += sum(a.pins for a, _ in waiters)
+        stored, failed = np.flatnonzero(ok), np.flatnonzero(~ok)
+        if len(stored) == n:
+            pool.publish_many(job.slots, tid, job.keys, job.length, job.hdrs, pins)
+        elif len(stored):
+            at = stored.tolist()
+            keys, hdrs = list(map(job.keys.__getitem__, at)), list(map(job.hdrs.__getitem__, at))
+            pool.publish_many(job.slots[stored], tid, keys, job.length, hdrs, pins[stored])
+        if len(failed):
+            pool.abandon_many(job.slots[failed], job.gens[failed])
+        if job.put:
+            good, bad = BlockStatus.STORED, BlockStatus.ERROR
+            error = job.error or "the store did not commit the block (too few nodes took it)"
+        else:
+            good, bad = BlockStatus.FETCHED, BlockStatus.MISS if job.error is None else BlockStatus.ERROR
+            error = job.error or ""
+            self.counters["bytes_fetched"] += len(stored) * job.length
+        self.counters[_COUNTER_OF[(job.put, good)]] += len(stored)
+        self.counters[_COUNTER_OF[(job.put, bad)]] += len(failed)
+        self._settle(job, job.answer, job.index, ok, good, bad, error)
+        for j, waiters in job.extra.items():
+            for answer, i in waiters:
+                self._settle(job, answer, np.array([i]), ok[j : j + 1], good, bad, error, j)
+        if not job.put:
+            self._land(job, tid)
 
     def _land(self, job: Job, tid: int) -> None:
         """The job's reads are over: later requests for its blocks no longer wait for it."""
         flying = self.flights.get((tid, job.length))
         if flying is None:
             return
-        for key in job.keys:
-            if flying.get(key) is job:
+        owners = list(map(flying.get, job.keys))  # a key read again with another header has a newer job
+        if owners.count(job) == len(flying):  # the usual case: nothing else in flight
+            del self.flights[(tid, job.length)]
+            return
+        for key, owner in zip(job.keys, owners, strict=True):
+            if owner is job:
                 del flying[key]
         if not flying:
             del self.flights[(tid, job.length)]
