@@ -11,6 +11,7 @@
  * - recv_scatter: receive a reply's payload into (address, length) pieces, checksumming each shard in 1 MiB
  *   steps while it is hot (end-to-end: the client checks what the node stored); crc32c_pieces: the same
  *   checksums over memory already in place.
+ * - ec_encode_stripes: ISA-L's ec_encode_data over many stripes in one call (codec.py passes its address).
  * - bytearray_uninit: a bytearray whose bytes are not zeroed first (they are about to be overwritten).
  *
  * Socket calls follow Python's socket timeout semantics: the timeout bounds each wait for the socket to
@@ -882,6 +883,41 @@ static PyObject *py_addresses(PyObject *self, PyObject *seq) {
     return out;
 }
 
+/* ---- erasure coding: many stripes per call ------------------------------------------------------- */
+
+/* ISA-L's ec_encode_data(len, k, rows, gftbls, data, coding), found by the caller (codec.py loads ISA-L). */
+typedef void (*ec_encode_fn)(int, int, int, unsigned char *, unsigned char **, unsigned char **);
+
+/* ec_encode_stripes(fn, tables, k, pointers, sizes): fn once per row of an int64 pointer table (k data addresses,
+ * then the outputs) over sizes[row] bytes, without the GIL: no Python call per stripe. */
+static PyObject *py_ec_encode_stripes(PyObject *self, PyObject *args) {
+    unsigned long long fn, tables;
+    int k;
+    Py_buffer pointers, sizes;
+    if (!PyArg_ParseTuple(args, "KKiy*y*:ec_encode_stripes", &fn, &tables, &k, &pointers, &sizes)) return NULL;
+    Py_ssize_t n = sizes.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t cols = n ? pointers.len / (Py_ssize_t)sizeof(int64_t) / n : 0;
+    const int64_t *size = sizes.buf;
+    int ok = fn && tables && k > 0 && cols > k && sizes.len % (Py_ssize_t)sizeof(int64_t) == 0 &&
+             pointers.len == n * cols * (Py_ssize_t)sizeof(int64_t);
+    for (Py_ssize_t r = 0; ok && r < n; r++) ok = size[r] > 0 && size[r] <= INT32_MAX;
+    if (n && !ok) {
+        PyBuffer_Release(&pointers);
+        PyBuffer_Release(&sizes);
+        PyErr_SetString(PyExc_ValueError, "need an n x (k + outputs) int64 pointer table and n sizes of 1..2^31-1");
+        return NULL;
+    }
+    ec_encode_fn encode = (ec_encode_fn)(uintptr_t)fn;
+    unsigned char **row = pointers.buf; /* int64 addresses are pointers on the 64-bit platforms ISA-L runs on */
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t r = 0; r < n; r++, row += cols)
+        encode((int)size[r], k, (int)(cols - k), (unsigned char *)(uintptr_t)tables, row, row + k);
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&pointers);
+    PyBuffer_Release(&sizes);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_bytearray_uninit(PyObject *self, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n < 0) {
@@ -922,6 +958,10 @@ static PyMethodDef methods[] = {
     {"addresses", py_addresses, METH_O,
      "addresses(buffers) -> bytes: the start address of each writable, C-contiguous buffer as int64s (valid\n"
      "while the caller keeps the buffer exported, e.g. through a memoryview, so it cannot move or be freed)."},
+    {"ec_encode_stripes", py_ec_encode_stripes, METH_VARARGS,
+     "ec_encode_stripes(fn, tables, k, pointers, sizes): call ISA-L's ec_encode_data at address fn once per row of\n"
+     "an int64 pointer table (k inputs, then the outputs) over sizes[row] bytes (int64), without the GIL. The caller\n"
+     "keeps every address valid and the outputs writable."},
     {"bytearray_uninit", py_bytearray_uninit, METH_O,
      "bytearray_uninit(n) -> bytearray of n bytes, not zeroed (for buffers about to be overwritten)."},
     {NULL, NULL, 0, NULL},

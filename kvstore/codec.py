@@ -31,6 +31,8 @@ from typing import Protocol, TypeAlias
 
 import numpy as np
 
+from kvtier.kvstore import _native
+
 __all__ = [
     "BACKENDS",
     "DATA_SHARDS",
@@ -279,6 +281,7 @@ class _IsalKernel:
         cauchy.argtypes, cauchy.restype = [c_void_p, c_int, c_int], None
         self.path = path
         self._init_tables, self._encode, self._invert, self._cauchy = init_tables, encode, invert, cauchy
+        self._encode_address = ctypes.cast(encode, c_void_p).value  # for stripe loops in compiled code
 
     def matrix(self) -> _Matrix:
         a = (ctypes.c_ubyte * (TOTAL_SHARDS * DATA_SHARDS))()
@@ -305,11 +308,8 @@ class _IsalKernel:
         self._encode(size, DATA_SHARDS, outputs, tables, pointers, pointers[DATA_SHARDS * _PTR_SIZE :])
 
     def apply_at(self, tables: ctypes.Array[ctypes.c_ubyte], pointers: np.ndarray, sizes: np.ndarray) -> None:
-        encode, outputs = self._encode, pointers.shape[1] - DATA_SHARDS
-        row, step = pointers.ctypes.data, pointers.strides[0]
-        for size in sizes.tolist():  # one C call per stripe, no Python object per shard
-            encode(size, DATA_SHARDS, outputs, tables, row, row + DATA_SHARDS * _PTR_SIZE)
-            row += step
+        # one compiled loop over the stripes: a ctypes call each cost ~1.5 us, a third of encoding a 64 KiB block
+        _native.ec_encode_stripes(self._encode_address, ctypes.addressof(tables), DATA_SHARDS, pointers, sizes)
 
 
 class _NumpyKernel:
@@ -452,7 +452,7 @@ class Codec:
         overlapping the data. Raises ValueError for a wrong shape or a size out of range (nothing written).
         """
         pointers = np.ascontiguousarray(pointers, dtype=np.int64)
-        sizes = np.asarray(sizes, dtype=np.int64)
+        sizes = np.ascontiguousarray(sizes, dtype=np.int64)
         if pointers.ndim != 2 or pointers.shape[1] != TOTAL_SHARDS or sizes.shape != (len(pointers),):
             raise ValueError(f"need an n x {TOTAL_SHARDS} pointer table and n sizes")
         if len(sizes) and not (int(sizes.min()) > 0 and int(sizes.max()) <= _MAX_SHARD):

@@ -187,6 +187,16 @@ def test_a_scatter_refuses_a_plan_that_is_not_address_length_pairs() -> None:
         _native.Scatter(np.asarray([(0, -1)], dtype=np.int64), None)
 
 
+def test_ec_encode_stripes_refuses_a_table_that_does_not_match_its_sizes() -> None:
+    table, sizes = np.zeros((2, 12), dtype=np.int64), np.ones(2, dtype=np.int64)  # never called: checked first
+    with pytest.raises(ValueError, match="pointer table"):
+        _native.ec_encode_stripes(1, 1, 10, np.zeros((2, 10), dtype=np.int64), sizes)  # no output column
+    with pytest.raises(ValueError, match="pointer table"):
+        _native.ec_encode_stripes(1, 1, 10, table, np.ones(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="sizes of 1"):
+        _native.ec_encode_stripes(1, 1, 10, table, sizes * 0)
+
+
 def test_crc32c_pieces_checksums_each_row_in_place() -> None:
     memory = bytearray(os.urandom(200_000))
     view = memoryview(memory)
