@@ -17,20 +17,22 @@ How a FETCH is answered, per block:
 The reply goes out when every block of the request has its answer. Pins belong to the connection: RELEASE drops
 them, and so does the connection closing (an engine that dies loses nothing and leaks nothing).
 
-Threads: the main thread reads requests and answers what needs no store call; a worker runs a store call (no lock
-held: it only fills slot bytes) and then, under the server's lock, publishes the slots and sends the answers of the
-requests that waited for it itself, so a fetch's reply leaves from the thread that read its blocks, with no hand-off
-back to the main thread. Every change to the tables, pins and connections happens under that lock.
+Threads (leader/followers): ``workers + 1`` threads take turns. One, the leader, waits for requests and handles
+them; a request that needs a store call queues a job. The leader then hands the waiting for requests to a follower
+and, while another thread is left to lead, runs the most urgent queued job itself: the store call (no lock held:
+it only fills slot bytes), then the slots' publication and the answers of every request that waited for it. So a
+fetch is read from the store and answered by the thread that received it, with no hand-off between threads, and at
+most ``workers`` store calls run at once. Every change to the tables, pins and connections happens under one lock.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
 import itertools
 import logging
 import os
-import queue
 import selectors
 import socket
 import stat
@@ -157,7 +159,8 @@ class Job:
 
 
 class Fetcher:
-    """The server: a selectors loop on the main thread, store calls on ``workers`` threads."""
+    """The server: ``workers + 1`` threads (the caller of :meth:`serve_forever` one of them) take turns to wait for
+    requests and to run store calls (see the module docstring)."""
 
     def __init__(
         self, config: cluster_mod.ClusterConfig, pools: Sequence[StagingPool], socket_path: Path, workers: int = 2
@@ -169,12 +172,15 @@ class Fetcher:
         self.selector = selectors.DefaultSelector()
         # blocks being read, by (tenant id, length) then key: a request for one of them waits for that read
         self.flights: dict[tuple[int, int], dict[bytes, Job]] = {}
-        self.jobs: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
+        self.jobs: list[tuple[int, int, Job]] = []  # a heap: (priority, sequence, job), under the lock
         self.seq = itertools.count()
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))  # every key present: scraped from a thread
         self.sessions: set[Session] = set()
         self._lock = threading.RLock()  # everything but a store call in progress happens under it
-        self._take_lock = threading.Lock()  # a queued job is taken by one worker
+        self._turn = threading.Condition(self._lock)  # followers wait here to lead or to run a job
+        self._leading = False  # a thread waits for requests
+        self._following = 0  # threads waiting for their turn
+        self._next_sweep = time.monotonic() + PEER_SWEEP_S
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -182,7 +188,9 @@ class Fetcher:
         self.listener = self._listen(socket_path)
         self.selector.register(self.listener, selectors.EVENT_READ, "listen")
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self.workers = [threading.Thread(target=self._work, daemon=True) for _ in range(workers)]
+        if workers < 1:
+            raise ValueError("the fetcher needs at least one worker thread")
+        self.workers = [threading.Thread(target=self._take_turns, daemon=True) for _ in range(workers)]
         for worker in self.workers:
             worker.start()
 
@@ -213,27 +221,59 @@ class Fetcher:
     # -- loop -------------------------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
-        next_sweep = time.monotonic() + PEER_SWEEP_S
-        while not self.stopping:
-            if time.monotonic() >= next_sweep:
-                with self._lock:
-                    self._sweep_dead_peers()
-                next_sweep = time.monotonic() + PEER_SWEEP_S
+        """Serve on this thread too until :meth:`stop`."""
+        self._take_turns()
+
+    def _take_turns(self) -> None:
+        """One thread's loop: run the most urgent queued job while another thread waits for requests (or can); else
+        wait for requests if no thread does; else wait for a turn."""
+        clients: dict[str, Client] = {}  # this thread's store clients, by tenant
+        with self._lock:
+            while not self.stopping:
+                if self.jobs and (self._leading or self._following):
+                    job = heapq.heappop(self.jobs)[2]
+                    if not job.started:  # (a job hurried along sits in the heap twice)
+                        job.started = True
+                        self._run(job, clients)
+                elif not self._leading:
+                    self._leading = True
+                    try:
+                        self._lead()
+                    finally:
+                        self._leading = False
+                    if self.jobs or self.stopping:
+                        self._turn.notify_all()  # a follower leads next (or runs a job) while this one runs a job
+                else:
+                    self._following += 1
+                    self._turn.wait()
+                    self._following -= 1
+            self._turn.notify_all()
+        for client in clients.values():
+            client.close()
+
+    def _lead(self) -> None:
+        """Wait for requests (the lock released meanwhile) and handle them."""
+        if time.monotonic() >= self._next_sweep:
+            self._sweep_dead_peers()
+            self._next_sweep = time.monotonic() + PEER_SWEEP_S
+        self._lock.release()
+        try:
             ready = self.selector.select(timeout=0.5)
-            with self._lock:
-                for key, events in ready:
-                    if key.data == "listen":
-                        self._accept()
-                    elif key.data == "wake":
-                        with contextlib.suppress(BlockingIOError):
-                            while self._wake_r.recv(4096):
-                                pass
-                    else:
-                        session: Session = key.data
-                        if events & selectors.EVENT_READ and not session.closed:
-                            self._receive(session)
-                        if events & selectors.EVENT_WRITE and not session.closed:
-                            self._flush(session)
+        finally:
+            self._lock.acquire()
+        for key, events in ready:
+            if key.data == "listen":
+                self._accept()
+            elif key.data == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    while self._wake_r.recv(4096):
+                        pass
+            else:
+                session: Session = key.data
+                if events & selectors.EVENT_READ and not session.closed:
+                    self._receive(session)
+                if events & selectors.EVENT_WRITE and not session.closed:
+                    self._flush(session)
 
     def _sweep_dead_peers(self) -> None:
         """Close connections whose process is gone although the socket lives on (a child inherited it): their
@@ -244,16 +284,18 @@ class Fetcher:
                 self._close(session)
 
     def stop(self) -> None:
+        """Make :meth:`serve_forever` return soon (a signal handler may call it)."""
         self.stopping = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
     def close(self) -> None:
+        """After :meth:`serve_forever` returned: every connection closed, the socket removed."""
         with self._lock:
+            self.stopping = True
+            self._turn.notify_all()
             for session in list(self.sessions):
                 self._close(session)
-        for _ in self.workers:
-            self.jobs.put((-1, -1, None))
         self.selector.close()
         self.listener.close()
         with contextlib.suppress(FileNotFoundError):
@@ -443,7 +485,7 @@ class Fetcher:
                 priority=priority,
             )  # fmt: skip
             flying.update(zip(job.keys, itertools.repeat(job)))
-            self.jobs.put((priority, next(self.seq), job))  # one store call: measured, splitting it was slower
+            heapq.heappush(self.jobs, (priority, next(self.seq), job))  # one store call: splitting it was slower
         full = wanted[got:] + [i for j, i in twice if j >= got]  # no slot left: every one is pinned or filling
         for j, i in twice:
             if j < got:
@@ -565,7 +607,7 @@ class Fetcher:
                 [request.headers[i] for i in ok], entries.slots[ok].astype(np.int64), entries.gens[ok], answer,
                 np.array(ok, dtype=np.int64), request.ttl_class,
             )  # fmt: skip
-            self.jobs.put((0, next(self.seq), job))
+            heapq.heappush(self.jobs, (0, next(self.seq), job))
         if answer.remaining == 0:
             self._answer(answer, frame.opcode)
 
@@ -582,56 +624,52 @@ class Fetcher:
             **PoolStats.total([p.stats() for p in self.pools]).as_dict(),
             "slot_sizes": self.slot_sizes,
             "in_flight": sum(len(flying) for flying in self.flights.values()),
-            "queued_jobs": self.jobs.qsize(),
+            "queued_jobs": len({job for _, _, job in self.jobs if not job.started}),
             "sessions": len(self.sessions),
             "pid": os.getpid(),
             **self.counters,
         }
 
-    # -- workers ----------------------------------------------------------------------------------------
+    # -- store calls ------------------------------------------------------------------------------------
 
     def _hurry(self, job: Job, priority: int) -> None:
         """A request of higher priority waits for ``job``: queue it again at that priority (a FETCH joining a
-        PREFETCH's read must not wait behind every other fetch). Whichever entry a worker takes first runs it."""
-        with self._take_lock:
-            if job.started or priority >= job.priority:
-                return
-            job.priority = priority
-        self.jobs.put((priority, next(self.seq), job))
+        PREFETCH's read must not wait behind every other fetch). Whichever entry is taken first runs it."""
+        if job.started or priority >= job.priority:
+            return
+        job.priority = priority
+        heapq.heappush(self.jobs, (priority, next(self.seq), job))
 
-    def _work(self) -> None:
-        clients: dict[str, Client] = {}
-        while True:
-            _, _, job = self.jobs.get()
-            if job is None:
-                break
-            with self._take_lock:
-                if job.started:
-                    continue
-                job.started = True
-            try:
-                client = clients.get(job.tenant)
-                if client is None:
-                    client = clients[job.tenant] = Client(self.config, token=self.config.tenants[job.tenant])
-                pool, length = self.pools[job.pool], job.length
-                starts = (pool.data_offset + job.slots * pool.stride).tolist()
-                views = [pool.buffer[start : start + length] for start in starts]
-                if job.put:
-                    job.result = client.put(job.keys, views, job.ttl_class, headers=job.headers)
-                else:
-                    job.result = client.get_into(job.keys, views, headers=job.headers)
-            except CapacityError as exc:
-                job.result, job.error = exc.stored, str(exc)
-            except Exception as exc:  # any store failure becomes a per-block ERROR answer, never a crash
-                log.warning("store call failed: %s", exc)
-                job.error = f"{type(exc).__name__}: {exc}"
-            with self._lock:  # answered from this thread: no hand-off back to the main thread
-                try:
-                    self._complete(job)
-                except Exception:  # a bug must not stop the worker (its requests' connections see no answer)
-                    log.exception("completing a store call failed")
-        for client in clients.values():
-            client.close()
+    def _run(self, job: Job, clients: dict[str, Client]) -> None:
+        """Run ``job``'s store call without the lock (held on entry and on return), then complete it."""
+        self._lock.release()
+        try:
+            self._store_call(job, clients)
+        finally:
+            self._lock.acquire()
+        try:
+            self._complete(job)
+        except Exception:  # a bug must not stop the thread (its requests' connections see no answer)
+            log.exception("completing a store call failed")
+
+    def _store_call(self, job: Job, clients: dict[str, Client]) -> None:
+        """``get_into`` the job's slots, or ``put`` from them; a failure is recorded in ``job``, never raised."""
+        try:
+            client = clients.get(job.tenant)
+            if client is None:
+                client = clients[job.tenant] = Client(self.config, token=self.config.tenants[job.tenant])
+            pool, length = self.pools[job.pool], job.length
+            starts = (pool.data_offset + job.slots * pool.stride).tolist()
+            views = [pool.buffer[start : start + length] for start in starts]
+            if job.put:
+                job.result = client.put(job.keys, views, job.ttl_class, headers=job.headers)
+            else:
+                job.result = client.get_into(job.keys, views, headers=job.headers)
+        except CapacityError as exc:
+            job.result, job.error = exc.stored, str(exc)
+        except Exception as exc:  # any store failure becomes a per-block ERROR answer, never a crash
+            log.warning("store call failed: %s", exc)
+            job.error = f"{type(exc).__name__}: {exc}"
 
     def _complete(self, job: Job) -> None:
         """The store call of ``job`` is over (under the lock): its slots published (pinned once per waiting FETCH)
