@@ -100,12 +100,19 @@ class ClientCore:
         return [digests[k] for k in keys], parents, ns.digest
 
     @staticmethod
-    def _entry_meta(keys: Sequence[bytes], entries: np.ndarray, headers: list[bytes] | None) -> dict[str, Any]:
-        rows = entries[:, 0].tolist()
-        blob, klen = pack_keys([keys[b] for b in rows])
-        meta: dict[str, Any] = {"keys": blob, "klen": klen, "idx": entries[:, 1].astype(np.uint8).tobytes()}
+    def _entry_meta(keys: Rows, entries: np.ndarray, headers: Rows | None) -> dict[str, Any]:
+        """The ``keys``/``klen``/``idx`` (and ``hdr``) fields of one node's request for ``entries`` (block, shard
+        index); ``keys`` and ``headers`` per block, as lists or as tables from ``key_rows``/``header_rows``, made
+        once per call (each request then gathers its rows with numpy: no Python object per entry)."""
+        blocks = entries[:, 0]
+        keys = key_rows(keys)
+        meta: dict[str, Any] = {
+            "keys": keys[blocks].tobytes(),
+            "klen": keys.shape[1],
+            "idx": entries[:, 1].astype(np.uint8).tobytes(),
+        }
         if headers is not None:
-            meta["hdr"] = b"".join([headers[b] for b in rows])
+            meta["hdr"] = header_rows(headers)[blocks].tobytes()
         return meta
 
     @staticmethod
@@ -136,3 +143,23 @@ def _by_node(shard_nodes: np.ndarray, selected: np.ndarray) -> Iterator[tuple[in
     starts = [0, *(np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist()]
     for start, end in zip(starts, [*starts[1:], len(nodes)], strict=True):
         yield int(nodes[start]), entries[start:end]
+
+
+Rows = Sequence[bytes] | np.ndarray
+"""Equal-length byte strings, one per block, or the uint8 table of them (a row each)."""
+
+
+def key_rows(keys: Rows) -> np.ndarray:
+    """Keys as a uint8 table, a row each (a table is returned as it is); ValueError for keys of mixed or
+    unsupported lengths."""
+    if isinstance(keys, np.ndarray):
+        return keys
+    blob, klen = pack_keys(keys)
+    return np.frombuffer(blob, dtype=np.uint8).reshape(len(keys), klen)
+
+
+def header_rows(headers: Rows) -> np.ndarray:
+    """Header digests as a uint8 table, a row each (a table is returned as it is)."""
+    if isinstance(headers, np.ndarray):
+        return headers
+    return np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(len(headers), HEADER_DIGEST_BYTES)

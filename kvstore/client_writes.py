@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node
+from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node, header_rows, key_rows
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, addresses
 from kvtier.kvstore.keys import Namespace, TokenInput
 from kvtier.kvstore.protocol import Op, Status
@@ -94,22 +94,25 @@ class Writes(ClientCore):
         block_lens = stripes.lens.astype("<u8")
         shard_lens = stripes.sizes.astype("<u4")  # all 12 shards of a block
         put_id = os.urandom(8)  # names this put's pending shards on every node: the COMMIT refers to them
+        key_table = key_rows(keys)  # gathered per node with numpy
+        header_table = header_rows(headers) if headers is not None else None
+        created_at = np.asarray(created, dtype="<f8") if created is not None else None
 
         # phase 1: shards PENDING on every node
         exchange = Exchange(self.pool)
         plans = []
         for node_id, entries in _by_node(shard_nodes, write):
             blocks, indices = entries[:, 0], entries[:, 1]
-            meta = self._entry_meta(keys, entries, headers)
+            meta = self._entry_meta(key_table, entries, header_table)
             meta.update(put=put_id, cls=ttl_class, blen=block_lens[blocks].tobytes(), lens=shard_lens[blocks].tobytes())
             if parents:
                 meta["ns"] = ns_digest
                 meta["par"] = [parents[keys[b]] for b in blocks[indices <= 1].tolist()]
-            if created is not None:
-                meta["created"] = np.asarray(created, dtype="<f8")[blocks].tobytes()
+            if created_at is not None:
+                meta["created"] = created_at[blocks].tobytes()
             if repair:
                 meta["replace"] = True
-            payload = _native.Scatter(stripes.pieces[blocks, indices].reshape(-1, 2), stripes.keep)
+            payload = _native.Scatter(stripes.pieces.take(blocks * TOTAL_SHARDS + indices, axis=0), stripes.keep)
             plans.append((node_id, entries, exchange.request(node_id, Op.PUT_SHARDS, meta, [payload])))
         exchange.run(self.config.client.op_timeout_s)
         ok = np.zeros(shard_nodes.shape, dtype=bool)
@@ -202,12 +205,13 @@ class Writes(ClientCore):
         if len(zeros):
             pieces[:, DATA_SHARDS - 1, 1, 0] = addresses([zeros])[0]
         pieces[:, DATA_SHARDS - 1, 1, 1] = sizes - full
-        return Stripes(pieces, lens, sizes, (sources, parity, zeros))
+        return Stripes(pieces.reshape(-1, 4), lens, sizes, (sources, parity, zeros))
 
 
 class Stripes(NamedTuple):
-    """A batch's shards, ready to send: ``pieces[block, shard]`` is two (address, length) rows (the shard's bytes,
-    then its zero padding, usually empty), valid while ``keep`` lives; ``lens`` and ``sizes`` are per block."""
+    """A batch's shards, ready to send: ``pieces[block * TOTAL_SHARDS + shard]`` is two (address, length) pairs
+    (the shard's bytes, then its zero padding, usually empty), valid while ``keep`` lives; ``lens`` and ``sizes``
+    are per block."""
 
     pieces: np.ndarray
     lens: np.ndarray
