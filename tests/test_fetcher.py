@@ -181,6 +181,37 @@ def test_fetches_go_before_prefetches_and_lift_the_prefetch_they_wait_for(cluste
     assert order.index("fetch") < order.index("early prefetch")
 
 
+def test_hits_are_answered_while_every_worker_is_in_a_store_call(cluster: LocalCluster, tmp_path: Path) -> None:
+    shm = f"kvt-test-{secrets.token_hex(6)}"
+    cached, first, second, third = (stored_blocks(cluster, 2)[0] for _ in range(4))
+
+    async def scenario(client: AsyncFetchClient) -> None:
+        async def until(condition: Callable[[dict], bool]) -> None:
+            deadline = time.monotonic() + 20
+            while not condition(await client.stats()):
+                assert time.monotonic() < deadline, "timed out"
+                await asyncio.sleep(0.02)
+
+        await client.release(await client.fetch(cached, BLOCK))
+        for proc in cluster.procs.values():  # store calls hang until the nodes resume
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            stuck = [asyncio.ensure_future(client.fetch(keys, BLOCK)) for keys in (first, second, third)]
+            await until(lambda s: s["in_flight"] == 6 and s["queued_jobs"] == 1)  # two running: --workers 2
+            hits = await asyncio.wait_for(client.fetch(cached, BLOCK), timeout=10)
+            assert [b.status for b in hits] == [BlockStatus.HIT] * 2 and not any(t.done() for t in stuck)
+            await client.release(hits)
+        finally:
+            for proc in cluster.procs.values():
+                proc.send_signal(signal.SIGCONT)
+        for blocks in await asyncio.gather(*stuck):
+            assert [b.status for b in blocks] == [BlockStatus.FETCHED] * 2
+        await client.close()
+
+    with LocalFetcher(cluster.config_path, shm, tmp_path / "w.sock", "1MiB", f"{BLOCK}B", workers=2) as fetcher:
+        asyncio.run(_with_async_client(fetcher, cluster, scenario))
+
+
 async def _with_async_client(fetcher: LocalFetcher, cluster: LocalCluster, scenario) -> None:
     await scenario(await AsyncFetchClient.connect(fetcher.socket_path, cluster.config.token))
 
