@@ -824,17 +824,17 @@ class ChunkEngine:
             reads.settle()
             if not probe:
                 reads.pin(self.slabs)
-        if verify and not probe and reads.pins:
+        if verify and not probe and len(reads.pins[1]):
             corrupt = reads.check()
-            if corrupt:
+            if len(corrupt[1]):
                 with self._lock:
-                    self.slabs.unpin(corrupt)
+                    self.slabs.unpin(*corrupt)
         return reads
 
     def unpin(self, reads: ShardReads) -> None:
         """Release the pins ``read`` took."""
         with self._lock:
-            self.slabs.unpin(reads.pins)
+            self.slabs.unpin(*reads.pins)
             if self.slabs.quarantine:
                 self._room.notify_all()  # a removed slot whose reply was in flight may be free now
 
@@ -928,6 +928,8 @@ def _shard_lmdb_keys(prefix: bytes, keys: bytes, klen: int, index: np.ndarray) -
 
 
 _FIXED = _shard_dtype(0)  # a shard record without its TTL class name
+_EXTENT_SLOTS = np.asarray([SlabFiles.extent_slots(c) for c in range(len(SIZE_CLASSES))], dtype=np.int64)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def _by_length(records: list[bytes]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -952,7 +954,7 @@ class ShardReads:
     ``status`` per row (``Status`` values). For OK rows, the shard ``records`` (``_shard_dtype(0)``: ``length``,
     ``block_len``, ``crc``, ``header`` …) and ``ttl`` (an index into ``ttl_classes``); zero (``ttl`` 255) elsewhere.
     ``payload``: the OK shards' bytes in row order, a ``_native.Scatter`` over the slab mappings that keeps them
-    mapped (None until pinned). ``pins``: the (size class, slot) pairs pinned for it.
+    mapped (None until pinned). ``pins``: the (size classes, slots) pinned for it, as two int64 arrays.
     """
 
     def __init__(self, present: np.ndarray, held: list[bytes], cutoffs: _ExpiryCutoffs, headers: bytes | None) -> None:
@@ -962,8 +964,9 @@ class ShardReads:
         self.records = np.zeros(n, dtype=_FIXED)
         self.ttl = np.full(n, 255, dtype=np.uint8)
         self.ttl_classes: list[str] = []
+        raw = self.records.view(np.uint8).reshape(n, _FIXED.itemsize)  # filled as bytes: no per-field transfer
         for same, table in _by_length(held):  # a TTL class name ends each record: one length per class
-            self.records[rows[same]] = np.ascontiguousarray(table[:, : _FIXED.itemsize]).view(_FIXED)[:, 0]
+            raw[rows[same]] = table[:, : _FIXED.itemsize]
             tails = table[:, _FIXED.itemsize :]
             if (tails == tails[0]).all():  # the usual case: one class of this name length
                 self.ttl[rows[same]] = len(self.ttl_classes)
@@ -983,7 +986,7 @@ class ShardReads:
             self.status[(recs["header"] != asked).any(axis=1)] = Status.MISMATCH
         self.status[missing] = Status.MISSING
         self.payload: _native.Scatter | None = None
-        self.pins: list[tuple[int, int]] = []
+        self.pins: tuple[np.ndarray, np.ndarray] = (_NONE, _NONE)
         self._plan = np.zeros((0, 2), dtype=np.int64)
         self._keep: list[memoryview] = []
 
@@ -1002,11 +1005,11 @@ class ShardReads:
         ok = self.ok
         size_class = self.records["size_class"][ok].astype(np.int64)
         slot = self.records["slot"][ok].astype(np.int64)
-        self.pins = list(zip(size_class.tolist(), slot.tolist(), strict=True))
-        slabs.pin(self.pins)
+        self.pins = (size_class, slot)
+        slabs.pin(size_class, slot)
         if not len(ok):
             return
-        per_extent = np.asarray([slabs.extent_slots(c) for c in range(len(SIZE_CLASSES))], dtype=np.int64)
+        per_extent = _EXTENT_SLOTS
         extent = slot // per_extent[size_class]
         maps, which = np.unique(size_class * (1 << 32) + extent, return_inverse=True)
         for m in maps.tolist():  # a view of each mapping's start: the mapping cannot be closed while it lives
@@ -1019,17 +1022,18 @@ class ShardReads:
         self._plan[:, 1] = self.records["length"][ok]
         self.payload = _native.Scatter(self._plan, self._keep)
 
-    def check(self) -> list[tuple[int, int]]:
+    def check(self) -> tuple[np.ndarray, np.ndarray]:
         """Checksum the pinned shards in the slab files; those that fail become ``CORRUPT`` and leave the payload.
-        Returns their pins, which the caller releases."""
+        Returns their pins (size classes, slots), which the caller releases."""
         ok = self.ok
         bad = np.frombuffer(_native.crc32c_pieces(self._plan), dtype="<u4") != self.records["crc"][ok]
         if not bad.any():
-            return []
+            return (_NONE, _NONE)
         self.status[ok[bad]] = Status.CORRUPT
         self.settle()
-        corrupt = [pin for pin, b in zip(self.pins, bad.tolist(), strict=True) if b]
-        self.pins = [pin for pin, b in zip(self.pins, bad.tolist(), strict=True) if not b]
+        classes, slots = self.pins
+        corrupt = (classes[bad], slots[bad])
+        self.pins = (classes[~bad], slots[~bad])
         self._plan = np.ascontiguousarray(self._plan[~bad])
         self.payload = _native.Scatter(self._plan, self._keep)
         return corrupt

@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
-import itertools
 import math
 import mmap
 import os
@@ -67,6 +66,43 @@ class NoSpace(Exception):
     """The disk under the slab files is full."""
 
 
+class Pins:
+    """How many readers pin each (size class, slot): a count per slot of each class, grown on demand, so that a
+    read of a thousand shards pins and unpins them in a few numpy operations (a dict entry per shard cost
+    ~0.25 ms a GET). ``(size class, slot) in pins`` and ``len(pins)`` (slots pinned) as for a dict."""
+
+    def __init__(self) -> None:
+        self._counts: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return sum(int(np.count_nonzero(counts)) for counts in self._counts.values())
+
+    def __contains__(self, key: object) -> bool:
+        size_class, slot = key  # type: ignore[misc]
+        counts = self._counts.get(size_class)
+        return counts is not None and 0 <= slot < len(counts) and bool(counts[slot])
+
+    def add(self, classes: np.ndarray, slots: np.ndarray, step: int) -> None:
+        """Add ``step`` (1: pin, -1: unpin) to the count of every (``classes[i]``, ``slots[i]``); a slot listed
+        twice counts twice."""
+        if not len(slots):
+            return
+        one = bool((classes == classes[0]).all())  # the usual case: one size class
+        for size_class in [int(classes[0])] if one else np.unique(classes).tolist():
+            rows = slots if one else slots[classes == size_class]
+            counts = self._counts.get(size_class)
+            if counts is None or len(counts) <= int(rows.max()):
+                grown = np.zeros(max(2 * (0 if counts is None else len(counts)), int(rows.max()) + 1), np.int32)
+                if counts is not None:
+                    grown[: len(counts)] = counts
+                counts = self._counts[size_class] = grown
+            ordered = np.sort(rows)
+            if (ordered[1:] == ordered[:-1]).any():
+                np.add.at(counts, rows, step)
+            else:
+                counts[rows] += step
+
+
 class SlabFiles:
     """Slot allocation and mapped views over one node's slab files."""
 
@@ -78,7 +114,7 @@ class SlabFiles:
         self.free: dict[int, list[int]] = {}
         self.quarantine: deque[tuple[float, int, int]] = deque()  # (reusable after, class, slot)
         self.quarantined_bytes = 0
-        self.pins: dict[tuple[int, int], int] = {}  # slots whose bytes a reader is still sending
+        self.pins = Pins()  # slots whose bytes a reader is still sending
         self.maps: dict[tuple[int, int], mmap.mmap] = {}
         self.map_views: dict[tuple[int, int], memoryview] = {}  # one view per map: slicing it is cheap
 
@@ -180,26 +216,13 @@ class SlabFiles:
         """Make a slot reusable at once (it was never visible to any reader)."""
         self.free.setdefault(size_class, []).append(slot)
 
-    def pin(self, slots: list[tuple[int, int]]) -> None:
-        """Readers are sending these (size class, slot)s: they are not reused until unpinned."""
-        pins = self.pins
-        if pins.keys().isdisjoint(slots) and len(set(slots)) == len(slots):  # the usual case, in C loops
-            pins.update(zip(slots, itertools.repeat(1)))
-            return
-        for key in slots:
-            pins[key] = pins.get(key, 0) + 1
+    def pin(self, classes: np.ndarray, slots: np.ndarray) -> None:
+        """Readers are sending these (``classes[i]``, ``slots[i]``): they are not reused until unpinned."""
+        self.pins.add(np.asarray(classes, dtype=np.int64), np.asarray(slots, dtype=np.int64), 1)
 
-    def unpin(self, slots: list[tuple[int, int]]) -> None:
-        pins = self.pins
-        if max(map(pins.__getitem__, slots), default=1) == 1:  # the usual case: pinned once, by this reader
-            deque(map(pins.__delitem__, slots), maxlen=0)
-            return
-        for key in slots:
-            left = pins[key] - 1
-            if left:
-                pins[key] = left
-            else:
-                del pins[key]
+    def unpin(self, classes: np.ndarray, slots: np.ndarray) -> None:
+        """Release one pin of each, as ``pin`` took them."""
+        self.pins.add(np.asarray(classes, dtype=np.int64), np.asarray(slots, dtype=np.int64), -1)
 
     def reap(self, now: float) -> int:
         """Free the quarantined slots whose grace has passed and that no reader pins; returns their bytes."""

@@ -44,7 +44,7 @@ def test_a_released_slot_is_reused_only_after_its_grace(tmp_path: Path) -> None:
 def test_a_released_slot_without_grace_or_pin_is_free_at_once(tmp_path: Path) -> None:
     slabs = SlabFiles(tmp_path)
     first, second = slabs.allocate(0, 2)
-    slabs.pin([(0, second)])
+    slabs.pin([0], [second])
     assert slabs.release([(0, first), (0, second)], after=3.0, now=3.0) == SIZE_CLASSES[0]
     assert slabs.quarantined_bytes == SIZE_CLASSES[0]  # the pinned one waits for its reader
     assert list(slabs.allocate(0, 1)) == [first]
@@ -64,11 +64,25 @@ def test_a_full_disk_is_no_space_at_allocation(small_disk: Path) -> None:
 def test_a_pinned_slot_is_not_reused_after_its_grace_until_unpinned(tmp_path: Path) -> None:
     slabs = SlabFiles(tmp_path)
     (slot,) = slabs.allocate(0, 1)
-    slabs.pin([(0, slot)])  # a reader is still sending it
+    slabs.pin([0], [slot])  # a reader is still sending it
     assert slabs.release([(0, slot)], after=1.0, now=5.0) == 0
     assert slabs.reap(now=5.0) == 0
     assert slot not in slabs.allocate(0, 1)
-    slabs.unpin([(0, slot)])
+    slabs.unpin([0], [slot])
     assert slabs.reap(now=5.0) == SIZE_CLASSES[0]
     assert slabs.allocate(0, 1) == [slot]
+    slabs.close()
+
+
+def test_a_slot_pinned_twice_stays_pinned_until_both_pins_are_released(tmp_path: Path) -> None:
+    slabs = SlabFiles(tmp_path)
+    slots = slabs.allocate(0, 3)
+    big = slabs.allocate(size_class_for(1 << 20), 1)
+    slabs.pin([0, 0, 0, size_class_for(1 << 20)], [slots[0], slots[0], slots[1], big[0]])  # one read asked twice
+    slabs.pin([0], [slots[1]])  # another reader
+    assert len(slabs.pins) == 3 and (0, slots[0]) in slabs.pins and (0, slots[2]) not in slabs.pins
+    slabs.unpin([0, 0, size_class_for(1 << 20)], [slots[0], slots[1], big[0]])
+    assert (0, slots[0]) in slabs.pins and (0, slots[1]) in slabs.pins and len(slabs.pins) == 2
+    slabs.unpin([0, 0], [slots[0], slots[1]])
+    assert len(slabs.pins) == 0 and (0, slots[0]) not in slabs.pins
     slabs.close()
