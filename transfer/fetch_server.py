@@ -80,6 +80,7 @@ class Session:
     reader: FrameReader = field(default_factory=FrameReader)
     tenant: str | None = None
     out: bytearray = field(default_factory=bytearray)
+    waiting_to_write: bool = False  # registered for EVENT_WRITE: ``out`` did not fit the socket
     # per size class, the pins this connection holds on each slot (a pinned slot keeps its generation)
     pins: dict[int, np.ndarray] = field(default_factory=dict)
     allocs: set[tuple[int, int, int]] = field(default_factory=set)
@@ -241,8 +242,10 @@ class Fetcher:
                         self._lead()
                     finally:
                         self._leading = False
-                    if self.jobs or self.stopping:
-                        self._turn.notify_all()  # a follower leads next (or runs a job) while this one runs a job
+                    if self.stopping:
+                        self._turn.notify_all()
+                    elif self.jobs:  # a follower leads next while this thread runs a job (one more per other job)
+                        self._turn.notify(len(self.jobs))
                 else:
                     self._following += 1
                     self._turn.wait()
@@ -352,9 +355,10 @@ class Fetcher:
             self._close(session)
             return
         del session.out[:sent]
-        self.selector.modify(
-            session.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if session.out else 0), session
-        )
+        if session.waiting_to_write != bool(session.out):  # (the usual reply goes out whole: no system call here)
+            session.waiting_to_write = bool(session.out)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if session.out else 0)
+            self.selector.modify(session.sock, events, session)
 
     def _refuse(self, session: Session, request_id: int, code: ErrorCode, message: str) -> None:
         with contextlib.suppress(OSError):
