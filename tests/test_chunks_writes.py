@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 
-from kvtier.kvstore.chunks import COMMIT, DROP, ChunkEngine, WriteBatch
+from kvtier.kvstore.chunks import COMMIT, DROP, ChunkEngine, WriteBatch, _unpack_slot_value
 from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
 
@@ -102,3 +103,23 @@ def test_a_put_of_a_committed_shard_is_exists_and_takes_no_slot(engine: ChunkEng
     engine.commit("default", put_id)
     _, again = staged(engine, [key])
     assert again.status.tolist() == [Status.EXISTS] and engine.used_bytes == SLOT
+
+
+def test_a_data_dir_with_shard_records_keyed_by_name_opens_with_its_shards(tmp_path: Path) -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    engine = ChunkEngine(tmp_path, CAPACITY)
+    put_id, _ = staged(engine, keys)
+    engine.commit("default", put_id)
+    with engine.env.begin(db=engine.slots_db) as txn:
+        records = [_unpack_slot_value(raw) for _, raw in txn.cursor()]
+    engine.close()
+    env = lmdb.open(str(tmp_path / "meta"), max_dbs=5)  # rewrite them as an older node kept them: by name
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"slots", txn=txn), delete=True)
+        txn.cursor(db=env.open_db(b"shards", txn=txn)).putmulti(records)
+    env.close()
+    engine = ChunkEngine(tmp_path, CAPACITY)
+    assert engine.live_blocks("default", keys, TTL) == [True] * 3
+    assert engine.used_bytes == 3 * SLOT and engine.counts() == {"shards": 3, "blocks": 3}
+    assert [r.index for k in keys for r in engine.shard_records("default", k)] == [0, 0, 0]
+    engine.close()
