@@ -198,7 +198,7 @@ class Reads(Writes):
             wanted = ~state.asked & short[:, None]
             self._read_round(keys, shard_nodes, headers, state, wanted, early=False)
         found = self._assemble(state)
-        if repair:
+        if repair and state.lost.any():
             self._repair_on_read(keys, shard_nodes, state, found)
         return found
 
