@@ -1,7 +1,7 @@
 /* kvtier.kernels._hostcopy: the CPU row copy, dst[dst_rows[b]] = src[src_rows[b]] (first nbytes of each row), in
  * one call without the GIL: swap-in and swap-out between host staging slots and a KV cache in host memory; and
- * check_rows, the bounds and repeat check of a row list that swaps run first (a bitmap, in one pass, optionally
- * writing the rows into an upload buffer as it goes).
+ * check_rows, the bounds and repeat check of a row list that CPU swaps run first (a bitmap, in one pass; GPU swaps
+ * check on the device, kernels/rowcopy.py's RowCheckKernel, and use this one only to name a refused id).
  *
  * Why C: per row, a Python-level copy costs a microsecond or two of call overhead (a 16 KiB row moves in about
  * that time), and torch's index_copy_ is an element-wise loop plus a second pass for the gather. Why streaming
@@ -123,11 +123,9 @@ done:
 }
 
 PyDoc_STRVAR(check_rows_doc,
-             "check_rows(rows, count, distinct, out=None) -> int\n\n"
+             "check_rows(rows, count, distinct) -> int\n\n"
              "The position of the first row index (rows: a contiguous int64 buffer) outside [0, count), or, with\n"
-             "distinct, equal to an earlier one; -1 when there is none. With out (a writable buffer of at least as\n"
-             "many int64), every index checked is also written there: the check and the copy into an upload\n"
-             "buffer in one pass. Runs without the GIL.");
+             "distinct, equal to an earlier one; -1 when there is none. Runs without the GIL.");
 
 /* The first bad position, one row at a time: only run once the fast pass below found something wrong. */
 static Py_ssize_t first_bad(const int64_t *r, Py_ssize_t n, Py_ssize_t count, uint64_t *seen) {
@@ -144,18 +142,10 @@ static Py_ssize_t first_bad(const int64_t *r, Py_ssize_t n, Py_ssize_t count, ui
     return -1;
 }
 
-/* One pass without branches (the range test and the copy vectorise; the bitmap test-and-set does not branch):
- * swaps check 65,536 ids per GiB at 16 KiB pages, on the GPU's critical path. */
-static Py_ssize_t check_fast(const int64_t *r, int64_t *o, Py_ssize_t n, Py_ssize_t count, uint64_t *seen) {
+/* One pass without branches (the range test vectorises; the bitmap test-and-set does not branch). */
+static Py_ssize_t check_fast(const int64_t *r, Py_ssize_t n, Py_ssize_t count, uint64_t *seen) {
     uint64_t over = 0, dup = 0;
-    if (o) {
-        for (Py_ssize_t b = 0; b < n; b++) {
-            over |= (uint64_t)r[b] >= (uint64_t)count;
-            o[b] = r[b];
-        }
-    } else {
-        for (Py_ssize_t b = 0; b < n; b++) over |= (uint64_t)r[b] >= (uint64_t)count;
-    }
+    for (Py_ssize_t b = 0; b < n; b++) over |= (uint64_t)r[b] >= (uint64_t)count;
     if (!over && seen) {
         for (Py_ssize_t b = 0; b < n; b++) {
             uint64_t v = (uint64_t)r[b], bit = 1ull << (v & 63);
@@ -167,35 +157,20 @@ static Py_ssize_t check_fast(const int64_t *r, int64_t *o, Py_ssize_t n, Py_ssiz
 }
 
 static PyObject *check_rows(PyObject *self, PyObject *args) {
-    Py_buffer rows, out = {0};
+    Py_buffer rows;
     Py_ssize_t count;
     int distinct;
-    PyObject *out_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*np|O", &rows, &count, &distinct, &out_obj)) return NULL;
-    if (out_obj != Py_None) {
-        if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-            PyBuffer_Release(&rows);
-            return NULL;
-        }
-        if (out.len < rows.len) {
-            PyBuffer_Release(&out);
-            PyBuffer_Release(&rows);
-            PyErr_SetString(PyExc_ValueError, "check_rows: out is shorter than rows");
-            return NULL;
-        }
-    }
+    if (!PyArg_ParseTuple(args, "y*np", &rows, &count, &distinct)) return NULL;
     Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t), bad = -1;
     uint64_t *seen = distinct ? calloc((size_t)count / 64 + 1, sizeof(uint64_t)) : NULL;
     if (distinct && seen == NULL) {
-        PyBuffer_Release(&out);
         PyBuffer_Release(&rows);
         return PyErr_NoMemory();
     }
     Py_BEGIN_ALLOW_THREADS
-    bad = check_fast(rows.buf, out.buf, n, count < 0 ? 0 : count, seen);
+    bad = check_fast(rows.buf, n, count < 0 ? 0 : count, seen);
     Py_END_ALLOW_THREADS
     free(seen);
-    PyBuffer_Release(&out);
     PyBuffer_Release(&rows);
     return PyLong_FromSsize_t(bad);
 }

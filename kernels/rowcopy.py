@@ -1,23 +1,27 @@
-"""Indexed row copy: ``dst[dst_rows[b], :width] = src[src_rows[b], :width]`` for every ``b``, in one launch.
+"""Indexed row copy: ``dst[dst_rows[b], :width] = src[src_rows[b], :width]`` for every ``b``, in one launch, and the
+check that makes it all-or-nothing.
 
 This one kernel is both directions of swap-in: a *gather* from host staging slots into scattered KV-cache pages,
 and a *scatter* from pages back into slots for swap-out. Rows are 32-bit words (callers view their bytes as
 ``int32``), so one thread moves 16 bytes per access when the row width allows.
 
-``copy_rows_reference`` is the torch definition every kernel is tested against, bit for bit. ``RowCopyKernel`` is
-the TileLang version: one CTA per row, the row spread over its threads with ``T.Parallel``. On a GPU its source
-rows may be host memory mapped into the device's address space (``cudaHostRegister``): the kernel then reads them
-across PCIe itself and writes each destination row where it belongs, with no copy engine call per row and no
-staging copy on the device. Compiled for ``target="c"`` the same kernel runs on CPU tensors, which lets a machine
-without a GPU check the kernel's indexing.
+``copy_rows_reference`` and ``rows_ok_reference`` are the torch definitions every kernel is tested against, bit for
+bit. ``RowCopyKernel`` is the TileLang copy: one CTA per row, the row spread over its threads with ``T.Parallel``.
+On a GPU its source rows may be host memory mapped into the device's address space (``cudaHostRegister``): the
+kernel then reads them across PCIe itself and writes each destination row where it belongs, with no copy engine
+call per row and no staging copy on the device. ``RowCheckKernel`` checks the row lists on the device, in the same
+stream, just before the copy (bounds, and no destination row twice): its verdict is a flag word the copy reads
+first, so a bad list moves no byte and the host learns why without having walked the lists itself. Compiled for
+``target="c"`` the copy runs on CPU tensors, which lets a machine without a GPU check its indexing.
 
-Contract of both: ``src`` and ``dst`` are 2-D ``int32`` tensors with contiguous rows; ``src_rows`` and ``dst_rows``
-are 1-D ``int64`` tensors of equal length on the tensors' device, every index in range and ``dst_rows`` free of
-repeats (a repeated destination row would receive one of its sources, unspecified which). Checking that is the
-caller's job: the kernel silently skips out-of-range rows. Nothing here imports kvtier; tilelang is imported only
+Shared contract: ``rows`` is one contiguous ``int64`` tensor ``[2, n]`` on the tensors' device, source rows in
+``rows[0]`` and destination rows in ``rows[1]``; ``flag`` an ``int64`` tensor ``[1]`` there. The copy moves nothing
+unless ``flag[0] == 0``; with the flag clear it trusts the rows (an out-of-range row is skipped, a repeated
+destination row receives one of its sources, unspecified which). The check sets ``flag[0] = 1`` when a row is out
+of range or a destination row repeats, and never clears it. Nothing here imports kvtier; tilelang is imported only
 when a kernel is built.
 
-No ``from __future__ import annotations`` here: TileLang evaluates the kernel's annotations, which name local
+No ``from __future__ import annotations`` here: TileLang evaluates the kernels' annotations, which name local
 variables.
 """
 
@@ -28,6 +32,8 @@ import torch
 
 WORD_BYTES = 4
 DEFAULT_THREADS = 256
+CHECK_THREADS = 256
+STAMP_LIMIT = 2**31 - 1  # stamps are int32 (TileLang's returning atomic max is 32-bit)
 
 
 def copy_rows_reference(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -36,8 +42,16 @@ def copy_rows_reference(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Te
     dst[:, :width].index_copy_(0, dst_rows, src[:, :width].index_select(0, src_rows))
 
 
+def rows_ok_reference(rows: torch.Tensor, src_count: int, dst_count: int) -> bool:
+    """The definition of the check: every source row in ``[0, src_count)``, every destination row in
+    ``[0, dst_count)``, no destination row twice."""
+    src_rows, dst_rows = rows[0], rows[1]
+    in_range = bool(((src_rows >= 0) & (src_rows < src_count) & (dst_rows >= 0) & (dst_rows < dst_count)).all())
+    return in_range and torch.unique(dst_rows).numel() == dst_rows.numel()
+
+
 @functools.cache
-def _compiled(width: int, src_stride: int, dst_stride: int, threads: int, target: str) -> Any:
+def _copy(width: int, src_stride: int, dst_stride: int, threads: int, target: str) -> Any:
     import tilelang
     import tilelang.language as T
 
@@ -48,17 +62,48 @@ def _compiled(width: int, src_stride: int, dst_stride: int, threads: int, target
     @T.prim_func
     def copy_rows(
         src: T.Tensor((src_count, src_stride), "int32"),
-        src_rows: T.Tensor((n,), "int64"),
-        dst_rows: T.Tensor((n,), "int64"),
+        rows: T.Tensor((2, n), "int64"),
+        flag: T.Tensor((1,), "int64"),
         dst: T.Tensor((dst_count, dst_stride), "int32"),
     ):
         with T.Kernel(n, threads=threads) as b:
-            s = src_rows[b]
-            d = dst_rows[b]
-            for i in T.Parallel(width):
-                dst[d, i] = src[s, i]
+            if flag[0] == 0:
+                s = rows[0, b]
+                d = rows[1, b]
+                for i in T.Parallel(width):
+                    dst[d, i] = src[s, i]
 
     return tilelang.compile(copy_rows, target=target)
+
+
+@functools.cache
+def _check(threads: int, target: str) -> Any:
+    import tilelang
+    import tilelang.language as T
+
+    n = T.dynamic("n")
+    claim_count = T.dynamic("claim_count")
+
+    @T.prim_func
+    def check_rows(
+        rows: T.Tensor((2, n), "int64"),
+        flag: T.Tensor((1,), "int64"),
+        claims: T.Tensor((claim_count,), "int32"),
+        src_count: T.int32,
+        dst_count: T.int32,
+        stamp: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(n, threads), threads=threads) as block:
+            b = block * threads + T.get_thread_binding()
+            if b < n:
+                s = rows[0, b]
+                d = rows[1, b]
+                if s < 0 or s >= src_count or d < 0 or d >= dst_count:
+                    flag[0] = 1
+                elif T.atomic_max(claims[d], stamp, return_prev=True) == stamp:
+                    flag[0] = 1  # another row of this launch claimed d first
+
+    return tilelang.compile(check_rows, target=target)
 
 
 class RowCopyKernel:
@@ -72,8 +117,28 @@ class RowCopyKernel:
         if not 0 < width <= min(src_stride, dst_stride):
             raise ValueError(f"row width {width} must be positive and fit both strides ({src_stride}, {dst_stride})")
         self.width = width
-        self._kernel = _compiled(width, src_stride, dst_stride, threads, target)
+        self._kernel = _copy(width, src_stride, dst_stride, threads, target)
 
-    def __call__(self, src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        """Launch on the current stream; returns without waiting for the copy."""
-        self._kernel(src, src_rows, dst_rows, dst)
+    def __call__(self, src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor) -> None:
+        """Launch on the current stream; returns without waiting for the copy. Copies nothing if ``flag[0] != 0``
+        when the kernel runs."""
+        self._kernel(src, rows, flag, dst)
+
+
+class RowCheckKernel:
+    """The TileLang check of a ``rows`` tensor against ``src_count`` source and ``dst_count`` destination rows
+    (CUDA only: it needs a returning atomic).
+
+    Repeats are found with ``claims``, an ``int32`` tensor of at least ``dst_count`` words on the device, zero when
+    first used, and a ``stamp`` larger than every stamp used with those claims before (so no claim needs clearing
+    between launches; at ``STAMP_LIMIT`` zero the claims and start again from 1). Launches using one ``claims``
+    must be ordered (one stream)."""
+
+    def __init__(self, threads: int = CHECK_THREADS, target: str = "cuda") -> None:
+        self._kernel = _check(threads, target)
+
+    def __call__(
+        self, rows: torch.Tensor, flag: torch.Tensor, claims: torch.Tensor, src_count: int, dst_count: int, stamp: int
+    ) -> None:
+        """Launch on the current stream; returns without waiting. Sets ``flag[0] = 1`` if the rows are bad."""
+        self._kernel(rows, flag, claims, src_count, dst_count, stamp)

@@ -1,7 +1,8 @@
-"""The row copies equal their torch reference bit for bit. The TileLang kernel: compiled for the CPU
-(``target="c"``, where tilelang is installed) and for CUDA (where a GPU is), rows of different strides on each
-side (CI has neither and skips those). The C host copy: streaming and plain paths (long and short rows, aligned
-and unaligned destinations, tails that are not whole cache lines)."""
+"""The row copies and the row check equal their torch references bit for bit. The TileLang copy: compiled for the
+CPU (``target="c"``, where tilelang is installed) and for CUDA (where a GPU is), rows of different strides on each
+side, and a set flag moves nothing; the TileLang check (CUDA only) flags exactly the lists its reference refuses,
+launch after launch with the same claims (CI has neither and skips those). The C host copy: streaming and plain
+paths (long and short rows, aligned and unaligned destinations, tails that are not whole cache lines)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,25 @@ import pytest
 import torch
 
 from kvtier.kernels import _hostcopy
-from kvtier.kernels.rowcopy import RowCopyKernel, copy_rows_reference
+from kvtier.kernels.rowcopy import RowCheckKernel, RowCopyKernel, copy_rows_reference, rows_ok_reference
 
 needs_tilelang = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="needs tilelang")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-TARGETS = [
-    "c",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
-]
+TARGETS = ["c", pytest.param("cuda", marks=needs_cuda)]
 
 
 def random_words(rows: int, width: int, device: str) -> torch.Tensor:
     return torch.randint(-(2**31), 2**31 - 1, (rows, width), dtype=torch.int32, device=device)
+
+
+def copy_case(src_stride: int, dst_stride: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random source rows, a poisoned destination (every row the kernel should not touch must survive) and 25
+    random distinct rows of each."""
+    src = random_words(40, src_stride, device)
+    dst = random_words(64, dst_stride, device)
+    rows = torch.stack([torch.randperm(40, device=device)[:25], torch.randperm(64, device=device)[:25]])
+    return src, dst, rows
 
 
 @needs_tilelang
@@ -30,16 +38,53 @@ def random_words(rows: int, width: int, device: str) -> torch.Tensor:
 @pytest.mark.parametrize(("width", "src_stride", "dst_stride"), [(1024, 1024, 1024), (1024, 1152, 1024), (96, 96, 128)])
 def test_kernel_equals_reference(target: str, width: int, src_stride: int, dst_stride: int) -> None:
     device = "cpu" if target == "c" else "cuda"
-    src = random_words(40, src_stride, device)
-    dst = random_words(64, dst_stride, device)  # poisoned: every row the kernel should not touch must survive
-    src_rows = torch.randperm(40, device=device)[:25]
-    dst_rows = torch.randperm(64, device=device)[:25]
+    src, dst, rows = copy_case(src_stride, dst_stride, device)
     want = dst.clone()
-    copy_rows_reference(src, src_rows, want, dst_rows)
-    RowCopyKernel(width, src_stride, dst_stride, target=target)(src, src_rows, dst, dst_rows)
+    copy_rows_reference(src, rows[0], want, rows[1])
+    clear = torch.zeros(1, dtype=torch.int64, device=device)
+    RowCopyKernel(width, src_stride, dst_stride, target=target)(src, rows, dst, clear)
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(dst, want)
+
+
+@needs_tilelang
+@pytest.mark.parametrize("target", TARGETS)
+def test_kernel_with_the_flag_set_moves_nothing(target: str) -> None:
+    device = "cpu" if target == "c" else "cuda"
+    src, dst, rows = copy_case(1024, 1024, device)
+    before = dst.clone()
+    flag = torch.ones(1, dtype=torch.int64, device=device)
+    RowCopyKernel(1024, 1024, 1024, target=target)(src, rows, dst, flag)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst, before)
+
+
+def check_cases() -> list[tuple[torch.Tensor, int, int]]:
+    """Row lists with their source and destination row counts: good ones (sources may repeat) and one of each way to
+    be bad, each bad entry at a random place of a good list; the repeats also far apart (in different CTAs)."""
+    cases = [(torch.stack([torch.randint(0, 40, (64,)), torch.randperm(64)]), 40, 64) for _ in range(3)]
+    for side, value in ((0, 40), (0, -1), (1, 64), (1, -5), (0, 2**40)):
+        rows = torch.stack([torch.randint(0, 40, (60,)), torch.randperm(64)[:60]])
+        rows[side, torch.randint(0, 60, ())] = value
+        cases.append((rows, 40, 64))
+    for n in (60, 3000):
+        dup = torch.stack([torch.randint(0, 40, (n,)), torch.randperm(4 * n)[:n]])
+        dup[1, n - 1] = dup[1, 3]
+        cases.append((dup, 40, 4 * n))
+    return cases
+
+
+@needs_tilelang
+@needs_cuda
+def test_check_kernel_flags_exactly_what_the_reference_refuses() -> None:
+    check = RowCheckKernel()
+    claims = torch.zeros(12000, dtype=torch.int32, device="cuda")
+    for stamp, (rows, src_count, dst_count) in enumerate(check_cases() * 2, start=1):  # twice: earlier claims stay
+        flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+        check(rows.cuda(), flag, claims, src_count, dst_count, stamp)
+        assert (flag.item() == 0) == rows_ok_reference(rows, src_count, dst_count), rows
 
 
 def test_a_row_wider_than_a_stride_is_refused() -> None:
@@ -76,15 +121,3 @@ def test_host_copy_refuses_row_lists_of_different_lengths() -> None:
 )
 def test_check_rows_names_the_first_bad_position(rows: list[int], distinct: bool, first_bad: int) -> None:
     assert _hostcopy.check_rows(torch.tensor(rows).numpy(), 4, distinct) == first_bad
-
-
-def test_check_rows_writes_the_rows_it_checked_into_out() -> None:
-    rows = torch.randperm(1000).numpy()
-    out = torch.full((1000,), -7, dtype=torch.int64).numpy()
-    assert _hostcopy.check_rows(rows, 1000, True, out) == -1
-    assert (out == rows).all()
-
-
-def test_check_rows_refuses_an_out_shorter_than_the_rows() -> None:
-    with pytest.raises(ValueError, match="out is shorter"):
-        _hostcopy.check_rows(torch.arange(4).numpy(), 4, True, torch.zeros(3, dtype=torch.int64).numpy())

@@ -189,6 +189,38 @@ def test_gpu_swap_out_writes_the_segment_in_place(slots: torch.Tensor) -> None:
 
 
 @gpu
+@pytest.mark.parametrize(
+    ("slot_ids", "page_ids", "message"),
+    [
+        ([0, SLOTS], [0, 1], "slot id 12 out of range"),
+        ([0, 1], [-1, 1], "page id -1 out of range"),
+        ([0, 1, 2], [3, 9, 3], "page id 3 repeats"),
+    ],
+)
+def test_gpu_bad_ids_are_refused_and_nothing_moves(slots: torch.Tensor, slot_ids, page_ids, message: str) -> None:
+    cache = random_cache("cuda")
+    before = cache.clone()
+    with CudaHostMapping(slots) as mapped:
+        with pytest.raises(SwapError, match=message):
+            swap_in(mapped.tensor, slot_ids, cache, page_ids)
+        torch.cuda.synchronize()
+        assert torch.equal(cache.view(torch.int16), before.view(torch.int16))
+        swap_in(mapped.tensor, [1, 2], cache, [3, 9])  # the next call is checked on its own
+        torch.cuda.synchronize()
+    assert torch.equal(cache[3].cpu().view(-1).view(torch.uint8), slots[1, : page_bytes()])
+
+
+@gpu
+def test_gpu_swap_out_refuses_two_pages_into_one_slot(slots: torch.Tensor) -> None:
+    before = slots.clone()
+    with CudaHostMapping(slots) as mapped:
+        with pytest.raises(SwapError, match="slot id 4 repeats"):
+            swap_out(random_cache("cuda"), [0, 1], mapped.tensor, [4, 4])
+        torch.cuda.synchronize()
+    assert torch.equal(slots, before)
+
+
+@gpu
 def test_gpu_cache_with_unmapped_slots_is_refused(slots: torch.Tensor) -> None:
     with pytest.raises(SwapError, match="map the slots with CudaHostMapping"):
         swap_in(slots, [0], random_cache("cuda"), [0])

@@ -7,9 +7,12 @@ packed with xz they fit (about 53 MB). Three subcommands::
 
     python3 tools/gpu_bundle.py build              # here: download the cp312 wheels, write .gpu/bundle.tar.xz
     python3 tools/gpu_bundle.py unpack DEST        # there: unpack into DEST, a folder to put on PYTHONPATH
-    python3 tools/gpu_bundle.py device OUT [--runs N]  # there: unpack, link kvtier's packages, build its C
+    python3 tools/gpu_bundle.py device OUT [--runs N] [--bench-args ARGS] [--then SCRIPT]
+                                                   # there: unpack, link kvtier's packages, build its C
                                                    # extensions, run the GPU tests, then the swap-in benchmark N
-                                                   # times (default 3); output under OUT
+                                                   # times (default 3; ARGS: more of its options, e.g. --no-cpu),
+                                                   # then SCRIPT (a sweep of your own, run as `python SCRIPT OUT`
+                                                   # with the same imports); output under OUT
 
 The device run, as one ``run`` call (carry ``.gpu``)::
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -118,17 +122,20 @@ def _symlink(link: Path, target: Path) -> None:
     link.symlink_to(target)
 
 
-def device(out: Path, runs: int = 3) -> int:
+def device(out: Path, runs: int = 3, then: Path | None = None, bench_args: str = "") -> int:
     """Everything the GPU run does, output under ``out``: the GPU tests (``tests.log``), then the swap-in benchmark
-    (CPU and GPU) ``runs`` times in a row (``bench.log``, ``swapin-1.json`` …), so that one call shows the spread."""
+    (CPU and GPU) ``runs`` times in a row (``bench.log``, ``swapin-1.json`` …), so that one call shows the spread,
+    then ``then`` if given (``then.log``)."""
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvtier-gpu-"))
     site = unpack(ARCHIVE, work)
     packages = link_packages(work / "src")
     env = dict(os.environ, PYTHONPATH=f"{packages}:{site}", PYTHONUNBUFFERED="1")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rs", *GPU_TESTS]
-    bench = [sys.executable, "-m", "kvtier.tools.kvbench", "swapin", "--json-out"]
+    bench = [sys.executable, "-m", "kvtier.tools.kvbench", "swapin", *shlex.split(bench_args), "--json-out"]
     steps = [("tests", pytest)] + [("bench", [*bench, str(out / f"swapin-{i}.json")]) for i in range(1, runs + 1)]
+    if then is not None:
+        steps.append(("then", [sys.executable, str(then.resolve()), str(out)]))
     failed = 0
     for name, command in steps:
         print(f"== {name}: {' '.join(command)}", flush=True)
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = sub.add_parser("device", help="on the GPU machine: tests and benchmark runs, output under OUT")
     dev.add_argument("out", type=Path)
     dev.add_argument("--runs", type=int, default=3, help="benchmark runs in a row (default 3)")
+    dev.add_argument("--bench-args", default="", help='more options for kvbench swapin, e.g. "--no-cpu"')
+    dev.add_argument("--then", type=Path, help="a Python script to run last, as `python SCRIPT OUT`")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
@@ -158,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "unpack":
             print(unpack(ARCHIVE, args.dest))
         else:
-            return device(args.out, args.runs)
+            return device(args.out, args.runs, args.then, args.bench_args)
     except BundleError as err:
         print(f"gpu_bundle: error: {err}", file=sys.stderr)
         return 1

@@ -29,13 +29,14 @@ or the pages read from another stream.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvtier.kernels import _hostcopy
-from kvtier.kernels.rowcopy import WORD_BYTES, RowCopyKernel
+from kvtier.kernels.rowcopy import STAMP_LIMIT, WORD_BYTES, RowCheckKernel, RowCopyKernel
 
 _HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
@@ -161,10 +162,9 @@ def _ids(ids: Any, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _check_ids(arr: np.ndarray, count: int, what: str, distinct: bool, out: np.ndarray | None = None) -> None:
-    """SwapError unless every id is in ``[0, count)`` (and, with ``distinct``, none repeats). With ``out``, the ids
-    are also written there in the same pass (the GPU's upload buffer)."""
-    bad = _hostcopy.check_rows(arr, count, distinct, out)
+def _check_ids(arr: np.ndarray, count: int, what: str, distinct: bool) -> None:
+    """SwapError unless every id is in ``[0, count)`` (and, with ``distinct``, none repeats)."""
+    bad = _hostcopy.check_rows(arr, count, distinct)
     if bad >= 0 and not 0 <= arr[bad] < count:
         raise SwapError(f"{what} id {arr[bad]} out of range: there are {count} {what}s")
     if bad >= 0:
@@ -182,16 +182,81 @@ def _device_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.
     nbytes = pages.shape[1]
     if nbytes % WORD_BYTES or slots.shape[1] % WORD_BYTES or slots.data_ptr() % WORD_BYTES:
         raise SwapError(f"on a GPU, page size ({nbytes}) and slot stride ({slots.shape[1]}) must be multiples of 4")
-    slot_words = slots.view(torch.int32)
-    page_words = pages.view(torch.int32)
-    # both lists checked straight into one pinned buffer (one pass over the ids), then one asynchronous upload
-    ids = torch.empty((2, s.size), dtype=torch.int64, pin_memory=True)
-    host = ids.numpy()
-    _check_ids(s, slots.shape[0], "slot", distinct=not to_pages, out=host[0])
-    _check_ids(p, pages.shape[0], "page", distinct=to_pages, out=host[1])
-    s_dev, p_dev = ids.to(pages.device, non_blocking=True).unbind(0)
-    width = nbytes // WORD_BYTES
-    if to_pages:
-        RowCopyKernel(width, slot_words.shape[1], page_words.shape[1])(slot_words, s_dev, page_words, p_dev)
-    else:
-        RowCopyKernel(width, page_words.shape[1], slot_words.shape[1])(page_words, p_dev, slot_words, s_dev)
+    slot_words, page_words = slots.view(torch.int32), pages.view(torch.int32)
+    src, dst = (slot_words, page_words) if to_pages else (page_words, slot_words)
+    kernel = RowCopyKernel(nbytes // WORD_BYTES, src.shape[1], dst.shape[1])
+    launcher = _launcher(pages.device)
+    with launcher.lock:
+        ok = launcher.copy(kernel, src, (s, p) if to_pages else (p, s), dst)
+    if not ok:  # nothing was copied; name the first bad id as the CPU path does
+        _check_ids(s, slots.shape[0], "slot", distinct=not to_pages)
+        _check_ids(p, pages.shape[0], "page", distinct=to_pages)
+        raise RuntimeError("swap: the device refused ids that the host check accepts")
+
+
+class _Launcher:
+    """One device's GPU swaps: the ids go up with one copy on a side stream, where ``RowCheckKernel`` checks them;
+    the copy, queued on the caller's stream behind that check, moves nothing if the check failed. The host only
+    fills the pinned upload buffer, queues, and waits for the check (not for the copy, nor for earlier work on the
+    caller's stream) to learn the verdict. One call at a time (``lock``): the buffers are reused."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.lock = threading.Lock()
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+        self.checked = torch.cuda.Event()  # recorded on the side stream once the check is queued
+        self.check = RowCheckKernel()
+        self.verdict = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.verdict_host = self.verdict.numpy()
+        self.pinned = torch.empty(0, dtype=torch.int64, pin_memory=True)
+        self.claims = torch.zeros(0, dtype=torch.int32, device=device)
+        self.stamp = 0
+
+    def copy(
+        self, kernel: RowCopyKernel, src: torch.Tensor, ids: tuple[np.ndarray, np.ndarray], dst: torch.Tensor
+    ) -> bool:
+        """Copy ``src[ids[0][b]]`` to ``dst[ids[1][b]]`` on the current stream, all or nothing; False if the ids
+        were refused (then nothing is or will be copied)."""
+        n = ids[0].size
+        if self.pinned.numel() < 2 * n + 1:
+            self.pinned = torch.empty(2 * (2 * n + 1), dtype=torch.int64, pin_memory=True)
+        host = self.pinned.numpy()
+        host[:n], host[n : 2 * n], host[2 * n] = ids[0], ids[1], 0
+        caller = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.stream(self.side):
+                stamp = self._next_stamp(dst.shape[0])
+                up = torch.empty(2 * n + 1, dtype=torch.int64, device=self.device)
+                up.copy_(self.pinned[: 2 * n + 1], non_blocking=True)
+                rows, flag = up[: 2 * n].view(2, n), up[2 * n :]
+                self.check(rows, flag, self.claims, src.shape[0], dst.shape[0], stamp)
+                self.checked.record()
+            caller.wait_event(self.checked)
+            kernel(src, rows, dst, flag)
+            up.record_stream(caller)
+            with torch.cuda.stream(self.side):
+                self.verdict.copy_(flag, non_blocking=True)
+        finally:
+            self.side.synchronize()  # the upload and the check (the copy runs on); the pinned buffer is free again
+        return self.verdict_host[0] == 0
+
+    def _next_stamp(self, dst_count: int) -> int:
+        """A stamp above every earlier one, with claims for ``dst_count`` rows (on the side stream)."""
+        if self.claims.numel() < dst_count:
+            self.claims = torch.zeros(dst_count, dtype=torch.int32, device=self.device)
+        if self.stamp == STAMP_LIMIT:
+            self.claims.zero_()
+            self.stamp = 0
+        self.stamp += 1
+        return self.stamp
+
+
+_launchers: dict[torch.device, _Launcher] = {}
+_launchers_lock = threading.Lock()
+
+
+def _launcher(device: torch.device) -> _Launcher:
+    with _launchers_lock:
+        if device not in _launchers:
+            _launchers[device] = _Launcher(device)
+        return _launchers[device]

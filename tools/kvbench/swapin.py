@@ -2,7 +2,7 @@
 bytes between the same memory, measured in the same run.
 
     kvbench swapin [--page-sizes 16KiB,64KiB] [--cpu-bytes 256MiB] [--gpu-bytes 1GiB] [--rounds 5] [--no-gpu]
-                   [--json] [--json-out PATH]
+                   [--no-cpu] [--json] [--json-out PATH]
 
 For each page size the slots are a real POSIX shared-memory segment (as the staging pool's) of one slot per block,
 and the KV cache a tensor of twice as many pages; block ``b`` goes from a random slot to a random page (two random
@@ -17,13 +17,13 @@ and torch ``copy_``. Also torch's ``index_copy_`` path (the kernels' reference),
 
 **GPU** (a CUDA device and tilelang present, unless ``--no-gpu``): the segment registered with CUDA
 (``CudaHostMapping``), the cache in device memory. ``swap_in`` (the TileLang gather reading the segment across PCIe;
-timed end to end, argument checks and index upload included) against one contiguous ``cudaMemcpyAsync`` of the same
-bytes from a pinned buffer (the link), with one ``cudaMemcpyAsync`` per block (torch ``copy_`` of each slot into
-its page) and the contiguous copy from the registered segment beside them; the same bytes as ``swap_in`` calls of
-128 MiB queued back to back, as the engine issues them (``swap_in_grouped``: each call's host work, checking and
-uploading its ids, overlaps the previous call's copy); ``swap_out`` (the scatter into the
-segment) against one contiguous device → pinned copy; and the kernel alone at 128, 256 and 512 threads a CTA.
-Target: swap-in ≥ 0.9x the contiguous pinned copy.
+timed end to end: argument checks, the ids' upload and their check on the device included) against one contiguous
+``cudaMemcpyAsync`` of the same bytes from a pinned buffer (the link), with one ``cudaMemcpyAsync`` per block (torch
+``copy_`` of each slot into its page) and the contiguous copy from the registered segment beside them; the same
+bytes as ``swap_in`` calls of 128 MiB queued back to back, as the engine issues them (``swap_in_grouped``: each
+call's host work overlaps the previous call's copy); ``swap_out`` (the scatter into the segment) against one
+contiguous device → pinned copy; and the kernel alone at 128, 256 and 512 threads a CTA. Target: swap-in ≥ 0.9x
+the contiguous pinned copy.
 
 ``--json`` prints one object instead of the table; ``--json-out`` also writes it to a file. A wrong byte anywhere
 stops the run (``kvbench: DATA MISMATCH``, exit status 1).
@@ -62,6 +62,7 @@ def register(commands: Subcommands) -> None:
     p.add_argument("--gpu-bytes", default="1GiB", help="bytes moved per GPU call (default 1GiB)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per method (default 5)")
     p.add_argument("--no-gpu", action="store_true", help="CPU figures only, even where a GPU is present")
+    p.add_argument("--no-cpu", action="store_true", help="GPU figures only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
 
@@ -80,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
 
     result: dict[str, Any] = {"command": "swapin", "settings": {"page_sizes": pages, "rounds": args.rounds}}
     torch.set_num_threads(1)
-    result["cpu"] = {str(p): _cpu(p, cpu_bytes // p, args.rounds) for p in pages}
-    result["settings"]["cpu_bytes"] = cpu_bytes
+    if not args.no_cpu:
+        result["cpu"] = {str(p): _cpu(p, cpu_bytes // p, args.rounds) for p in pages}
+        result["settings"]["cpu_bytes"] = cpu_bytes
     if not args.no_gpu and torch.cuda.is_available() and importlib.util.find_spec("tilelang") is not None:
         result["gpu_device"] = torch.cuda.get_device_name()
         result["settings"]["gpu_bytes"] = gpu_bytes
@@ -222,6 +224,7 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
         contiguous = torch.empty(n * page, dtype=torch.uint8, device=device)
         slot_ids, page_ids = _ids(n, n, 1), _ids(n, 2 * n, 2)
         s_dev, p_dev = slot_ids.to(device), page_ids.to(device)
+        rows, clear = torch.stack([s_dev, p_dev]), torch.zeros(1, dtype=torch.int64, device=device)
         slot_rows, cache_rows = slots.unbind(0), cache.unbind(0)
         pairs = list(zip(slot_ids.tolist(), page_ids.tolist(), strict=True))
         words, cache_words = mapped.view(torch.int32), cache.view(torch.int32)
@@ -246,7 +249,7 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
         }
         for threads in THREAD_VARIANTS:
             kernel = RowCopyKernel(page // 4, page // 4, page // 4, threads=threads)
-            methods[f"kernel_{threads}"] = lambda k=kernel: k(words, s_dev, cache_words, p_dev)
+            methods[f"kernel_{threads}"] = lambda k=kernel: k(words, rows, cache_words, clear)
         on_device = slots.to(device)  # the truth, to check against without reading the segment again
         for name in ("swap_in", "swap_in_grouped", "per_block_memcpy", *(f"kernel_{t}" for t in THREAD_VARIANTS)):
             cache.fill_(0xA5)
@@ -267,8 +270,13 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = ["CPU, one thread (GB/s)", "page      memcpy  torch copy_  swap_in  ratio  swap_out  ratio  index_copy_"]
-    for page, r in result["cpu"].items():
+    lines = []
+    if "cpu" in result:
+        lines += [
+            "CPU, one thread (GB/s)",
+            "page      memcpy  torch copy_  swap_in  ratio  swap_out  ratio  index_copy_",
+        ]
+    for page, r in result.get("cpu", {}).items():
         g = r["gbps"]
         lines.append(
             f"{format_size(int(page)):<9} {g['memcpy']:6.2f}  {g['torch_copy']:11.2f}  {g['swap_in']:7.2f}  "
