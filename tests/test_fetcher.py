@@ -471,7 +471,8 @@ def test_kvbench_fetch_reports_the_ratio_to_get_into(cluster: LocalCluster) -> N
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["fetch_vs_get_into"] > 0 and result["pool"]["hits"] == 16 and result["pool"]["evictions"] == 12
+    assert result["fetch_vs_get_into"] > 0 and result["hit1_ms"] > 0
+    assert result["pool"]["hits"] == 20 and result["pool"]["evictions"] == 12  # hits: 2 rounds x 2 sets x (4 + 1)
 
 
 def _serve(cluster: LocalCluster, shm: str, socket_path: Path) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,8 @@ in the same process and one after the other:
    does);
 2. *fetch*: ``FetchClient.fetch`` of the other set (the fetcher reads it straight into slots; the engine gets
    views), then ``release``;
-3. *hit*: the same fetch again: every block is a host-memory hit, no node is asked.
+3. *hit*: the same fetch again: every block is a host-memory hit, no node is asked;
+4. *hit1*: a fetch of one of those blocks: what a request costs end to end with no store work (its fixed cost).
 
 A first round is untimed (it touches the pool's fresh memory). Bytes read are checked on that round. The report
 gives medians over rounds, and ``fetch_vs_get_into``: the median over rounds of fetch GB/s / baseline GB/s, each
@@ -93,7 +94,7 @@ def _bench(config: cluster_mod.ClusterConfig, block: int, args: argparse.Namespa
             fetcher = _start_fetcher(config, tmp, n, block, args)
             fc = FetchClient(fetcher.socket_path, config.token)
             try:
-                samples: dict[str, list[float]] = {"get_into": [], "fetch": [], "hit": []}
+                samples: dict[str, list[float]] = {"get_into": [], "fetch": [], "hit": [], "hit1": []}
                 for r in range(args.rounds + 1):
                     for s in (0, 1):
                         timed = _round(client, fc, sets, data, private, s, verify=r == 0)
@@ -112,6 +113,7 @@ def _bench(config: cluster_mod.ClusterConfig, block: int, args: argparse.Namespa
         "fetch_gbps": gbps["fetch"],
         "hit_gbps": gbps["hit"],
         "hit_ms": statistics.median(samples["hit"]) * 1e3,
+        "hit1_ms": statistics.median(samples["hit1"]) * 1e3,
         "fetch_vs_get_into": statistics.median(
             b / f for b, f in zip(samples["get_into"], samples["fetch"], strict=True)
         ),
@@ -141,7 +143,7 @@ def _round(
     s: int,
     verify: bool,
 ) -> dict[str, float]:
-    """Baseline read of set ``s``; fetch (a pool miss) and fetch again (a hit) of the other set."""
+    """Baseline read of set ``s``; fetch (a pool miss), fetch again (a hit) of the other set, and one block of it."""
     other = 1 - s
     block = private.shape[1]
     start = time.perf_counter()
@@ -151,7 +153,8 @@ def _round(
         raise VerifyError("get_into did not read back what was stored")
     fetched = _timed_fetch(fc, sets[other], block, data[other] if verify else None, BlockStatus.FETCHED)
     hit = _timed_fetch(fc, sets[other], block, None, BlockStatus.HIT)
-    return {"get_into": baseline, "fetch": fetched, "hit": hit}
+    hit1 = _timed_fetch(fc, sets[other][:1], block, None, BlockStatus.HIT)
+    return {"get_into": baseline, "fetch": fetched, "hit": hit, "hit1": hit1}
 
 
 def _timed_fetch(
@@ -175,3 +178,4 @@ def _print(result: dict[str, Any]) -> None:
     print(f"get_into private buffers  {result['get_into_gbps']:6.2f} GB/s   (baseline)")
     print(f"fetch into the host pool  {result['fetch_gbps']:6.2f} GB/s   {result['fetch_vs_get_into']:.2f}× baseline")
     print(f"fetch, host-memory hits   {result['hit_gbps']:6.2f} GB/s   {result['hit_ms']:.2f} ms a call, no node asked")
+    print(f"fetch of one pooled block  {result['hit1_ms']:.3f} ms a call (the fixed cost of a request)")
