@@ -3,6 +3,7 @@ block's group, then COMMIT); see docs/design.md §4."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -11,10 +12,10 @@ import numpy as np
 
 from kvtier.kvstore import _native
 from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node, header_rows, key_rows
-from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, addresses
+from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec, addresses
 from kvtier.kvstore.keys import Namespace, TokenInput
 from kvtier.kvstore.protocol import Op, Status
-from kvtier.kvstore.transport import Exchange
+from kvtier.kvstore.transport import Exchange, Pending
 
 
 class CapacityError(Exception):
@@ -90,7 +91,7 @@ class Writes(ClientCore):
         Returns the (n × 12) shards now durable, per block whether it committed (its primary recorded it),
         and per block whether a node refused a shard for lack of space.
         """
-        stripes = self._encode(views)
+        stripes = self._stripes(views)
         block_lens = stripes.lens.astype("<u8")
         shard_lens = stripes.sizes.astype("<u4")  # all 12 shards of a block
         put_id = os.urandom(8)  # names this put's pending shards on every node: the COMMIT refers to them
@@ -98,7 +99,13 @@ class Writes(ClientCore):
         header_table = header_rows(headers) if headers is not None else None
         created_at = np.asarray(created, dtype="<f8") if created is not None else None
 
-        # phase 1: shards PENDING on every node
+        # phase 1: shards PENDING on every node. Parity is computed a window of blocks at a time: the first before
+        # the requests go out, each next one once the sockets have taken all that is encoded, so the nodes receive
+        # while the rest is encoded (64 MiB puts here: 12-30 % more throughput than encoding it all first)
+        first = max(1, ENCODE_WINDOW // max(1, int(stripes.lens.max())))  # blocks; then each window doubles them
+        starts = [0, *itertools.takewhile(lambda b: b < len(keys), (first << k for k in itertools.count())), len(keys)]
+        feeds: list[list[tuple[Pending, _native.Scatter]]] = [[] for _ in range(len(starts) - 1)]
+        stripes.encode(self.codec, 0, starts[1])
         exchange = Exchange(self.pool)
         plans = []
         for node_id, entries in _by_node(shard_nodes, write):
@@ -112,9 +119,27 @@ class Writes(ClientCore):
                 meta["created"] = created_at[blocks].tobytes()
             if repair:
                 meta["replace"] = True
-            payload = _native.Scatter(stripes.pieces.take(blocks * TOTAL_SHARDS + indices, axis=0), stripes.keep)
-            plans.append((node_id, entries, exchange.request(node_id, Op.PUT_SHARDS, meta, [payload])))
-        exchange.run(self.config.client.op_timeout_s)
+            rows = stripes.pieces.take(blocks * TOTAL_SHARDS + indices, axis=0)
+            cuts = np.searchsorted(blocks, starts).tolist()  # this node's rows of each window
+            parts = [_native.Scatter(rows[lo:hi], stripes.keep) for lo, hi in itertools.pairwise(cuts)]
+            pending = exchange.request(
+                node_id, Op.PUT_SHARDS, meta, parts[:1], later=sum(len(part) for part in parts[1:])
+            )
+            for w, part in enumerate(parts[1:], 1):
+                if len(part):
+                    feeds[w].append((pending, part))
+            plans.append((node_id, entries, pending))
+
+        later = iter(range(1, len(feeds)))
+
+        def encode_next() -> bool:
+            w = next(later)
+            stripes.encode(self.codec, starts[w], starts[w + 1])
+            for pending, part in feeds[w]:
+                exchange.extend(pending, part)
+            return w + 1 < len(feeds)
+
+        exchange.run(self.config.client.op_timeout_s, work=encode_next if len(feeds) > 1 else None)
         ok = np.zeros(shard_nodes.shape, dtype=bool)
         no_space = np.zeros(len(keys), dtype=bool)
         answered = []
@@ -169,13 +194,12 @@ class Writes(ClientCore):
         ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True)
         return int((ok & which).sum())
 
-    def _encode(self, views: Sequence[memoryview]) -> Stripes:
-        """The shards of every block as (address, length) pieces, parity computed. Data shards are the block's
-        own bytes; a short last data shard is followed by a piece of a shared zero buffer (its padding); the
-        parity of the whole batch lives in one buffer reused across calls (no fresh pages to fault in). Parity
-        is computed from a pointer table built with numpy, one ISA-L call per block (two when its last shard is
-        short: the bytes where every shard has data, then the rest with the zero buffer for the last shard); a
-        block too small for that (its last shard empty) is padded by a copy. No Python object per shard."""
+    def _stripes(self, views: Sequence[memoryview]) -> Stripes:
+        """The shards of every block as (address, length) pieces, parity not computed yet (``Stripes.encode``).
+        Data shards are the block's own bytes; a short last data shard is followed by a piece of a shared zero
+        buffer (its padding); the parity of the whole batch lives in one buffer reused across calls (no fresh
+        pages to fault in); a block too small for that (its last shard empty) is padded by a copy. No Python
+        object per shard."""
         lens = np.fromiter(map(len, views), dtype=np.int64, count=len(views))
         sizes = np.maximum(1, -(-lens // DATA_SHARDS))  # codec.shard_size of every block
         full = lens - (DATA_SHARDS - 1) * sizes  # bytes of the last shard that the block holds
@@ -187,36 +211,49 @@ class Writes(ClientCore):
             self._parity = bytearray(2 * int(sizes.sum()))
         parity = memoryview(self._parity)
         zeros = _zeros(int((sizes - full).max(initial=0)))
+        zeros_at = int(addresses([zeros])[0]) if len(zeros) else 0
         table = np.empty((len(views), TOTAL_SHARDS), dtype=np.int64)
         table[:, 0] = addresses(sources)
         table[:, 1:DATA_SHARDS] = table[:, :1] + sizes[:, None] * np.arange(1, DATA_SHARDS)
         table[:, DATA_SHARDS] = addresses([parity])[0] + 2 * (np.cumsum(sizes) - sizes)
         table[:, DATA_SHARDS + 1] = table[:, DATA_SHARDS] + sizes
-        self.codec.encode_parity_at(table, full)
-        short = np.flatnonzero(full < sizes)
-        if len(short):  # [full, size) of every shard, the last one's from the zero buffer
-            rest = table[short] + full[short, None]
-            rest[:, DATA_SHARDS - 1] = addresses([zeros])[0]
-            self.codec.encode_parity_at(rest, (sizes - full)[short])
         pieces = np.zeros((len(views), TOTAL_SHARDS, 2, 2), dtype=np.int64)  # per shard: its bytes, its padding
         pieces[:, :, 0, 0] = table
         pieces[:, :, 0, 1] = sizes[:, None]
         pieces[:, DATA_SHARDS - 1, 0, 1] = full
-        if len(zeros):
-            pieces[:, DATA_SHARDS - 1, 1, 0] = addresses([zeros])[0]
+        pieces[:, DATA_SHARDS - 1, 1, 0] = zeros_at
         pieces[:, DATA_SHARDS - 1, 1, 1] = sizes - full
-        return Stripes(pieces.reshape(-1, 4), lens, sizes, (sources, parity, zeros))
+        return Stripes(pieces.reshape(-1, 4), lens, sizes, full, table, zeros_at, (sources, parity, zeros))
+
+
+ENCODE_WINDOW = 4 << 20
+"""Block bytes of a put's first window of parity, sent while the rest is encoded; each later window holds as many
+blocks as all before it (few rounds of the send loop, yet the nodes never wait for the whole batch's parity)."""
 
 
 class Stripes(NamedTuple):
-    """A batch's shards, ready to send: ``pieces[block * TOTAL_SHARDS + shard]`` is two (address, length) pairs
-    (the shard's bytes, then its zero padding, usually empty), valid while ``keep`` lives; ``lens`` and ``sizes``
-    are per block."""
+    """A batch's shards, ready to send once encoded: ``pieces[block * TOTAL_SHARDS + shard]`` is two (address,
+    length) pairs (the shard's bytes, then its zero padding, usually empty), valid while ``keep`` lives; per
+    block its length, shard size, bytes of its last data shard, and the addresses of its 12 shards."""
 
     pieces: np.ndarray
     lens: np.ndarray
     sizes: np.ndarray
+    full: np.ndarray
+    table: np.ndarray
+    zeros_at: int
     keep: object
+
+    def encode(self, codec: Codec, lo: int, hi: int) -> None:
+        """Compute the parity of blocks ``lo``..``hi`` - 1: one ISA-L call per block, two when its last shard is
+        short (the bytes where every shard has data, then the rest with the zero buffer for the last shard)."""
+        table, full, sizes = self.table[lo:hi], self.full[lo:hi], self.sizes[lo:hi]
+        codec.encode_parity_at(table, full)
+        short = np.flatnonzero(full < sizes)
+        if len(short):
+            rest = table[short] + full[short, None]
+            rest[:, DATA_SHARDS - 1] = self.zeros_at
+            codec.encode_parity_at(rest, (sizes - full)[short])
 
 
 def _zeros(n: int) -> memoryview:

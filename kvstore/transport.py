@@ -83,6 +83,7 @@ class Pending:
     sunk: bool = False
     wire: list[Outgoing] = field(default_factory=list, repr=False)  # the request, kept for one resend
     resent: bool = False
+    sock: socket.socket | None = field(default=None, repr=False)  # the connection its bytes are queued on
     crcs: np.ndarray | None = field(default=None, repr=False)  # of the ReceivePlan its reply lands by
 
     @property
@@ -210,10 +211,12 @@ class Exchange:
         payload: Sequence[Outgoing] = (),
         sink: Sink | None = None,
         on_reply: Callable[[Frame], None] | None = None,
+        later: int = 0,
     ) -> Pending:
         """Queue a request to ``node_id``.
 
-        ``payload`` items are buffers or ``_native.Scatter`` pieces, which stay valid until ``run`` returns.
+        ``payload`` items are buffers or ``_native.Scatter`` pieces, which stay valid until ``run`` returns;
+        ``later`` more payload bytes follow through ``extend`` (the head announces them).
         ``sink(head)`` chooses where the reply's payload goes (None: a buffer of its own);
         ``on_reply(frame)`` runs as soon as a non-error reply is complete, before ``run`` returns.
         """
@@ -227,7 +230,7 @@ class Exchange:
         if conn is None:
             pending.error = "down"
             return pending
-        size = sum(len(p) for p in payload)
+        size = sum(len(p) for p in payload) + later
         if self.pool.act_as is not None:
             meta = {**meta, "tenant": self.pool.act_as}
         head = encode_head(opcode, pending.request_id, meta, size)
@@ -236,7 +239,16 @@ class Exchange:
         pending.wire.extend(p if isinstance(p, _native.Scatter) else memoryview(p).cast("B") for p in payload if len(p))
         conn.outgoing.extend(pending.wire)
         conn.inflight[pending.request_id] = pending
+        pending.sock = conn.sock
         return pending
+
+    def extend(self, pending: Pending, payload: _native.Scatter) -> None:
+        """Send ``payload`` after what ``pending`` queued so far: bytes its ``request`` announced as ``later``
+        (on the connection its head went out on; a resend sends them again). Valid until ``run`` returns."""
+        pending.wire.append(payload)
+        conn = self.pool.conns[pending.node_id]
+        if pending.sock is not None and pending.sock is conn.sock:
+            conn.outgoing.append(payload)
 
     def _connection_lost(self, conn: NodeConn, reason: str) -> None:
         """Close a broken connection; resend, once, the requests no reply byte had arrived for.
@@ -262,11 +274,18 @@ class Exchange:
                 continue
             fresh.outgoing.extend(pending.wire)
             fresh.inflight[pending.request_id] = pending
+            pending.sock = fresh.sock
 
-    def run(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
-        """Drive every queued request until all are done, ``until()`` holds, or ``timeout_s`` passes."""
+    def run(
+        self, timeout_s: float, until: Callable[[], bool] | None = None, work: Callable[[], bool] | None = None
+    ) -> None:
+        """Drive every queued request until all are done, ``until()`` holds, or ``timeout_s`` passes.
+
+        ``work()`` is a step of the caller's own work (e.g. encoding what it ``extend``s requests with next), run
+        whenever the sockets have taken everything queued; it returns False once nothing is left to do.
+        """
         try:
-            self._run(timeout_s, until)
+            self._run(timeout_s, until, work)
         except BaseException:
             self.abandon()
             raise
@@ -294,7 +313,7 @@ class Exchange:
             if not pending.done:
                 self.pool.conns[pending.node_id].close("abandoned")
 
-    def _run(self, timeout_s: float, until: Callable[[], bool] | None) -> None:
+    def _run(self, timeout_s: float, until: Callable[[], bool] | None, work: Callable[[], bool] | None) -> None:
         deadline = time.monotonic() + timeout_s
         with selectors.DefaultSelector() as selector:
             registered: dict[int, tuple[socket.socket, int]] = {}
@@ -309,6 +328,9 @@ class Exchange:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not active:
                     break
+                if work is not None and not any(c.outgoing for c in active):
+                    work = work if work() else None
+                    continue
                 self._register(selector, registered, active)
                 for key, events in selector.select(min(remaining, 1.0)):
                     conn: NodeConn = key.data

@@ -10,8 +10,10 @@ import sys
 import textwrap
 import time
 
+import crc32c
 import pytest
 
+from kvtier.kvstore import client_writes
 from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import CapacityError, Client, connect
 from kvtier.kvstore.keys import Namespace, chain, header_digests
@@ -94,6 +96,17 @@ def test_blocks_of_any_size_round_trip(client: Client) -> None:
     blocks = [os.urandom(n) for n in SIZES]
     assert client.put(keys, blocks) == [True] * len(keys)
     assert [bytes(b) for b in client.get(keys)] == blocks
+
+
+def test_a_put_encoded_window_by_window_round_trips(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_writes, "ENCODE_WINDOW", 100_000)  # windows of 1, 1, 2, 4, 8, ... blocks
+    blocks = [os.urandom(n) for n in [*SIZES[:-1], 65_536, 100_003] * 4]  # tiny, short last shards, exact
+    keys = rand_keys(len(blocks))
+    assert client.put(keys, blocks) == [True] * len(keys)
+    assert [bytes(b) for b in client.get(keys)] == blocks
+    for key, block in zip(keys, blocks, strict=True):  # parity too: what every node stored is the codec's shards
+        stored = {shard["index"]: shard["crc"] for shard in client.stat(key)["shards"]}
+        assert stored == {i: crc32c.crc32c(shard) for i, shard in enumerate(client.codec.encode(block))}
 
 
 def test_get_into_fills_caller_buffers(client: Client) -> None:
