@@ -870,6 +870,84 @@ static PyObject *py_crc32c_pieces(PyObject *self, PyObject *arg) {
     return out;
 }
 
+/* reply_plan(blocks, index, lens, fits, base, length, data_shards) -> (plan, scratch, parked): where each shard of a
+ * GET reply lands, in payload order, as int64 (address, length, shard) rows (shard: the shard's number among those
+ * that fit, -1 for one that does not; empty pieces left out). A data shard that fits (fits[i], index < data_shards)
+ * lands at base[block] + index * len, the bytes of it beyond length[block] (the zero padding of a tail shard) in
+ * scratch; any other shard lands whole in scratch, a new bytearray; parked holds, per shard, its offset in scratch
+ * (-1: none). blocks, index, lens, base, length: int64 arrays; fits: bool. */
+static PyObject *py_reply_plan(PyObject *self, PyObject *args) {
+    Py_buffer in[6] = {{0}};
+    long long data_shards;
+    PyObject *objs[6];
+    if (!PyArg_ParseTuple(args, "OOOOOOL:reply_plan", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &data_shards))
+        return NULL;
+    PyObject *plan = NULL, *scratch = NULL, *parked = NULL, *out = NULL;
+    for (int i = 0; i < 6; i++)
+        if (PyObject_GetBuffer(objs[i], &in[i], PyBUF_C_CONTIGUOUS) < 0) goto done;
+    Py_ssize_t n = in[0].len / 8, blocks_known = in[4].len / 8;
+    if (in[1].len != n * 8 || in[2].len != n * 8 || in[3].len != n || in[5].len != blocks_known * 8 || in[0].len % 8) {
+        PyErr_SetString(PyExc_ValueError, "reply_plan: blocks, index, lens (int64), fits (bool) must match");
+        goto done;
+    }
+    const int64_t *block = in[0].buf, *index = in[1].buf, *len = in[2].buf, *base = in[4].buf, *length = in[5].buf;
+    const unsigned char *fits = in[3].buf;
+    int64_t scratch_len = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (len[i] < 0 || (fits[i] && (block[i] < 0 || block[i] >= blocks_known))) {
+            PyErr_SetString(PyExc_ValueError, "reply_plan: a shard names no known block or a negative length");
+            goto done;
+        }
+        if (fits[i] && index[i] < data_shards) {
+            int64_t held = length[block[i]] - index[i] * len[i];
+            scratch_len += len[i] - (held < 0 ? 0 : held > len[i] ? len[i] : held);
+        } else {
+            scratch_len += len[i];
+        }
+    }
+    plan = PyBytes_FromStringAndSize(NULL, 2 * n * 3 * (Py_ssize_t)sizeof(int64_t));
+    scratch = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)scratch_len);
+    parked = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (!plan || !scratch || !parked) goto done;
+    int64_t *rows = (int64_t *)PyBytes_AS_STRING(plan), *at = (int64_t *)PyBytes_AS_STRING(parked);
+    int64_t scratch_base = (int64_t)(uintptr_t)PyByteArray_AS_STRING(scratch), off = 0, checked = 0;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t shard = fits[i] ? checked++ : -1;
+        at[i] = -1;
+        if (fits[i] && index[i] < data_shards) {
+            int64_t start = index[i] * len[i], held = length[block[i]] - start;
+            held = held < 0 ? 0 : held > len[i] ? len[i] : held;
+            if (held) {
+                rows[3 * k] = base[block[i]] + start, rows[3 * k + 1] = held, rows[3 * k + 2] = shard;
+                k++;
+            }
+            if (len[i] - held) {
+                rows[3 * k] = scratch_base + off, rows[3 * k + 1] = len[i] - held, rows[3 * k + 2] = shard;
+                k++;
+                off += len[i] - held;
+            }
+        } else {
+            at[i] = off;
+            if (len[i]) {
+                rows[3 * k] = scratch_base + off, rows[3 * k + 1] = len[i], rows[3 * k + 2] = shard;
+                k++;
+            }
+            off += len[i];
+        }
+    }
+    if (_PyBytes_Resize(&plan, k * 3 * (Py_ssize_t)sizeof(int64_t)) < 0) goto done;
+    out = PyTuple_Pack(3, plan, scratch, parked);
+done:
+    for (int i = 0; i < 6; i++)
+        if (in[i].obj) PyBuffer_Release(&in[i]);
+    Py_XDECREF(plan);
+    Py_XDECREF(scratch);
+    Py_XDECREF(parked);
+    return out;
+}
+
 static PyObject *py_addresses(PyObject *self, PyObject *seq) {
     Py_ssize_t n;
     Py_buffer *views = acquire_views(seq, &n, 1);
@@ -955,6 +1033,9 @@ static PyMethodDef methods[] = {
      "0 when the peer closed. plan holds int64 (address, length) rows, or with crcs (a writable uint32 array)\n"
      "(address, length, shard) rows, each piece folded into crcs[shard] (-1: none) in 1 MiB steps, while hot.\n"
      "Raises BlockingIOError when nothing is waiting. The caller keeps every address valid and writable."},
+    {"reply_plan", py_reply_plan, METH_VARARGS,
+     "reply_plan(blocks, index, lens, fits, base, length, data_shards) -> (plan, scratch, parked): where each shard\n"
+     "of a GET reply lands, as int64 (address, length, shard) rows in payload order (see csrc/native.c)."},
     {"addresses", py_addresses, METH_O,
      "addresses(buffers) -> bytes: the start address of each writable, C-contiguous buffer as int64s (valid\n"
      "while the caller keeps the buffer exported, e.g. through a memoryview, so it cannot move or be freed)."},

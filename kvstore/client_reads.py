@@ -33,7 +33,8 @@ class BlockLayout:
 
 
 class ReadState:
-    """Book-keeping of one batched read: where each shard goes and which blocks can be decoded."""
+    """Book-keeping of one batched read: where each shard goes and which blocks can be decoded. ``allocate``: every
+    buffer is None and a block gets one at its first shard (``get``); otherwise every buffer is the caller's."""
 
     def __init__(self, n: int, buffers: list[memoryview | None], allocate: bool, trust_primary: bool) -> None:
         self.buffers = buffers
@@ -56,12 +57,8 @@ class ReadState:
         self.scratch: dict[int, bytearray] = {}
         self.arrivals = 0  # GET replies complete so far
         self._decodable = (-1, False)  # (arrivals, whether every block was decodable then)
-        if all(buf is not None for buf in buffers):  # get_into: every destination known from the start
+        if not allocate:  # get_into: every destination known from the start
             self._place(range(n), np.fromiter(map(len, buffers), dtype=np.int64, count=n))  # type: ignore[arg-type]
-        else:
-            known = [b for b, buf in enumerate(buffers) if buf is not None]
-            if known:
-                self._place(known, [len(buffers[b]) for b in known])  # type: ignore[arg-type]
 
     def arrived(self, frame: Frame, entries: np.ndarray) -> None:
         """A GET reply for ``entries`` is complete: its shards are in place, its verdicts known. A shard whose
@@ -170,7 +167,7 @@ class Reads(Writes):
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         views: list[memoryview | None] = [memoryview(b).cast("B") for b in buffers]
-        if any(v.readonly for v in views if v is not None):
+        if any(v.readonly for v in views):  # type: ignore[union-attr]
             raise ValueError("get_into needs writable buffers")
         return self._read(keys, views, False, self._headers(keys, tokens, namespace, headers)[0])
 
@@ -268,40 +265,19 @@ class Reads(Writes):
         block_lens = np.frombuffer(raw[2], dtype="<u8")[ok].astype(np.int64)
         blocks, index = entries[ok, 0], entries[ok, 1]
         fits = state.destinations(blocks, block_lens) & (lens == np.maximum(1, -(-block_lens // DATA_SHARDS)))
-        data = fits & (index < DATA_SHARDS)
-        elsewhere = _rows(~data)
-        data = _rows(data)
-        start = index[data] * lens[data]
-        held = np.clip(state.length[blocks[data]] - start, 0, lens[data])  # bytes of the shard inside the block
-        padding = lens[data] - held
-        # one scratch buffer per reply: tail padding (apart for each shard: the crc of a piece is taken after it
-        # lands), then parity and shards that do not fit
-        scratch_lens = np.concatenate([padding, lens[elsewhere]])
-        scratch = state.scratch[frame.request_id] = _native.bytearray_uninit(int(scratch_lens.sum()))
-        offsets = np.cumsum(scratch_lens) - scratch_lens
-        base = int(np.frombuffer(_native.addresses([scratch]), dtype=np.int64)[0])
-        count = len(lens)
-        pieces = np.zeros((count, 2, 3), dtype=np.int64)  # per shard: (address, length, shard) of bytes, padding
-        pieces[data, 0, 0] = state.base[blocks[data]] + start
-        pieces[data, 0, 1] = held
-        pieces[data, 1, 0] = base + offsets[: len(padding)]
-        pieces[data, 1, 1] = padding
-        pieces[elsewhere, 0, 0] = base + offsets[len(padding) :]
-        pieces[elsewhere, 0, 1] = lens[elsewhere]
-        fitting = int(fits.sum())
-        if fitting == count:
-            pieces[:, :, 2] = np.arange(count)[:, None]
-        else:
-            checked = np.full(count, -1, dtype=np.int64)  # a shard that does not fit is dropped unchecked
-            checked[fits] = np.arange(fitting)
-            pieces[:, :, 2] = checked[:, None]
+        # one pass in compiled code: data shards at their place in their block (the zero padding of a tail shard into
+        # scratch, apart for each shard: a piece's crc is taken after it lands), the others whole into scratch
+        pieces, scratch, parked = _native.reply_plan(
+            np.ascontiguousarray(blocks), np.ascontiguousarray(index), lens, fits, state.base, state.length, DATA_SHARDS
+        )
+        state.scratch[frame.request_id] = scratch
         parity = fits & (index >= DATA_SHARDS)  # what fits its block but is not a data shard: kept for decoding
         if parity.any():
             view = memoryview(scratch)
             for b, i, at, length in zip(
                 blocks[parity].tolist(),
                 index[parity].tolist(),
-                offsets[len(padding) :][fits[elsewhere]].tolist(),
+                np.frombuffer(parked, dtype=np.int64)[parity].tolist(),
                 lens[parity].tolist(),
                 strict=True,
             ):
@@ -309,11 +285,10 @@ class Reads(Writes):
         crcs = expected = None
         landed = _rows(fits)
         if stored_crc is not None:
-            crcs = np.zeros(fitting, dtype=np.uint32)  # filled in by the receive, shard by shard
+            crcs = np.zeros(int(fits.sum()), dtype=np.uint32)  # filled in by the receive, shard by shard
             expected = np.frombuffer(stored_crc, dtype="<u4")[ok][landed]
         state.receiving[frame.request_id] = Landing(entries[ok][landed], crcs, expected)
-        plan = pieces.reshape(-1, 3)
-        plan = np.ascontiguousarray(plan[plan[:, 1] > 0])
+        plan = np.frombuffer(pieces, dtype=np.int64).reshape(-1, 3)
         return ReceivePlan(plan if crcs is not None else np.ascontiguousarray(plan[:, :2]), crcs)
 
     def _assemble(self, state: ReadState) -> list[bool]:

@@ -232,6 +232,27 @@ def test_recv_scatter_checksums_each_shard_as_it_lands_across_partial_receives()
     assert memory[300_007:306_007] + memory[306_010:] == shards[2]
 
 
+def test_reply_plan_lands_data_shards_in_their_blocks_and_the_rest_in_scratch() -> None:
+    blocks = [bytearray(25), bytearray(7)]  # shard length 3 for 25 bytes; 1 for 7
+    base = np.frombuffer(_native.addresses(blocks), dtype=np.int64)
+    rows = np.asarray([(0, 2, 3), (0, 8, 3), (1, 0, 1), (0, 10, 3), (1, 3, 2)], dtype=np.int64)  # block, index, len
+    fits = np.asarray([True, True, True, True, False])  # the last one's length does not match its block
+    pieces, scratch, parked = _native.reply_plan(
+        rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy(), fits, base, np.asarray([25, 7], dtype=np.int64), 10
+    )
+    plan = np.frombuffer(pieces, dtype=np.int64).reshape(-1, 3)
+    at = int(np.frombuffer(_native.addresses([scratch]), dtype=np.int64)[0])
+    assert plan.tolist() == [
+        [int(base[0]) + 6, 3, 0],  # data shard 2 of block 0 in place
+        [int(base[0]) + 24, 1, 1],  # shard 8: one byte of the block, two bytes of zero padding into scratch
+        [at, 2, 1],
+        [int(base[1]), 1, 2],
+        [at + 2, 3, 3],  # a parity shard into scratch, parked there for decoding
+        [at + 5, 2, -1],  # a shard that does not fit: received into scratch, not checked
+    ]
+    assert len(scratch) == 7 and np.frombuffer(parked, dtype=np.int64).tolist() == [-1, -1, -1, 2, 5]
+
+
 def test_bytearray_uninit_is_a_bytearray_of_that_size() -> None:
     buf = _native.bytearray_uninit(1 << 20)
     assert isinstance(buf, bytearray) and len(buf) == 1 << 20
