@@ -15,16 +15,21 @@ slots, leaving the rest of each slot untouched.
   page-locks the host memory (``cudaHostRegister``) and hands out a CUDA tensor aliasing it. The TileLang row-copy
   kernel (``kvtier.kernels.rowcopy``) then reads the slots across PCIe and writes each page where it belongs in one
   launch: no ``cudaMemcpy`` per block, no staging copy in device memory. Swap-out is the same kernel with the
-  roles swapped (pages in HBM → slots in host memory). On the H200 (PCIe 5 x16), 16/64 KiB blocks, 1 GiB a call:
-  0.89-0.90/0.90-0.92x one contiguous pinned ``cudaMemcpyAsync`` of the same bytes end to end (the kernel alone
-  0.925x; the rest, 0.6 ms, is host work: checking the ids into the upload buffer, the upload, the launch),
-  against 0.03-0.06/0.14-0.25x for a ``cudaMemcpyAsync`` per block.
+  roles swapped (pages in HBM → slots in host memory). The ids are checked on the device, not by the host: they
+  go up in one copy on a side stream, where ``RowCheckKernel`` sets a flag if one is out of range or a destination
+  repeats; the copy, queued on the current stream behind that check, reads the flag first and moves nothing if it
+  is set. On the H200 (PCIe 5 x16), 16/64 KiB blocks, 1 GiB a call: 0.89-0.90/0.90-0.91x one contiguous pinned
+  ``cudaMemcpyAsync`` of the same bytes end to end (128 MiB calls queued: 0.91/0.90-0.91x; the kernel alone
+  0.925x; the rest, about 0.4 ms a call, is host work before the copy can start), against 0.05-0.06/0.15-0.24x
+  for a ``cudaMemcpyAsync`` per block (docs/swapin.md).
 
-Both functions check their arguments first and raise :class:`SwapError` (one line: what is wrong) before moving
-a byte: ids must be integers in range, as many slot ids as page ids, destination ids distinct, page size within
-the slot stride, a multiple of 4 bytes on the GPU, and the tensors on matching devices. On the GPU they return
-once the copy is queued on the current stream: synchronise (or record an event) before the slots are released
-or the pages read from another stream.
+Both functions check their arguments and raise :class:`SwapError` (one line: what is wrong) having moved no byte:
+ids must be integers in range, as many slot ids as page ids, destination ids distinct, page size within the slot
+stride, a multiple of 4 bytes on the GPU, and the tensors on matching devices. On the GPU they return once the
+device has checked the ids (they wait for that check, about a millisecond, but neither for the copy nor for work
+queued earlier on the current stream) and the copy is queued on the current stream: synchronise (or record an
+event) before the slots are released or the pages read from another stream. Calls on one device take turns (the
+pinned upload buffer is reused).
 """
 
 from __future__ import annotations
