@@ -303,7 +303,8 @@ class StorageNode:
         if probe:
             return Reply({"st": status_bytes})
         self.metrics.lookups(status_bytes)
-        read_primary = np.flatnonzero((idx == 0) & (reads.status == Status.OK)).tolist()
+        ok = reads.ok
+        read_primary = ok[idx[ok] == 0].tolist()
         if read_primary:
             self.engine.touch(tenant, [keys[row * klen : (row + 1) * klen] for row in read_primary])
         records = reads.records
