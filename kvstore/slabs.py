@@ -82,6 +82,14 @@ class Pins:
         counts = self._counts.get(size_class)
         return counts is not None and 0 <= slot < len(counts) and bool(counts[slot])
 
+    def pinned(self, classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Whether each (``classes[i]``, ``slots[i]``) is pinned, as one array."""
+        out = np.zeros(len(slots), dtype=bool)
+        for size_class, counts in self._counts.items():
+            rows = np.flatnonzero((classes == size_class) & (slots < len(counts)))
+            out[rows] = counts[slots[rows]] > 0
+        return out
+
     def add(self, classes: np.ndarray, slots: np.ndarray, step: int) -> None:
         """Add ``step`` (1: pin, -1: unpin) to the count of every (``classes[i]``, ``slots[i]``); a slot listed
         twice counts twice."""
@@ -201,15 +209,19 @@ class SlabFiles:
         """Make (size class, slot)s reusable once the clock passes ``after`` and no reader pins them. Those
         that may be reused already (``after`` is not in the future, and unpinned) go straight to the free
         lists; returns their bytes. The others wait in quarantine for ``reap``."""
+        if not slots:
+            return 0
+        classes, numbers = (np.asarray(column, dtype=np.int64) for column in zip(*slots, strict=True))
+        held = self.pins.pinned(classes, numbers) if after <= now else np.ones(len(numbers), dtype=bool)
         freed = 0
-        pins, free, quarantine = self.pins, self.free, self.quarantine
-        for size_class, slot in slots:
-            if after <= now and (size_class, slot) not in pins:
-                free.setdefault(size_class, []).append(slot)
-                freed += SIZE_CLASSES[size_class]
-            else:
-                quarantine.append((after, size_class, slot))
-                self.quarantined_bytes += SIZE_CLASSES[size_class]
+        for size_class in np.unique(classes).tolist():
+            mine = classes == size_class
+            reusable = numbers[mine & ~held].tolist()
+            self.free.setdefault(size_class, []).extend(reusable)
+            freed += len(reusable) * SIZE_CLASSES[size_class]
+            waiting = numbers[mine & held].tolist()
+            self.quarantine.extend((after, size_class, slot) for slot in waiting)
+            self.quarantined_bytes += len(waiting) * SIZE_CLASSES[size_class]
         return freed
 
     def release_now(self, size_class: int, slot: int) -> None:
