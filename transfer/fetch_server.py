@@ -1,4 +1,4 @@
-"""The fetcher's server: a selectors loop that answers engines, worker threads that call the store.
+"""The fetcher's server: threads that wait on one epoll for engines' requests, answer them and call the store.
 
 The process around it (command line, ``LocalFetcher``) is :mod:`kvtier.transfer.fetcher`. The server owns the
 pools (:class:`~kvtier.transfer.staging.StagingPool`, one per size class; the single writer of their slot tables)
@@ -17,12 +17,14 @@ How a FETCH is answered, per block:
 The reply goes out when every block of the request has its answer. Pins belong to the connection: RELEASE drops
 them, and so does the connection closing (an engine that dies loses nothing and leaks nothing).
 
-Threads (leader/followers): ``workers + 1`` threads take turns. One, the leader, waits for requests and handles
-them; a request that needs a store call queues a job. The leader then hands the waiting for requests to a follower
-and, while another thread is left to lead, runs the most urgent queued job itself: the store call (no lock held:
-it only fills slot bytes), then the slots' publication and the answers of every request that waited for it. So a
-fetch is read from the store and answered by the thread that received it, with no hand-off between threads, and at
-most ``workers`` store calls run at once. Every change to the tables, pins and connections happens under one lock.
+Threads: ``workers + 1`` threads, each either waiting on one epoll (every descriptor armed one-shot, so an event
+wakes one thread and no other thread sees it until it is handled) or working. A thread woken by a request handles
+it; if that queued a job and another thread still waits on the epoll, it runs the most urgent job itself: the store
+call (no lock held: it only fills slot bytes), then the slots' publication and the answers of every request that
+waited for it. So a fetch is read from the store and answered by the thread that received it: no hand-off between
+threads, and no thread to wake. At most ``workers`` store calls run at once (one thread always waits on the epoll
+while others work), and a queued job is taken by the next thread that finds another one waiting. Every change to
+the tables, pins and connections happens under one lock.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import heapq
 import itertools
 import logging
 import os
-import selectors
+import select
 import socket
 import stat
 import struct
@@ -80,7 +82,6 @@ class Session:
     reader: FrameReader = field(default_factory=FrameReader)
     tenant: str | None = None
     out: bytearray = field(default_factory=bytearray)
-    waiting_to_write: bool = False  # registered for EVENT_WRITE: ``out`` did not fit the socket
     # per size class, the pins this connection holds on each slot (a pinned slot keeps its generation)
     pins: dict[int, np.ndarray] = field(default_factory=dict)
     allocs: set[tuple[int, int, int]] = field(default_factory=set)
@@ -166,11 +167,14 @@ class Fetcher:
     def __init__(
         self, config: cluster_mod.ClusterConfig, pools: Sequence[StagingPool], socket_path: Path, workers: int = 2
     ) -> None:
+        if workers < 1:
+            raise ValueError("the fetcher needs at least one worker thread")
         self.config = config
         self.pools = sorted(pools, key=lambda p: p.slot_bytes)  # size classes, smallest first
         self.slot_sizes = [p.slot_bytes for p in self.pools]
         self.socket_path = socket_path
-        self.selector = selectors.DefaultSelector()
+        self.epoll = select.epoll()
+        self._watched: dict[int, Session | str] = {}  # descriptor -> its session, "listen" or "wake"
         # blocks being read, by (tenant id, length) then key: a request for one of them waits for that read
         self.flights: dict[tuple[int, int], dict[bytes, Job]] = {}
         self.jobs: list[tuple[int, int, Job]] = []  # a heap: (priority, sequence, job), under the lock
@@ -178,19 +182,16 @@ class Fetcher:
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))  # every key present: scraped from a thread
         self.sessions: set[Session] = set()
         self._lock = threading.RLock()  # everything but a store call in progress happens under it
-        self._turn = threading.Condition(self._lock)  # followers wait here to lead or to run a job
-        self._leading = False  # a thread waits for requests
-        self._following = 0  # threads waiting for their turn
+        self._waiting = 0  # threads waiting on the epoll
         self._next_sweep = time.monotonic() + PEER_SWEEP_S
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.listener = self._listen(socket_path)
-        self.selector.register(self.listener, selectors.EVENT_READ, "listen")
-        self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        if workers < 1:
-            raise ValueError("the fetcher needs at least one worker thread")
+        self._watch(self.listener.fileno(), "listen")
+        self._watched[self._wake_r.fileno()] = "wake"  # level-triggered and never drained: stop wakes every thread
+        self.epoll.register(self._wake_r.fileno(), select.EPOLLIN)
         self.workers = [threading.Thread(target=self._take_turns, daemon=True) for _ in range(workers)]
         for worker in self.workers:
             worker.start()
@@ -226,57 +227,57 @@ class Fetcher:
         self._take_turns()
 
     def _take_turns(self) -> None:
-        """One thread's loop: run the most urgent queued job while another thread waits for requests (or can); else
-        wait for requests if no thread does; else wait for a turn."""
+        """One thread's loop: run the most urgent queued job while another thread waits on the epoll; else wait on
+        the epoll and handle what it reports."""
         clients: dict[str, Client] = {}  # this thread's store clients, by tenant
         with self._lock:
             while not self.stopping:
-                if self.jobs and (self._leading or self._following):
+                if self.jobs and self._waiting:
                     job = heapq.heappop(self.jobs)[2]
                     if not job.started:  # (a job hurried along sits in the heap twice)
                         job.started = True
                         self._run(job, clients)
-                elif not self._leading:
-                    self._leading = True
-                    try:
-                        self._lead()
-                    finally:
-                        self._leading = False
-                    if self.stopping:
-                        self._turn.notify_all()
-                    elif self.jobs:  # a follower leads next while this thread runs a job (one more per other job)
-                        self._turn.notify(len(self.jobs))
-                else:
-                    self._following += 1
-                    self._turn.wait()
-                    self._following -= 1
-            self._turn.notify_all()
+                    continue
+                self._waiting += 1
+                self._lock.release()
+                try:
+                    ready = self.epoll.poll(0.5)
+                finally:
+                    self._lock.acquire()
+                    self._waiting -= 1
+                if time.monotonic() >= self._next_sweep:
+                    self._sweep_dead_peers()
+                    self._next_sweep = time.monotonic() + PEER_SWEEP_S
+                for fd, events in ready:
+                    self._dispatch(fd, events)
         for client in clients.values():
             client.close()
 
-    def _lead(self) -> None:
-        """Wait for requests (the lock released meanwhile) and handle them."""
-        if time.monotonic() >= self._next_sweep:
-            self._sweep_dead_peers()
-            self._next_sweep = time.monotonic() + PEER_SWEEP_S
-        self._lock.release()
-        try:
-            ready = self.selector.select(timeout=0.5)
-        finally:
-            self._lock.acquire()
-        for key, events in ready:
-            if key.data == "listen":
-                self._accept()
-            elif key.data == "wake":
-                with contextlib.suppress(BlockingIOError):
-                    while self._wake_r.recv(4096):
-                        pass
-            else:
-                session: Session = key.data
-                if events & selectors.EVENT_READ and not session.closed:
-                    self._receive(session)
-                if events & selectors.EVENT_WRITE and not session.closed:
-                    self._flush(session)
+    def _dispatch(self, fd: int, events: int) -> None:
+        """Handle one epoll event (under the lock) and arm the descriptor again."""
+        what = self._watched.get(fd)  # None: closed since the event was reported
+        if what == "listen":
+            self._accept()
+            self._arm(fd, select.EPOLLIN)
+        elif isinstance(what, Session):
+            if events & ~select.EPOLLOUT and not what.closed:  # readable, hung up or failed: recv tells which
+                self._receive(what)
+            if events & select.EPOLLOUT and not what.closed:
+                self._flush(what)
+            if not what.closed:
+                self._arm_session(what)
+
+    def _watch(self, fd: int, what: Session | str) -> None:
+        self._watched[fd] = what
+        self.epoll.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
+
+    def _arm(self, fd: int, events: int) -> None:
+        with contextlib.suppress(OSError):  # (closed meanwhile)
+            self.epoll.modify(fd, events | select.EPOLLONESHOT)
+
+    def _arm_session(self, session: Session) -> None:
+        """Watch ``session`` for requests, and for room to write while its output waits."""
+        self._arm(session.sock.fileno(), select.EPOLLIN | (select.EPOLLOUT if session.out else 0))
 
     def _sweep_dead_peers(self) -> None:
         """Close connections whose process is gone although the socket lives on (a child inherited it): their
@@ -294,12 +295,11 @@ class Fetcher:
 
     def close(self) -> None:
         """After :meth:`serve_forever` returned: every connection closed, the socket removed."""
+        self.stop()  # (threads still waiting on the epoll leave)
         with self._lock:
-            self.stopping = True
-            self._turn.notify_all()
             for session in list(self.sessions):
                 self._close(session)
-        self.selector.close()
+        self.epoll.close()
         self.listener.close()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -318,7 +318,7 @@ class Fetcher:
             sock.setblocking(False)
             session = Session(sock, pid, FrameReader(requests_only(self.config.limits)))
             self.sessions.add(session)
-            self.selector.register(sock, selectors.EVENT_READ, session)
+            self._watch(sock.fileno(), session)
 
     def _receive(self, session: Session) -> None:
         try:
@@ -355,10 +355,8 @@ class Fetcher:
             self._close(session)
             return
         del session.out[:sent]
-        if session.waiting_to_write != bool(session.out):  # (the usual reply goes out whole: no system call here)
-            session.waiting_to_write = bool(session.out)
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if session.out else 0)
-            self.selector.modify(session.sock, events, session)
+        if session.out:  # (the usual reply goes out whole: no system call here)
+            self._arm_session(session)
 
     def _refuse(self, session: Session, request_id: int, code: ErrorCode, message: str) -> None:
         with contextlib.suppress(OSError):
@@ -373,8 +371,11 @@ class Fetcher:
             return
         session.closed = True
         self.sessions.discard(session)
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(session.sock)
+        fd = session.sock.fileno()
+        if self._watched.get(fd) is session:
+            del self._watched[fd]
+            with contextlib.suppress(OSError, ValueError):
+                self.epoll.unregister(fd)
         session.sock.close()
         for cls, held in session.pins.items():
             pool = self.pools[cls]
