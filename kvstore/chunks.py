@@ -980,13 +980,14 @@ _EXTENT_SLOTS = np.asarray([SlabFiles.extent_slots(c) for c in range(len(SIZE_CL
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def _by_length(records: list[bytes]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Packed records grouped by length (one group in the usual case): (their positions, their bytes as a table)."""
+def _by_length(records: list[bytes]) -> Iterator[tuple[slice | np.ndarray, np.ndarray]]:
+    """Packed records grouped by length (one group in the usual case): (their positions, a slice for all of them;
+    their bytes as a table)."""
     blob = np.frombuffer(b"".join(records), dtype=np.uint8)
     widths = set(map(len, records))
     if len(widths) == 1:
         (width,) = widths
-        yield np.arange(len(records)), blob.reshape(len(records), width)
+        yield slice(None), blob.reshape(len(records), width)
         return
     lengths = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
     starts = np.cumsum(lengths) - lengths
@@ -1008,16 +1009,18 @@ class ShardReads:
     def __init__(self, present: np.ndarray, held: list[bytes], cutoffs: _ExpiryCutoffs, headers: bytes | None) -> None:
         """``held``: the packed records of the ``present`` rows, in row order."""
         n = len(present)
-        rows = np.flatnonzero(present)
+        everyone = bool(present.all())  # the usual case: every row found (then rows are picked with slices)
+        rows = np.arange(n) if everyone else np.flatnonzero(present)
         self.records = np.zeros(n, dtype=_FIXED)
         self.ttl = np.full(n, 255, dtype=np.uint8)
         self.ttl_classes: list[str] = []
         raw = self.records.view(np.uint8).reshape(n, _FIXED.itemsize)  # filled as bytes: no per-field transfer
         for same, table in _by_length(held):  # a TTL class name ends each record: one length per class
-            raw[rows[same]] = table[:, : _FIXED.itemsize]
+            at = same if everyone else rows[same]
+            raw[at] = table[:, : _FIXED.itemsize]
             tails = table[:, _FIXED.itemsize :]
             if (tails == tails[0]).all():  # the usual case: one class of this name length
-                self.ttl[rows[same]] = len(self.ttl_classes)
+                self.ttl[at] = len(self.ttl_classes)
                 self.ttl_classes.append(tails[0].tobytes().decode())
                 continue
             for row, name in zip(rows[same].tolist(), (t.tobytes().decode() for t in tails), strict=True):
@@ -1032,7 +1035,8 @@ class ShardReads:
         if headers is not None:
             asked = np.frombuffer(headers, dtype=np.uint8).reshape(n, HEADER_BYTES)
             self.status[(recs["header"] != asked).any(axis=1)] = Status.MISMATCH
-        self.status[missing] = Status.MISSING
+        if missing.any():
+            self.status[missing] = Status.MISSING
         self.payload: _native.Scatter | None = None
         self.pins: tuple[np.ndarray, np.ndarray] = (_NONE, _NONE)
         self._plan = np.zeros((0, 2), dtype=np.int64)
@@ -1041,8 +1045,9 @@ class ShardReads:
     def settle(self) -> None:
         """The statuses are final: clear the columns of rows that are not OK."""
         other = self.status != _OK
-        self.records[other] = 0
-        self.ttl[other] = 255
+        if other.any():
+            self.records[other] = 0
+            self.ttl[other] = 255
 
     @property
     def ok(self) -> np.ndarray:
