@@ -141,18 +141,20 @@ def test_concurrent_requests_for_a_block_share_one_store_read(cluster: LocalClus
     assert stats["blocks_fetched"] == 8 and stats["pinned"] == 0
 
 
+async def stats_until(client: AsyncFetchClient, condition: Callable[[dict], bool]) -> None:
+    """Poll the fetcher's stats until ``condition`` holds (deadline 20 s)."""
+    deadline = time.monotonic() + 20
+    while not condition(await client.stats()):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
 def test_fetches_go_before_prefetches_and_lift_the_prefetch_they_wait_for(cluster: LocalCluster, tmp_path) -> None:
     shm = f"kvt-test-{secrets.token_hex(6)}"
     running, early, lifted = (stored_blocks(cluster, 2)[0] for _ in range(3))
     order: list[str] = []
 
     async def scenario(client: AsyncFetchClient) -> None:
-        async def until(condition: Callable[[dict], bool]) -> None:
-            deadline = time.monotonic() + 20
-            while not condition(await client.stats()):
-                assert time.monotonic() < deadline, "timed out"
-                await asyncio.sleep(0.02)
-
         def track(name: str, coro) -> asyncio.Task:
             task = asyncio.ensure_future(coro)
             task.add_done_callback(lambda _: order.append(name))
@@ -162,12 +164,12 @@ def test_fetches_go_before_prefetches_and_lift_the_prefetch_they_wait_for(cluste
             proc.send_signal(signal.SIGSTOP)
         try:
             tasks = [track("running", client.fetch(running, BLOCK))]
-            await until(lambda s: s["in_flight"] == 2 and s["queued_jobs"] == 0)
+            await stats_until(client, lambda s: s["in_flight"] == 2 and s["queued_jobs"] == 0)
             tasks.append(track("early prefetch", client.prefetch(early, BLOCK)))
             tasks.append(track("lifted prefetch", client.prefetch(lifted, BLOCK)))
-            await until(lambda s: s["queued_jobs"] == 2)
+            await stats_until(client, lambda s: s["queued_jobs"] == 2)
             tasks.append(track("fetch", client.fetch(lifted[:1], BLOCK)))
-            await until(lambda s: s["requests"] == 4)
+            await stats_until(client, lambda s: s["requests"] == 4)
         finally:
             for proc in cluster.procs.values():
                 proc.send_signal(signal.SIGCONT)
@@ -186,18 +188,13 @@ def test_hits_are_answered_while_every_worker_is_in_a_store_call(cluster: LocalC
     cached, first, second, third = (stored_blocks(cluster, 2)[0] for _ in range(4))
 
     async def scenario(client: AsyncFetchClient) -> None:
-        async def until(condition: Callable[[dict], bool]) -> None:
-            deadline = time.monotonic() + 20
-            while not condition(await client.stats()):
-                assert time.monotonic() < deadline, "timed out"
-                await asyncio.sleep(0.02)
-
         await client.release(await client.fetch(cached, BLOCK))
         for proc in cluster.procs.values():  # store calls hang until the nodes resume
             proc.send_signal(signal.SIGSTOP)
         try:
             stuck = [asyncio.ensure_future(client.fetch(keys, BLOCK)) for keys in (first, second, third)]
-            await until(lambda s: s["in_flight"] == 6 and s["queued_jobs"] == 1)  # two running: --workers 2
+            # two store calls run (--workers 2), the third waits
+            await stats_until(client, lambda s: s["in_flight"] == 6 and s["queued_jobs"] == 1)
             hits = await asyncio.wait_for(client.fetch(cached, BLOCK), timeout=10)
             assert [b.status for b in hits] == [BlockStatus.HIT] * 2 and not any(t.done() for t in stuck)
             await client.release(hits)
