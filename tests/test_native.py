@@ -15,9 +15,10 @@ import pytest
 
 from kvtier.kvstore import _native
 
-# lengths around the 8-byte words, the 3-way interleaved blocks (3 × 256 and 3 × 8192 bytes) and the folding steps
-# (256 bytes at least, 128 bytes a step, then 32, 16 and the last bytes)
-LENGTHS = [0, 1, 7, 8, 9, 255, 256, 257, 303, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 9, 104_858, 1 << 20]
+# lengths around the 8-byte words, the 3-way interleaved blocks (3 × 256 and 3 × 8192 bytes), the folding steps
+# (256 bytes at least, 128 bytes a step, then 32, 16 and the last bytes) and the hybrid's blocks (2048 + 3 × 896 bytes)
+LENGTHS = [0, 1, 7, 8, 9, 255, 256, 257, 303, 767, 768, 769, 4735, 4736, 4737, 2 * 4736 + 9, 3 * 8192 - 1, 3 * 8192]
+LENGTHS += [3 * 8192 + 9, 104_858, 1 << 20]
 
 
 @pytest.mark.parametrize("impl", _native.CRC_IMPLS)
