@@ -15,11 +15,14 @@ first, so a bad list moves no byte and the host learns why without having walked
 ``target="c"`` the copy runs on CPU tensors, which lets a machine without a GPU check its indexing.
 
 Shared contract: ``rows`` is one contiguous ``int64`` tensor ``[2, n]`` on the tensors' device, source rows in
-``rows[0]`` and destination rows in ``rows[1]``; ``flag`` an ``int64`` tensor ``[1]`` there. The copy moves nothing
-unless ``flag[0] == 0``; with the flag clear it trusts the rows (an out-of-range row is skipped, a repeated
-destination row receives one of its sources, unspecified which). The check sets ``flag[0] = 1`` when a row is out
-of range or a destination row repeats, and never clears it. Nothing here imports kvtier; tilelang is imported only
-when a kernel is built.
+``rows[0]`` and destination rows in ``rows[1]``; ``flag`` an ``int32`` tensor ``[1]`` there and ``stamp`` a positive
+``int32`` naming the launch. The copy moves nothing if ``flag[0] == stamp``; otherwise it trusts the rows (an
+out-of-range row is skipped, a repeated destination row receives one of its sources, unspecified which). The check
+reads the lists from ``ids`` (same layout; on a GPU it may be host memory mapped into the device, so the lists need
+no upload), writes them to ``rows`` for the copy, and when a row is out of range or a destination row repeats sets
+``flag[0] = stamp`` and ``verdict[0] = 1`` (a word the host can read, normally mapped host memory); it clears
+neither. So no flag word needs clearing between launches: a flag word holds the stamp of a refused launch, which no
+other launch uses. Nothing here imports kvtier; tilelang is imported only when a kernel is built.
 
 No ``from __future__ import annotations`` here: TileLang evaluates the kernels' annotations, which name local
 variables.
@@ -63,17 +66,18 @@ def _copy(width: int, src_stride: int, dst_stride: int, threads: int, target: st
     def copy_rows(
         src: T.Tensor((src_count, src_stride), "int32"),
         rows: T.Tensor((2, n), "int64"),
-        flag: T.Tensor((1,), "int64"),
+        flag: T.Tensor((1,), "int32"),
         dst: T.Tensor((dst_count, dst_stride), "int32"),
+        stamp: T.int32,
     ):
         with T.Kernel(n, threads=threads) as b:
-            if flag[0] == 0:
+            if flag[0] != stamp:
                 s = rows[0, b]
                 d = rows[1, b]
                 for i in T.Parallel(width):
                     dst[d, i] = src[s, i]
 
-    return tilelang.compile(copy_rows, target=target)
+    return _entry(tilelang.compile(copy_rows, target=target))
 
 
 @functools.cache
@@ -86,8 +90,10 @@ def _check(threads: int, target: str) -> Any:
 
     @T.prim_func
     def check_rows(
+        ids: T.Tensor((2, n), "int64"),
         rows: T.Tensor((2, n), "int64"),
-        flag: T.Tensor((1,), "int64"),
+        verdict: T.Tensor((1,), "int64"),
+        flag: T.Tensor((1,), "int32"),
         claims: T.Tensor((claim_count,), "int32"),
         src_count: T.int32,
         dst_count: T.int32,
@@ -96,14 +102,29 @@ def _check(threads: int, target: str) -> Any:
         with T.Kernel(T.ceildiv(n, threads), threads=threads) as block:
             b = block * threads + T.get_thread_binding()
             if b < n:
-                s = rows[0, b]
-                d = rows[1, b]
+                s = ids[0, b]
+                d = ids[1, b]
+                rows[0, b] = s
+                rows[1, b] = d
                 if s < 0 or s >= src_count or d < 0 or d >= dst_count:
-                    flag[0] = 1
+                    flag[0] = stamp
+                    verdict[0] = 1
                 elif T.atomic_max(claims[d], stamp, return_prev=True) == stamp:
-                    flag[0] = 1  # another row of this launch claimed d first
+                    flag[0] = stamp  # another row of this launch claimed d first
+                    verdict[0] = 1
 
-    return tilelang.compile(check_rows, target=target)
+    return _entry(tilelang.compile(check_rows, target=target))
+
+
+def _entry(kernel: Any) -> Any:
+    """The compiled function itself (TileLang's TVM-FFI executable's ``main``), called with every parameter in
+    order: these kernels have no outputs, so the Python wrapper's work per call (matching parameters, allocating
+    outputs) is skipped. The wrapper itself where the backend offers no such executable."""
+    executable = getattr(getattr(kernel, "adapter", None), "get_exportable_executable", None)
+    if executable is None:
+        return kernel
+    module = executable()  # a fresh build's Executable, or the module loaded from TileLang's kernel cache
+    return (module.jit() if hasattr(type(module), "jit") else module).main
 
 
 class RowCopyKernel:
@@ -119,15 +140,17 @@ class RowCopyKernel:
         self.width = width
         self._kernel = _copy(width, src_stride, dst_stride, threads, target)
 
-    def __call__(self, src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor) -> None:
-        """Launch on the current stream; returns without waiting for the copy. Copies nothing if ``flag[0] != 0``
+    def __call__(
+        self, src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor, stamp: int
+    ) -> None:
+        """Launch on the current stream; returns without waiting for the copy. Copies nothing if ``flag[0] == stamp``
         when the kernel runs."""
-        self._kernel(src, rows, flag, dst)
+        self._kernel(src, rows, flag, dst, stamp)
 
 
 class RowCheckKernel:
-    """The TileLang check of a ``rows`` tensor against ``src_count`` source and ``dst_count`` destination rows
-    (CUDA only: it needs a returning atomic).
+    """The TileLang check of the lists in ``ids`` against ``src_count`` source and ``dst_count`` destination rows,
+    copying them into ``rows`` (CUDA only: it needs a returning atomic).
 
     Repeats are found with ``claims``, an ``int32`` tensor of at least ``dst_count`` words on the device, zero when
     first used, and a ``stamp`` larger than every stamp used with those claims before (so no claim needs clearing
@@ -138,7 +161,16 @@ class RowCheckKernel:
         self._kernel = _check(threads, target)
 
     def __call__(
-        self, rows: torch.Tensor, flag: torch.Tensor, claims: torch.Tensor, src_count: int, dst_count: int, stamp: int
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        verdict: torch.Tensor,
+        flag: torch.Tensor,
+        claims: torch.Tensor,
+        src_count: int,
+        dst_count: int,
+        stamp: int,
     ) -> None:
-        """Launch on the current stream; returns without waiting. Sets ``flag[0] = 1`` if the rows are bad."""
-        self._kernel(rows, flag, claims, src_count, dst_count, stamp)
+        """Launch on the current stream; returns without waiting. ``rows`` receives ``ids``; if they are bad, sets
+        ``flag[0] = stamp`` and ``verdict[0] = 1``."""
+        self._kernel(ids, rows, verdict, flag, claims, src_count, dst_count, stamp)

@@ -1,7 +1,8 @@
 """The row copies and the row check equal their torch references bit for bit. The TileLang copy: compiled for the
 CPU (``target="c"``, where tilelang is installed) and for CUDA (where a GPU is), rows of different strides on each
-side, and a set flag moves nothing; the TileLang check (CUDA only) flags exactly the lists its reference refuses,
-launch after launch with the same claims (CI has neither and skips those). The C host copy: streaming and plain
+side, a flag holding the launch's stamp moves nothing (one holding another launch's stamp does not stop it); the
+TileLang check (CUDA only) flags exactly the lists its reference refuses and hands every list on to the copy, launch
+after launch with the same claims (CI has neither and skips those). The C host copy: streaming and plain
 paths (long and short rows, aligned and unaligned destinations, tails that are not whole cache lines)."""
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def test_kernel_equals_reference(target: str, width: int, src_stride: int, dst_s
     src, dst, rows = copy_case(src_stride, dst_stride, device)
     want = dst.clone()
     copy_rows_reference(src, rows[0], want, rows[1])
-    clear = torch.zeros(1, dtype=torch.int64, device=device)
-    RowCopyKernel(width, src_stride, dst_stride, target=target)(src, rows, dst, clear)
+    earlier = torch.full((1,), 3, dtype=torch.int32, device=device)  # an earlier launch (stamp 3) was refused
+    RowCopyKernel(width, src_stride, dst_stride, target=target)(src, rows, dst, earlier, 4)
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(dst, want)
@@ -54,8 +55,8 @@ def test_kernel_with_the_flag_set_moves_nothing(target: str) -> None:
     device = "cpu" if target == "c" else "cuda"
     src, dst, rows = copy_case(1024, 1024, device)
     before = dst.clone()
-    flag = torch.ones(1, dtype=torch.int64, device=device)
-    RowCopyKernel(1024, 1024, 1024, target=target)(src, rows, dst, flag)
+    flag = torch.full((1,), 7, dtype=torch.int32, device=device)
+    RowCopyKernel(1024, 1024, 1024, target=target)(src, rows, dst, flag, 7)
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(dst, before)
@@ -82,9 +83,13 @@ def test_check_kernel_flags_exactly_what_the_reference_refuses() -> None:
     check = RowCheckKernel()
     claims = torch.zeros(12000, dtype=torch.int32, device="cuda")
     for stamp, (rows, src_count, dst_count) in enumerate(check_cases() * 2, start=1):  # twice: earlier claims stay
-        flag = torch.zeros(1, dtype=torch.int64, device="cuda")
-        check(rows.cuda(), flag, claims, src_count, dst_count, stamp)
-        assert (flag.item() == 0) == rows_ok_reference(rows, src_count, dst_count), rows
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        verdict = torch.zeros(1, dtype=torch.int64, device="cuda")
+        handed_on = torch.full_like(rows, -7, device="cuda")
+        check(rows.cuda(), handed_on, verdict, flag, claims, src_count, dst_count, stamp)
+        ok = rows_ok_reference(rows, src_count, dst_count)
+        assert (flag.item(), verdict.item()) == ((0, 0) if ok else (stamp, 1)), rows
+        assert torch.equal(handed_on.cpu(), rows)
 
 
 def test_a_row_wider_than_a_stride_is_refused() -> None:

@@ -211,6 +211,26 @@ def test_gpu_bad_ids_are_refused_and_nothing_moves(slots: torch.Tensor, slot_ids
 
 
 @gpu
+def test_gpu_calls_queued_behind_slow_work_move_exactly_the_served_ones(slots: torch.Tensor) -> None:
+    """Refused and served calls, more than there are flag words, all checked while their copies still wait behind
+    work on the stream: every refused call raises and moves nothing, every served one lands."""
+    cache = random_cache("cuda")
+    want = cache.cpu().clone()
+    with CudaHostMapping(slots) as mapped:
+        torch.cuda._sleep(100_000_000)  # tens of milliseconds: the copies below run only after every check
+        for k in range(200):
+            page = k % PAGES
+            if k % 3 == 0:
+                with pytest.raises(SwapError, match=f"page id {page} repeats"):
+                    swap_in(mapped.tensor, [0, 1], cache, [page, page])
+            else:
+                swap_in(mapped.tensor, [k % SLOTS], cache, [page])
+                want = expected_swap_in(slots, [k % SLOTS], want, [page])
+        torch.cuda.synchronize()
+    assert torch.equal(cache.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@gpu
 def test_gpu_swap_out_refuses_two_pages_into_one_slot(slots: torch.Tensor) -> None:
     before = slots.clone()
     with CudaHostMapping(slots) as mapped:

@@ -44,7 +44,7 @@ TILELANG = ["tilelang==0.1.15", "apache-tvm-ffi==0.1.12", "torch-c-dlpack-ext==0
 # kvtier's own dependencies that the GPU image lacks (``import kvtier.transfer`` needs them).
 KVTIER = ["crc32c==2.9.post0", "lmdb==3.0.0", "msgspec==0.23.0", "pyeclib==1.8.0", "tomlkit==0.15.2"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-GPU_TESTS = ["tests/test_kernels.py", "tests/test_swapin.py"]
+GPU_TESTS = ["tests/test_kernels.py", "tests/test_swapin.py", "tests/test_engine_gpu.py"]  # the engine swaps too
 
 
 class BundleError(Exception):
@@ -123,7 +123,8 @@ def _symlink(link: Path, target: Path) -> None:
 
 
 def device(out: Path, runs: int = 3, then: Path | None = None, bench_args: str = "") -> int:
-    """Everything the GPU run does, output under ``out``: the GPU tests (``tests.log``), then the swap-in benchmark
+    """Everything the GPU run does, output under ``out``: the GPU tests (``tests.log``: the kernels, the swaps and
+    the engine's GPU path, which swaps pages in and out), then the swap-in benchmark
     (CPU and GPU) ``runs`` times in a row (``bench.log``, ``swapin-1.json`` …), so that one call shows the spread,
     then ``then`` if given (``then.log``)."""
     out.mkdir(parents=True, exist_ok=True)

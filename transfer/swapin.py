@@ -15,13 +15,14 @@ slots, leaving the rest of each slot untouched.
   page-locks the host memory (``cudaHostRegister``) and hands out a CUDA tensor aliasing it. The TileLang row-copy
   kernel (``kvtier.kernels.rowcopy``) then reads the slots across PCIe and writes each page where it belongs in one
   launch: no ``cudaMemcpy`` per block, no staging copy in device memory. Swap-out is the same kernel with the
-  roles swapped (pages in HBM → slots in host memory). The ids are checked on the device, not by the host: they
-  go up in one copy on a side stream, where ``RowCheckKernel`` sets a flag if one is out of range or a destination
-  repeats; the copy, queued on the current stream behind that check, reads the flag first and moves nothing if it
-  is set. On the H200 (PCIe 5 x16), 16/64 KiB blocks, 1 GiB a call: 0.89-0.90/0.90-0.91x one contiguous pinned
-  ``cudaMemcpyAsync`` of the same bytes end to end (128 MiB calls queued: 0.91/0.90-0.91x; the kernel alone
-  0.925x; the rest, about 0.4 ms a call, is host work before the copy can start), against 0.05-0.06/0.15-0.24x
-  for a ``cudaMemcpyAsync`` per block (docs/swapin.md).
+  roles swapped (pages in HBM → slots in host memory). The ids are checked on the device, not by the host: the
+  host writes them into a reused buffer of mapped host memory, from which ``RowCheckKernel``, on a side stream,
+  reads them (no upload call), hands them on to the copy in device memory and flags the call if one is out of range
+  or a destination repeats; the copy, queued on the current stream behind that check, reads the flag first and
+  moves nothing if it is set. On the H200 (PCIe 5 x16), 16/64 KiB blocks, 1 GiB a call: 0.89-0.90/0.90-0.91x one
+  contiguous pinned ``cudaMemcpyAsync`` of the same bytes end to end (128 MiB calls queued: 0.91/0.90-0.91x; the
+  kernel alone 0.925x; the rest, about 0.4 ms a call, is host work before the copy can start), against
+  0.05-0.06/0.15-0.24x for a ``cudaMemcpyAsync`` per block (docs/swapin.md).
 
 Both functions check their arguments and raise :class:`SwapError` (one line: what is wrong) having moved no byte:
 ids must be integers in range, as many slot ids as page ids, destination ids distinct, page size within the slot
@@ -29,11 +30,12 @@ stride, a multiple of 4 bytes on the GPU, and the tensors on matching devices. O
 device has checked the ids (they wait for that check, about a millisecond, but neither for the copy nor for work
 queued earlier on the current stream) and the copy is queued on the current stream: synchronise (or record an
 event) before the slots are released or the pages read from another stream. Calls on one device take turns (the
-pinned upload buffer is reused).
+mapped id buffer is reused).
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from typing import Any
 
@@ -200,10 +202,19 @@ def _device_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.
 
 
 class _Launcher:
-    """One device's GPU swaps: the ids go up with one copy on a side stream, where ``RowCheckKernel`` checks them;
-    the copy, queued on the caller's stream behind that check, moves nothing if the check failed. The host only
-    fills the pinned upload buffer, queues, and waits for the check (not for the copy, nor for earlier work on the
-    caller's stream) to learn the verdict. One call at a time (``lock``): the buffers are reused."""
+    """One device's GPU swaps. The host writes the ids into a reused buffer of host memory mapped into the device;
+    ``RowCheckKernel``, on a side stream, reads them from there (no upload call), writes them to a device buffer for
+    the copy and, if they are bad, sets the call's flag word and the verdict word beside the ids. The copy, queued on
+    the caller's stream behind that check, moves nothing if the flag holds the call's stamp. The host waits for the
+    check (not for the copy, nor for earlier work on the caller's stream): then the buffer is free again and the
+    verdict known. One call at a time (``lock``).
+
+    Flag words are never cleared: a call uses the word ``stamp % FLAG_WORDS`` and the check writes its stamp there
+    only if the ids are bad; before a word is used again, the copy that last read it must have run (an event per
+    word). Every tensor handed to a kernel starts on a 64-byte boundary (``ALIGN`` words)."""
+
+    FLAG_WORDS = 64
+    ALIGN = 16  # int32 words; the ids start this many int64 words (128 bytes) into the mapped buffer
 
     def __init__(self, device: torch.device) -> None:
         self.lock = threading.Lock()
@@ -211,9 +222,13 @@ class _Launcher:
         self.side = torch.cuda.Stream(device)
         self.checked = torch.cuda.Event()  # recorded on the side stream once the check is queued
         self.check = RowCheckKernel()
-        self.verdict = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        self.verdict_host = self.verdict.numpy()
-        self.pinned = torch.empty(0, dtype=torch.int64, pin_memory=True)
+        self.flags = torch.zeros(self.FLAG_WORDS * self.ALIGN, dtype=torch.int32, device=device)
+        self.flag_words = [self.flags[i : i + 1] for i in range(0, self.flags.numel(), self.ALIGN)]
+        self.copied = [torch.cuda.Event() for _ in range(self.FLAG_WORDS)]  # each word's last copy, once queued
+        # [verdict, padding, ids...] as int64 in host memory mapped into the device (the device's view: ``mapped``)
+        self.mapping: CudaHostMapping | None = None
+        self.host = np.zeros(0, dtype=np.int64)
+        self.mapped = torch.zeros(0, dtype=torch.int64)
         self.claims = torch.zeros(0, dtype=torch.int32, device=device)
         self.stamp = 0
 
@@ -222,35 +237,50 @@ class _Launcher:
     ) -> bool:
         """Copy ``src[ids[0][b]]`` to ``dst[ids[1][b]]`` on the current stream, all or nothing; False if the ids
         were refused (then nothing is or will be copied)."""
-        n = ids[0].size
-        if self.pinned.numel() < 2 * n + 1:
-            self.pinned = torch.empty(2 * (2 * n + 1), dtype=torch.int64, pin_memory=True)
-        host = self.pinned.numpy()
-        host[:n], host[n : 2 * n], host[2 * n] = ids[0], ids[1], 0
-        caller = torch.cuda.current_stream(self.device)
+        n, at = ids[0].size, self.ALIGN
+        self._reserve(at + 2 * n)
+        host, mapped = self.host, self.mapped
+        host[0], host[at : at + n], host[at + n : at + 2 * n] = 0, ids[0], ids[1]
+        stamp = self._next_stamp(dst.shape[0])
+        word = stamp % self.FLAG_WORDS
+        self.copied[word].synchronize()  # the copy that last used this flag word has read it
+        flag, caller = self.flag_words[word], torch.cuda.current_stream(self.device)
         try:
             with torch.cuda.stream(self.side):
-                stamp = self._next_stamp(dst.shape[0])
-                up = torch.empty(2 * n + 1, dtype=torch.int64, device=self.device)
-                up.copy_(self.pinned[: 2 * n + 1], non_blocking=True)
-                rows, flag = up[: 2 * n].view(2, n), up[2 * n :]
-                self.check(rows, flag, self.claims, src.shape[0], dst.shape[0], stamp)
+                rows = torch.empty(2, n, dtype=torch.int64, device=self.device)
+                checked = mapped[at : at + 2 * n].view(2, n)
+                self.check(checked, rows, mapped[:1], flag, self.claims, src.shape[0], dst.shape[0], stamp)
                 self.checked.record()
             caller.wait_event(self.checked)
-            kernel(src, rows, dst, flag)
-            up.record_stream(caller)
-            with torch.cuda.stream(self.side):
-                self.verdict.copy_(flag, non_blocking=True)
+            kernel(src, rows, dst, flag, stamp)
+            self.copied[word].record(caller)
+            rows.record_stream(caller)
         finally:
-            self.side.synchronize()  # the upload and the check (the copy runs on); the pinned buffer is free again
-        return self.verdict_host[0] == 0
+            self.checked.synchronize()  # the check has read the ids (the copy runs on); the buffer is free again
+        return host[0] == 0
+
+    def _reserve(self, words: int) -> None:
+        """A mapped buffer of at least ``words`` ``int64`` words (its own pages: CUDA refuses to register a page
+        twice)."""
+        if self.host.size >= words:
+            return
+        if self.mapping is not None:
+            self.mapping.close()
+        memory = mmap.mmap(-1, 8 * max(words, 2 * self.host.size, 4096))
+        self.host = np.frombuffer(memory, dtype=np.int64)
+        self.mapping = CudaHostMapping(torch.from_numpy(self.host).view(torch.uint8), self.device)
+        self.mapped = self.mapping.tensor.view(torch.int64)
 
     def _next_stamp(self, dst_count: int) -> int:
-        """A stamp above every earlier one, with claims for ``dst_count`` rows (on the side stream)."""
+        """A stamp above every earlier one, with claims for ``dst_count`` rows."""
         if self.claims.numel() < dst_count:
-            self.claims = torch.zeros(dst_count, dtype=torch.int32, device=self.device)
-        if self.stamp == STAMP_LIMIT:
+            with torch.cuda.stream(self.side):
+                self.claims = torch.zeros(dst_count, dtype=torch.int32, device=self.device)
+        if self.stamp == STAMP_LIMIT:  # once in 2**31 calls: start again, with no copy left to read a flag
+            torch.cuda.synchronize(self.device)
             self.claims.zero_()
+            self.flags.zero_()
+            torch.cuda.synchronize(self.device)
             self.stamp = 0
         self.stamp += 1
         return self.stamp

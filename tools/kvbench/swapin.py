@@ -224,7 +224,7 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
         contiguous = torch.empty(n * page, dtype=torch.uint8, device=device)
         slot_ids, page_ids = _ids(n, n, 1), _ids(n, 2 * n, 2)
         s_dev, p_dev = slot_ids.to(device), page_ids.to(device)
-        rows, clear = torch.stack([s_dev, p_dev]), torch.zeros(1, dtype=torch.int64, device=device)
+        rows, clear = torch.stack([s_dev, p_dev]), torch.zeros(1, dtype=torch.int32, device=device)
         slot_rows, cache_rows = slots.unbind(0), cache.unbind(0)
         pairs = list(zip(slot_ids.tolist(), page_ids.tolist(), strict=True))
         words, cache_words = mapped.view(torch.int32), cache.view(torch.int32)
@@ -249,7 +249,7 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
         }
         for threads in THREAD_VARIANTS:
             kernel = RowCopyKernel(page // 4, page // 4, page // 4, threads=threads)
-            methods[f"kernel_{threads}"] = lambda k=kernel: k(words, rows, cache_words, clear)
+            methods[f"kernel_{threads}"] = lambda k=kernel: k(words, rows, cache_words, clear, 1)
         on_device = slots.to(device)  # the truth, to check against without reading the segment again
         for name in ("swap_in", "swap_in_grouped", "per_block_memcpy", *(f"kernel_{t}" for t in THREAD_VARIANTS)):
             cache.fill_(0xA5)
