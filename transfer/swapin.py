@@ -19,18 +19,18 @@ slots, leaving the rest of each slot untouched.
   host writes them into a reused buffer of mapped host memory, from which ``RowCheckKernel``, on a side stream,
   reads them (no upload call), hands them on to the copy in device memory and flags the call if one is out of range
   or a destination repeats; the copy, queued on the current stream behind that check, reads the flag first and
-  moves nothing if it is set. On the H200 (PCIe 5 x16), 16/64 KiB blocks, 1 GiB a call: 0.89-0.90/0.90-0.91x one
-  contiguous pinned ``cudaMemcpyAsync`` of the same bytes end to end (128 MiB calls queued: 0.91/0.90-0.91x; the
-  kernel alone 0.925x; the rest, about 0.4 ms a call, is host work before the copy can start), against
-  0.05-0.06/0.15-0.24x for a ``cudaMemcpyAsync`` per block (docs/swapin.md).
+  moves nothing if it is set. On the H200 (PCIe 5 x16), 16/64 KiB blocks, 1 GiB a call: 0.90/0.905-0.91x one
+  contiguous pinned ``cudaMemcpyAsync`` of the same bytes end to end (128 MiB calls queued: 0.90-0.91/0.89-0.92x;
+  the kernel alone 0.92-0.93x; the rest, about 0.3 ms a call, is host work before the copy is launched, half of it
+  writing the ids), against 0.05-0.06/0.20-0.27x for a ``cudaMemcpyAsync`` per block (docs/swapin.md).
 
 Both functions check their arguments and raise :class:`SwapError` (one line: what is wrong) having moved no byte:
 ids must be integers in range, as many slot ids as page ids, destination ids distinct, page size within the slot
 stride, a multiple of 4 bytes on the GPU, and the tensors on matching devices. On the GPU they return once the
-device has checked the ids (they wait for that check, about a millisecond, but neither for the copy nor for work
-queued earlier on the current stream) and the copy is queued on the current stream: synchronise (or record an
-event) before the slots are released or the pages read from another stream. Calls on one device take turns (the
-mapped id buffer is reused).
+device has checked the ids (they wait for that check, 0.4 ms after the call for a GiB of 16 KiB blocks on the
+H200, but neither for the copy nor for work queued earlier on the current stream) and the copy is queued on the
+current stream: synchronise (or record an event) before the slots are released or the pages read from another
+stream. Calls on one device take turns (the mapped id buffer is reused).
 """
 
 from __future__ import annotations
