@@ -524,7 +524,8 @@ class ChunkEngine:
             for packed in old:
                 if slots.set_key(_where(packed)):
                     slots.delete()
-            self._release_slots([_PLACE.unpack_from(packed) for packed in old])
+            places = [_PLACE.unpack_from(packed) for packed in old]
+            self._release_slots([c for c, _ in places], [slot for _, slot in places])
         if len(set(names)) < len(names) or (not batch.replace and not records.keys().isdisjoint(names)):
             seen: set[bytes] = set()
             keep, lost = [], []
@@ -593,13 +594,13 @@ class ChunkEngine:
             batches = [b for (t, _), b in self._pending.items() if t == tenant]
         return [b.pending_record(i) for b in batches for i in b.rows(Status.OK).tolist() if b.key(i) == key]
 
-    def _release_slots(self, slots: Sequence[tuple[int, int]]) -> None:
-        """With the lock held: (size class, slot)s no record names any more. A slot stays counted as used until
-        its grace time (``grace_s``, default none) has passed and no reply pins it (without either it is free
+    def _release_slots(self, classes: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> None:
+        """With the lock held: (``classes[i]``, ``slots[i]``) no record names any more. A slot stays counted as used
+        until its grace time (``grace_s``, default none) has passed and no reply pins it (without either it is free
         at once); writers waiting for room are woken."""
         now = self.clock()
-        self.used_bytes -= self.slabs.release(slots, now + self.grace_s, now)
-        if slots:
+        self.used_bytes -= self.slabs.release(classes, slots, now + self.grace_s, now)
+        if len(slots):
             self._room.notify_all()
 
     def reap(self) -> None:
@@ -632,37 +633,41 @@ class ChunkEngine:
         index: np.ndarray | None = None,
     ) -> int:
         prefix = tenant_prefix(tenant)
-        bkeys = [prefix + key for key in keys]
         records = self._records
-        names: list[bytes] = []
-        unsure, holders = bkeys, bkeys
-        if index is not None:
-            picked = index.tolist()
-            names = list(map(bytes.__add__, bkeys, map(_INDEX_BYTES.__getitem__, picked)))
-            unsure = [bkey for bkey, name in zip(bkeys, names, strict=True) if name not in records]
+        if index is not None and len(set(map(len, keys))) == 1:  # one lookup per key, at the placement's index
+            names = _shard_lmdb_keys(prefix, b"".join(keys), len(keys[0]), index)
+            found = list(map(records.get, names))
+            unsure = [prefix + keys[j] for j, raw in enumerate(found) if raw is None] if None in found else []
             # block records are kept only where shard 0 or 1 is (and wherever a shard is not where expected)
-            holders = [bkey for bkey, i in zip(bkeys, picked, strict=True) if i in RECORD_HOLDERS] + unsure
-        names += [base + _INDEX_BYTES[i] for base in unsure for i in range(TOTAL_SHARDS)]  # any shard it has here
+            holders = [prefix + keys[j] for j in np.flatnonzero(np.isin(index, RECORD_HOLDERS)).tolist()] + unsure
+        else:
+            names, found = [], []
+            unsure = holders = [prefix + key for key in keys]
+        more = [base + _INDEX_BYTES[i] for base in unsure for i in range(TOTAL_SHARDS)]  # any shard it has here
+        names += more
+        found += map(records.get, more)
         for bkey, raw in txn.cursor(db=self.blocks_db).getmulti(holders):
             if before is not None and _BLOCK.unpack_from(raw)[1] > before:  # created after the removal
                 continue
             txn.delete(bkey, db=self.blocks_db)
             self.lru.remove(bkey)
             self._accessed.pop(bkey, None)
-        gone = set()
-        for name in names:
-            packed = records.get(name)
-            if packed is not None:
-                size_class, slot, created = _PLACE_CREATED.unpack_from(packed)
-                if before is None or created <= before:
-                    gone.add((size_class, slot, name))
-        slots = txn.cursor(db=self.slots_db)
-        for size_class, slot, name in sorted(gone):  # in slot order: neighbouring records share B-tree pages
-            if slots.set_key(_SLOT_KEY.pack(size_class, slot)):
-                slots.delete()
-            del records[name]
-        self._release_slots([(size_class, slot) for size_class, slot, _ in gone])
-        return len(gone)
+        hits = {name: raw for name, raw in zip(names, found, strict=True) if raw is not None}
+        if not hits:
+            return 0
+        held = list(hits)
+        place = np.frombuffer(b"".join(raw[: _PLACE_DTYPE.itemsize] for raw in hits.values()), dtype=_PLACE_DTYPE)
+        rows = np.arange(len(held)) if before is None else np.flatnonzero(place["created"] <= before)
+        rows = rows[np.lexsort((place["slot"][rows], place["size_class"][rows]))]  # in slot order: neighbouring
+        classes, slots = place["size_class"][rows], place["slot"][rows]  # records share B-tree pages
+        cursor = txn.cursor(db=self.slots_db)
+        for where in _slot_keys(classes, slots):
+            if cursor.set_key(where):
+                cursor.delete()
+        for j in rows.tolist():
+            del records[held[j]]
+        self._release_slots(classes, slots)
+        return len(rows)
 
     def remove_blocks(self, tenant: str, keys: Sequence[bytes]) -> float:
         """The primary's half of removing blocks (eviction, expiry): in one transaction, delete the records and
@@ -781,7 +786,7 @@ class ChunkEngine:
             for name, rec in found:
                 txn.delete(_SLOT_KEY.pack(rec.size_class, rec.slot))
                 del self._records[name]
-            self._release_slots([(rec.size_class, rec.slot) for _, rec in found])
+            self._release_slots([rec.size_class for _, rec in found], [rec.slot for _, rec in found])
         return len(found)
 
     # -- reads ----------------------------------------------------------------------------------------
@@ -909,7 +914,15 @@ class ChunkEngine:
 _INDEX_BYTES = [bytes((i,)) for i in range(256)]  # the last byte of a shard's name
 _SLOT_KEY = struct.Struct(">HI")  # a shard record's LMDB key: size class, slot (big-endian: sorted by place)
 _PLACE = struct.Struct("<2xHI")  # size class and slot, read from a packed shard record
-_PLACE_CREATED = struct.Struct("<2xHI16xd")  # size class, slot and creation time, read from a packed shard record
+# size class, slot and creation time, read from packed shard records as a table
+_PLACE_DTYPE = np.dtype(
+    {
+        "names": ["size_class", "slot", "created"],
+        "formats": ["<u2", "<u4", "<f8"],
+        "offsets": [2, 4, 24],
+        "itemsize": 32,
+    }
+)
 _NAME_LEN = struct.Struct("<H")
 
 
@@ -923,6 +936,13 @@ def _slot_value(name: bytes, packed: bytes) -> bytes:
     return _NAME_LEN.pack(len(name)) + name + packed
 
 
+def _slot_keys(classes: np.ndarray, slots: np.ndarray) -> list[bytes]:
+    """The LMDB keys of shard records in ``slots`` (size class, slot; big-endian), built as one array."""
+    where = np.empty(len(slots), dtype=[("class", ">u2"), ("slot", ">u4")])
+    where["class"], where["slot"] = classes, slots
+    return where.view("V6").ravel().tolist()
+
+
 def _slot_items(names: list[bytes], values: list[bytes], size_class: np.ndarray, slot: np.ndarray) -> list:
     """(LMDB key, value) of shard records for ``slots``, in slot order (a put's records land in neighbouring
     B-tree pages), built as arrays; ``names`` and ``values`` are each of one length (one put's rows)."""
@@ -934,10 +954,8 @@ def _slot_items(names: list[bytes], values: list[bytes], size_class: np.ndarray,
     table["len"] = nw
     table["name"] = np.frombuffer(b"".join(names), dtype=f"V{nw}")
     table["rec"] = np.frombuffer(b"".join(values), dtype=f"V{vw}")
-    where = np.empty(n, dtype=[("class", ">u2"), ("slot", ">u4")])
-    where["class"], where["slot"] = size_class, slot
     order = np.lexsort((slot, size_class))
-    keys = where[order].view("V6").ravel().tolist()
+    keys = _slot_keys(size_class[order], slot[order])
     return list(zip(keys, table[order].view(f"V{table.dtype.itemsize}").ravel().tolist(), strict=True))
 
 

@@ -205,13 +205,15 @@ class SlabFiles:
                 )
         return whole[index * size : index * size + length]
 
-    def release(self, slots: Sequence[tuple[int, int]], after: float, now: float) -> int:
-        """Make (size class, slot)s reusable once the clock passes ``after`` and no reader pins them. Those
-        that may be reused already (``after`` is not in the future, and unpinned) go straight to the free
+    def release(
+        self, classes: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray, after: float, now: float
+    ) -> int:
+        """Make (``classes[i]``, ``slots[i]``) reusable once the clock passes ``after`` and no reader pins them.
+        Those that may be reused already (``after`` is not in the future, and unpinned) go straight to the free
         lists; returns their bytes. The others wait in quarantine for ``reap``."""
-        if not slots:
+        if not len(slots):
             return 0
-        classes, numbers = (np.asarray(column, dtype=np.int64) for column in zip(*slots, strict=True))
+        classes, numbers = np.asarray(classes, dtype=np.int64), np.asarray(slots, dtype=np.int64)
         held = self.pins.pinned(classes, numbers) if after <= now else np.ones(len(numbers), dtype=bool)
         freed = 0
         for size_class in np.unique(classes).tolist():

@@ -33,7 +33,7 @@ def test_slots_on_both_sides_of_an_extent_boundary_hold_their_bytes(tmp_path: Pa
 def test_a_released_slot_is_reused_only_after_its_grace(tmp_path: Path) -> None:
     slabs = SlabFiles(tmp_path)
     (slot,) = slabs.allocate(0, 1)
-    assert slabs.release([(0, slot)], after=10.0, now=0.0) == 0
+    assert slabs.release([0], [slot], after=10.0, now=0.0) == 0
     assert slabs.quarantined_bytes == SIZE_CLASSES[0]
     assert slabs.reap(now=9.0) == 0 and slabs.allocate(0, 1) != [slot]
     assert slabs.reap(now=10.0) == SIZE_CLASSES[0]
@@ -45,7 +45,7 @@ def test_a_released_slot_without_grace_or_pin_is_free_at_once(tmp_path: Path) ->
     slabs = SlabFiles(tmp_path)
     first, second = slabs.allocate(0, 2)
     slabs.pin([0], [second])
-    assert slabs.release([(0, first), (0, second)], after=3.0, now=3.0) == SIZE_CLASSES[0]
+    assert slabs.release([0, 0], [first, second], after=3.0, now=3.0) == SIZE_CLASSES[0]
     assert slabs.quarantined_bytes == SIZE_CLASSES[0]  # the pinned one waits for its reader
     assert list(slabs.allocate(0, 1)) == [first]
     slabs.close()
@@ -65,7 +65,7 @@ def test_a_pinned_slot_is_not_reused_after_its_grace_until_unpinned(tmp_path: Pa
     slabs = SlabFiles(tmp_path)
     (slot,) = slabs.allocate(0, 1)
     slabs.pin([0], [slot])  # a reader is still sending it
-    assert slabs.release([(0, slot)], after=1.0, now=5.0) == 0
+    assert slabs.release([0], [slot], after=1.0, now=5.0) == 0
     assert slabs.reap(now=5.0) == 0
     assert slot not in slabs.allocate(0, 1)
     slabs.unpin([0], [slot])
