@@ -2,8 +2,10 @@
 
 An :class:`Exchange` sends a batch of requests (at most one per node is the common case) over
 non-blocking sockets and drives them all from one ``selectors`` loop: requests go out with ``sendmsg``
-over the caller's buffers (gather), replies come in with ``recvmsg_into`` straight into buffers the caller
-chooses once it has seen the reply's metadata (scatter). The protocol itself is the sans-IO
+over the caller's buffers or ``_native.Scatter`` pieces (gather, in compiled code: ``_native.send_some``;
+a payload may follow in parts, ``Exchange.extend``, while ``run(work=)`` prepares them), replies come in
+with ``recvmsg_into`` straight into buffers the caller chooses once it has seen the reply's metadata
+(scatter). The protocol itself is the sans-IO
 :class:`~kvtier.kvstore.protocol.FrameReader`.
 
 Failure contract: a node that refuses the connection, resets it, closes it, or does not answer before the
