@@ -75,12 +75,12 @@ class Pins:
         self._counts: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
-        return sum(int(np.count_nonzero(counts)) for counts in self._counts.values())
+        return sum(int(np.count_nonzero(counts > 0)) for counts in self._counts.values())
 
     def __contains__(self, key: object) -> bool:
         size_class, slot = key  # type: ignore[misc]
         counts = self._counts.get(size_class)
-        return counts is not None and 0 <= slot < len(counts) and bool(counts[slot])
+        return counts is not None and 0 <= slot < len(counts) and bool(counts[slot] > 0)
 
     def pinned(self, classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Whether each (``classes[i]``, ``slots[i]``) is pinned, as one array."""
