@@ -183,6 +183,9 @@ class Fetcher:
         self.sessions: set[Session] = set()
         self._lock = threading.RLock()  # everything but a store call in progress happens under it
         self._waiting = 0  # threads waiting on the epoll
+        # store clients not in use, by tenant, the most recently used last: a store call takes that one, whose
+        # connections are warm (rotating over one client per thread cost ~1.7 ms more CPU a 64 MiB read)
+        self._idle_clients: dict[str, list[Client]] = {}
         self._next_sweep = time.monotonic() + PEER_SWEEP_S
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -229,14 +232,13 @@ class Fetcher:
     def _take_turns(self) -> None:
         """One thread's loop: run the most urgent queued job while another thread waits on the epoll; else wait on
         the epoll and handle what it reports."""
-        clients: dict[str, Client] = {}  # this thread's store clients, by tenant
         with self._lock:
             while not self.stopping:
                 if self.jobs and self._waiting:
                     job = heapq.heappop(self.jobs)[2]
                     if not job.started:  # (a job hurried along sits in the heap twice)
                         job.started = True
-                        self._run(job, clients)
+                        self._run(job)
                     continue
                 self._waiting += 1
                 self._lock.release()
@@ -250,8 +252,6 @@ class Fetcher:
                     self._next_sweep = time.monotonic() + PEER_SWEEP_S
                 for fd, events in ready:
                     self._dispatch(fd, events)
-        for client in clients.values():
-            client.close()
 
     def _dispatch(self, fd: int, events: int) -> None:
         """Handle one epoll event (under the lock) and arm the descriptor again."""
@@ -299,6 +299,9 @@ class Fetcher:
         with self._lock:
             for session in list(self.sessions):
                 self._close(session)
+            for clients in self._idle_clients.values():
+                for client in clients:
+                    client.close()
         self.epoll.close()
         self.listener.close()
         with contextlib.suppress(FileNotFoundError):
@@ -645,24 +648,28 @@ class Fetcher:
         job.priority = priority
         heapq.heappush(self.jobs, (priority, next(self.seq), job))
 
-    def _run(self, job: Job, clients: dict[str, Client]) -> None:
+    def _run(self, job: Job) -> None:
         """Run ``job``'s store call without the lock (held on entry and on return), then complete it."""
+        idle = self._idle_clients.setdefault(job.tenant, [])
+        client = idle.pop() if idle else None
         self._lock.release()
         try:
-            self._store_call(job, clients)
+            client = self._store_call(job, client)
         finally:
             self._lock.acquire()
+        if client is not None:
+            idle.append(client)
         try:
             self._complete(job)
         except Exception:  # a bug must not stop the thread (its requests' connections see no answer)
             log.exception("completing a store call failed")
 
-    def _store_call(self, job: Job, clients: dict[str, Client]) -> None:
-        """``get_into`` the job's slots, or ``put`` from them; a failure is recorded in ``job``, never raised."""
+    def _store_call(self, job: Job, client: Client | None) -> Client | None:
+        """``get_into`` the job's slots, or ``put`` from them, with ``client`` (or a new one of the job's tenant,
+        returned for the next call); a failure is recorded in ``job``, never raised."""
         try:
-            client = clients.get(job.tenant)
             if client is None:
-                client = clients[job.tenant] = Client(self.config, token=self.config.tenants[job.tenant])
+                client = Client(self.config, token=self.config.tenants[job.tenant])
             pool, length = self.pools[job.pool], job.length
             starts = (pool.data_offset + job.slots * pool.stride).tolist()
             views = [pool.buffer[start : start + length] for start in starts]
@@ -675,6 +682,7 @@ class Fetcher:
         except Exception as exc:  # any store failure becomes a per-block ERROR answer, never a crash
             log.warning("store call failed: %s", exc)
             job.error = f"{type(exc).__name__}: {exc}"
+        return client
 
     def _complete(self, job: Job) -> None:
         """The store call of ``job`` is over (under the lock): its slots published (pinned once per waiting FETCH)
