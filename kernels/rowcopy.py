@@ -14,15 +14,17 @@ stream, just before the copy (bounds, and no destination row twice): its verdict
 first, so a bad list moves no byte and the host learns why without having walked the lists itself. Compiled for
 ``target="c"`` the copy runs on CPU tensors, which lets a machine without a GPU check its indexing.
 
-Shared contract: ``rows`` is one contiguous ``int64`` tensor ``[2, n]`` on the tensors' device, source rows in
-``rows[0]`` and destination rows in ``rows[1]``; ``flag`` an ``int32`` tensor ``[1]`` there and ``stamp`` a positive
-``int32`` naming the launch. The copy moves nothing if ``flag[0] == stamp``; otherwise it trusts the rows (an
-out-of-range row is skipped, a repeated destination row receives one of its sources, unspecified which). The check
-reads the lists from ``ids`` (same layout; on a GPU it may be host memory mapped into the device, so the lists need
-no upload), writes them to ``rows`` for the copy, and when a row is out of range or a destination row repeats sets
-``flag[0] = stamp`` and ``verdict[0] = 1`` (a word the host can read, normally mapped host memory); it clears
-neither. So no flag word needs clearing between launches: a flag word holds the stamp of a refused launch, which no
-other launch uses. Nothing here imports kvtier; tilelang is imported only when a kernel is built.
+Shared contract: ``rows`` is one contiguous ``int32`` tensor ``[2, n]`` on the tensors' device, source rows in
+``rows[0]`` and destination rows in ``rows[1]`` (int32: half the bytes of int64 for the host to write and the
+device to read; the copy widens a row to int64 before it multiplies by the stride, so tables of over 2**31 words are
+fine); ``flag`` an ``int32`` tensor ``[1]`` there and ``stamp`` a positive ``int32`` naming the launch. The copy
+moves nothing if ``flag[0] == stamp``; otherwise it trusts the rows (an out-of-range row is skipped, a repeated
+destination row receives one of its sources, unspecified which). The check reads the lists from ``ids`` (same
+layout; on a GPU it may be host memory mapped into the device, so the lists need no upload), writes them to ``rows``
+for the copy, and when a row is out of range or a destination row repeats sets ``flag[0] = stamp`` and
+``verdict[0] = 1`` (an ``int32`` word the host can read, normally mapped host memory); it clears neither. So no
+flag word needs clearing between launches: a flag word holds the stamp of a refused launch, which no other launch
+uses. Nothing here imports kvtier; tilelang is imported only when a kernel is built.
 
 No ``from __future__ import annotations`` here: TileLang evaluates the kernels' annotations, which name local
 variables.
@@ -42,7 +44,7 @@ STAMP_LIMIT = 2**31 - 1  # stamps are int32 (TileLang's returning atomic max is 
 def copy_rows_reference(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """The definition: ``dst[dst_rows[b], :w] = src[src_rows[b], :w]`` with ``w = min`` of the two row widths."""
     width = min(src.shape[1], dst.shape[1])
-    dst[:, :width].index_copy_(0, dst_rows, src[:, :width].index_select(0, src_rows))
+    dst[:, :width].index_copy_(0, dst_rows.long(), src[:, :width].index_select(0, src_rows.long()))
 
 
 def rows_ok_reference(rows: torch.Tensor, src_count: int, dst_count: int) -> bool:
@@ -65,15 +67,15 @@ def _copy(width: int, src_stride: int, dst_stride: int, threads: int, target: st
     @T.prim_func
     def copy_rows(
         src: T.Tensor((src_count, src_stride), "int32"),
-        rows: T.Tensor((2, n), "int64"),
+        rows: T.Tensor((2, n), "int32"),
         flag: T.Tensor((1,), "int32"),
         dst: T.Tensor((dst_count, dst_stride), "int32"),
         stamp: T.int32,
     ):
         with T.Kernel(n, threads=threads) as b:
             if flag[0] != stamp:
-                s = rows[0, b]
-                d = rows[1, b]
+                s = T.cast(rows[0, b], "int64")
+                d = T.cast(rows[1, b], "int64")
                 for i in T.Parallel(width):
                     dst[d, i] = src[s, i]
 
@@ -90,9 +92,9 @@ def _check(threads: int, target: str) -> Any:
 
     @T.prim_func
     def check_rows(
-        ids: T.Tensor((2, n), "int64"),
-        rows: T.Tensor((2, n), "int64"),
-        verdict: T.Tensor((1,), "int64"),
+        ids: T.Tensor((2, n), "int32"),
+        rows: T.Tensor((2, n), "int32"),
+        verdict: T.Tensor((1,), "int32"),
         flag: T.Tensor((1,), "int32"),
         claims: T.Tensor((claim_count,), "int32"),
         src_count: T.int32,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ def copy_case(src_stride: int, dst_stride: int, device: str) -> tuple[torch.Tens
     src = random_words(40, src_stride, device)
     dst = random_words(64, dst_stride, device)
     rows = torch.stack([torch.randperm(40, device=device)[:25], torch.randperm(64, device=device)[:25]])
-    return src, dst, rows
+    return src, dst, rows.to(torch.int32)
 
 
 @needs_tilelang
@@ -66,7 +67,7 @@ def check_cases() -> list[tuple[torch.Tensor, int, int]]:
     """Row lists with their source and destination row counts: good ones (sources may repeat) and one of each way to
     be bad, each bad entry at a random place of a good list; the repeats also far apart (in different CTAs)."""
     cases = [(torch.stack([torch.randint(0, 40, (64,)), torch.randperm(64)]), 40, 64) for _ in range(3)]
-    for side, value in ((0, 40), (0, -1), (1, 64), (1, -5), (0, 2**40)):
+    for side, value in ((0, 40), (0, -1), (1, 64), (1, -5), (0, 2**31 - 1), (1, -(2**31))):
         rows = torch.stack([torch.randint(0, 40, (60,)), torch.randperm(64)[:60]])
         rows[side, torch.randint(0, 60, ())] = value
         cases.append((rows, 40, 64))
@@ -74,7 +75,7 @@ def check_cases() -> list[tuple[torch.Tensor, int, int]]:
         dup = torch.stack([torch.randint(0, 40, (n,)), torch.randperm(4 * n)[:n]])
         dup[1, n - 1] = dup[1, 3]
         cases.append((dup, 40, 4 * n))
-    return cases
+    return [(rows.to(torch.int32), src_count, dst_count) for rows, src_count, dst_count in cases]
 
 
 @needs_tilelang
@@ -84,7 +85,7 @@ def test_check_kernel_flags_exactly_what_the_reference_refuses() -> None:
     claims = torch.zeros(12000, dtype=torch.int32, device="cuda")
     for stamp, (rows, src_count, dst_count) in enumerate(check_cases() * 2, start=1):  # twice: earlier claims stay
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        verdict = torch.zeros(1, dtype=torch.int64, device="cuda")
+        verdict = torch.zeros(1, dtype=torch.int32, device="cuda")
         handed_on = torch.full_like(rows, -7, device="cuda")
         check(rows.cuda(), handed_on, verdict, flag, claims, src_count, dst_count, stamp)
         ok = rows_ok_reference(rows, src_count, dst_count)
@@ -126,3 +127,30 @@ def test_host_copy_refuses_row_lists_of_different_lengths() -> None:
 )
 def test_check_rows_names_the_first_bad_position(rows: list[int], distinct: bool, first_bad: int) -> None:
     assert _hostcopy.check_rows(torch.tensor(rows).numpy(), 4, distinct) == first_bad
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_narrow_ids_writes_the_ids_as_int32_at_the_offset(dtype: type) -> None:
+    ids = np.random.default_rng(1).integers(-(2**31), 2**31, 1003).astype(dtype)  # not a multiple of the 4-id step
+    dst = np.full(1100, -7, dtype=np.int32)
+    assert _hostcopy.narrow_ids(dst, 5, ids) == -1
+    assert np.array_equal(dst[5:1008], ids) and (dst[:5] == -7).all() and (dst[1008:] == -7).all()
+
+
+@pytest.mark.parametrize("position", [0, 3, 4, 998])
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1, 2**40, -(2**62)])
+def test_narrow_ids_names_the_first_id_beyond_int32(position: int, value: int) -> None:
+    ids = np.arange(999, dtype=np.int64)
+    ids[position] = value
+    ids[-1] = value + 1 if position < 998 else ids[-1]  # a later one too: the first is named
+    assert _hostcopy.narrow_ids(np.zeros(999, dtype=np.int32), 0, ids) == position
+
+
+def test_narrow_ids_refuses_other_types_and_overflow() -> None:
+    dst = np.zeros(8, dtype=np.int32)
+    with pytest.raises(TypeError, match="int32 destination"):
+        _hostcopy.narrow_ids(dst, 0, np.arange(4, dtype=np.uint64))
+    with pytest.raises(TypeError, match="int32 destination"):
+        _hostcopy.narrow_ids(np.zeros(8, dtype=np.int64), 0, np.arange(4))
+    with pytest.raises(ValueError, match="do not fit"):
+        _hostcopy.narrow_ids(dst, 5, np.arange(4))

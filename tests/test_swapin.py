@@ -128,6 +128,7 @@ def test_no_ids_is_a_no_op(slots: torch.Tensor) -> None:
         ([0, SLOTS], [0, 1], "slot id 12 out of range"),
         ([0, 1], [-1, 1], "page id -1 out of range"),
         ([0, 1], [3, 3], "page id 3 repeats"),
+        ([0, 2**32], [0, 1], "slot id 4294967296 out of range"),
         ([0, 1, 2], [0, 1], "3 slot ids but 2 page ids"),
         ([0.5], [0], "slot ids must be a 1-D sequence of integers"),
         ([[0, 1]], [0, 1], "slot ids must be a 1-D sequence of integers"),
@@ -195,6 +196,8 @@ def test_gpu_swap_out_writes_the_segment_in_place(slots: torch.Tensor) -> None:
         ([0, SLOTS], [0, 1], "slot id 12 out of range"),
         ([0, 1], [-1, 1], "page id -1 out of range"),
         ([0, 1, 2], [3, 9, 3], "page id 3 repeats"),
+        ([0, 2**32 + 1], [3, 9], "slot id 4294967297 out of range"),  # int32 on the device: refused on the host
+        (np.array([1, 2], dtype=np.int32), np.array([5, -(2**31)], dtype=np.int32), "page id -2147483648 out of"),
     ],
 )
 def test_gpu_bad_ids_are_refused_and_nothing_moves(slots: torch.Tensor, slot_ids, page_ids, message: str) -> None:
@@ -208,6 +211,23 @@ def test_gpu_bad_ids_are_refused_and_nothing_moves(slots: torch.Tensor, slot_ids
         swap_in(mapped.tensor, [1, 2], cache, [3, 9])  # the next call is checked on its own
         torch.cuda.synchronize()
     assert torch.equal(cache[3].cpu().view(-1).view(torch.uint8), slots[1, : page_bytes()])
+
+
+@gpu
+def test_gpu_swap_in_takes_int32_ids_and_queues_on_the_callers_stream(slots: torch.Tensor) -> None:
+    cache = random_cache("cuda")
+    slot_ids, page_ids = np.array([5, 0, 11], dtype=np.int32), torch.tensor([9, 2, 15], dtype=torch.int32)
+    want = expected_swap_in(slots, slot_ids.tolist(), cache, page_ids.tolist())
+    before, stream = cache.cpu(), torch.cuda.Stream()
+    with CudaHostMapping(slots) as mapped, torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: the copy waits behind this on the caller's stream
+        swap_in(mapped.tensor, slot_ids, cache, page_ids)
+        assert torch.cuda.current_stream() == stream  # the call leaves the caller's stream current
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            meanwhile = cache.cpu()  # the default stream does not wait for the caller's
+        stream.synchronize()
+    assert torch.equal(meanwhile.view(torch.int16), before.view(torch.int16))
+    assert torch.equal(cache.cpu().view(torch.int16), want.view(torch.int16))
 
 
 @gpu

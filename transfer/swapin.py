@@ -162,15 +162,17 @@ def _page_rows(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 def _ids(ids: Any, what: str) -> np.ndarray:
-    """``ids`` as a contiguous int64 array (no copy when it already is one); SwapError if not 1-D integers."""
+    """``ids`` as a contiguous ``int64`` or ``int32`` array (no copy when it already is one); other integer types
+    become ``int64``. SwapError if not 1-D integers."""
     arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise SwapError(f"{what} ids must be a 1-D sequence of integers, not {arr.dtype} of shape {arr.shape}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return np.ascontiguousarray(arr, dtype=arr.dtype if arr.dtype in (np.int32, np.int64) else np.int64)
 
 
-def _check_ids(arr: np.ndarray, count: int, what: str, distinct: bool) -> None:
+def _check_ids(ids: np.ndarray, count: int, what: str, distinct: bool) -> None:
     """SwapError unless every id is in ``[0, count)`` (and, with ``distinct``, none repeats)."""
+    arr = ids.astype(np.int64, copy=False)
     bad = _hostcopy.check_rows(arr, count, distinct)
     if bad >= 0 and not 0 <= arr[bad] < count:
         raise SwapError(f"{what} id {arr[bad]} out of range: there are {count} {what}s")
@@ -179,8 +181,8 @@ def _check_ids(arr: np.ndarray, count: int, what: str, distinct: bool) -> None:
 
 
 def _host_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.ndarray, to_pages: bool) -> None:
-    slot_side = (slots.data_ptr(), slots.shape[1], s)
-    page_side = (pages.data_ptr(), pages.shape[1], p)
+    slot_side = (slots.data_ptr(), slots.shape[1], s.astype(np.int64, copy=False))
+    page_side = (pages.data_ptr(), pages.shape[1], p.astype(np.int64, copy=False))
     dst, src = (page_side, slot_side) if to_pages else (slot_side, page_side)
     _hostcopy.copy_rows(*dst, *src, pages.shape[1])
 
@@ -189,6 +191,8 @@ def _device_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.
     nbytes = pages.shape[1]
     if nbytes % WORD_BYTES or slots.shape[1] % WORD_BYTES or slots.data_ptr() % WORD_BYTES:
         raise SwapError(f"on a GPU, page size ({nbytes}) and slot stride ({slots.shape[1]}) must be multiples of 4")
+    if max(slots.shape[0], pages.shape[0]) > STAMP_LIMIT:
+        raise SwapError(f"on a GPU, at most {STAMP_LIMIT} slots and pages (ids are int32 there)")
     slot_words, page_words = slots.view(torch.int32), pages.view(torch.int32)
     src, dst = (slot_words, page_words) if to_pages else (page_words, slot_words)
     kernel = RowCopyKernel(nbytes // WORD_BYTES, src.shape[1], dst.shape[1])
@@ -202,19 +206,24 @@ def _device_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.
 
 
 class _Launcher:
-    """One device's GPU swaps. The host writes the ids into a reused buffer of host memory mapped into the device;
-    ``RowCheckKernel``, on a side stream, reads them from there (no upload call), writes them to a device buffer for
-    the copy and, if they are bad, sets the call's flag word and the verdict word beside the ids. The copy, queued on
-    the caller's stream behind that check, moves nothing if the flag holds the call's stamp. The host waits for the
-    check (not for the copy, nor for earlier work on the caller's stream): then the buffer is free again and the
-    verdict known. One call at a time (``lock``).
+    """One device's GPU swaps. The host writes the ids, as ``int32``, into a reused buffer of host memory mapped into
+    the device; ``RowCheckKernel``, on a side stream, reads them from there (no upload call), writes them to a device
+    buffer for the copy and, if they are bad, sets the call's flag word and the verdict word in front of the ids. The
+    copy, queued on the caller's stream behind that check, moves nothing if the flag holds the call's stamp. The host
+    waits for the check (not for the copy, nor for earlier work on the caller's stream): then the buffer is free
+    again and the verdict known. One call at a time (``lock``).
 
     Flag words are never cleared: a call uses the word ``stamp % FLAG_WORDS`` and the check writes its stamp there
-    only if the ids are bad; before a word is used again, the copy that last read it must have run (an event per
-    word). Every tensor handed to a kernel starts on a 64-byte boundary (``ALIGN`` words)."""
+    only if the ids are bad. Each word has its own device buffer for the checked ids (kept, and grown when a call
+    has more ids), written by the check and read by the copy: before a word and its buffer are used again, the copy
+    that last read them must have run (an event per word, normally long past). Every tensor handed to a kernel
+    starts on a 64-byte boundary (``ALIGN`` words).
+
+    Per call the host makes no allocation and no view for calls of the size of the previous one, and switches
+    streams with torch's raw stream calls instead of its stream context (which builds a ``Stream`` each time)."""
 
     FLAG_WORDS = 64
-    ALIGN = 16  # int32 words; the ids start this many int64 words (128 bytes) into the mapped buffer
+    ALIGN = 16  # int32 words: the ids start this far into the mapped buffer; flag words lie this far apart
 
     def __init__(self, device: torch.device) -> None:
         self.lock = threading.Lock()
@@ -225,10 +234,15 @@ class _Launcher:
         self.flags = torch.zeros(self.FLAG_WORDS * self.ALIGN, dtype=torch.int32, device=device)
         self.flag_words = [self.flags[i : i + 1] for i in range(0, self.flags.numel(), self.ALIGN)]
         self.copied = [torch.cuda.Event() for _ in range(self.FLAG_WORDS)]  # each word's last copy, once queued
-        # [verdict, padding, ids...] as int64 in host memory mapped into the device (the device's view: ``mapped``)
+        self.row_buffers = [torch.zeros(0, dtype=torch.int32, device=device)] * self.FLAG_WORDS  # each word's
+        self.rows = [buffer.view(2, 0) for buffer in self.row_buffers]  # their views for the word's last call
+        self.streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}  # callers' streams by torch's stream key
+        # [verdict, padding, ids...] as int32 in host memory mapped into the device (the device's view: ``mapped``)
         self.mapping: CudaHostMapping | None = None
-        self.host = np.zeros(0, dtype=np.int64)
-        self.mapped = torch.zeros(0, dtype=torch.int64)
+        self.host = np.zeros(0, dtype=np.int32)
+        self.mapped = torch.zeros(0, dtype=torch.int32)
+        self.verdict = self.mapped
+        self.ids = self.mapped.view(2, 0)  # the mapped ids of the last call's size, [2, n]
         self.claims = torch.zeros(0, dtype=torch.int32, device=device)
         self.stamp = 0
 
@@ -239,37 +253,72 @@ class _Launcher:
         were refused (then nothing is or will be copied)."""
         n, at = ids[0].size, self.ALIGN
         self._reserve(at + 2 * n)
-        host, mapped = self.host, self.mapped
-        host[0], host[at : at + n], host[at + n : at + 2 * n] = 0, ids[0], ids[1]
+        host = self.host
+        host[0] = 0
+        if _hostcopy.narrow_ids(host, at, ids[0]) >= 0 or _hostcopy.narrow_ids(host, at + n, ids[1]) >= 0:
+            return False  # an id beyond int32 is beyond every table here: refused before any launch
         stamp = self._next_stamp(dst.shape[0])
         word = stamp % self.FLAG_WORDS
-        self.copied[word].synchronize()  # the copy that last used this flag word has read it
-        flag, caller = self.flag_words[word], torch.cuda.current_stream(self.device)
-        try:
-            with torch.cuda.stream(self.side):
-                rows = torch.empty(2, n, dtype=torch.int64, device=self.device)
-                checked = mapped[at : at + 2 * n].view(2, n)
-                self.check(checked, rows, mapped[:1], flag, self.claims, src.shape[0], dst.shape[0], stamp)
-                self.checked.record()
+        self.copied[word].synchronize()  # the copy that last used this flag word and row buffer has read them
+        flag, rows, checked = self.flag_words[word], self._rows(word, n), self._mapped_ids(n)
+        index, side = self.device.index, self.side
+        device_was, caller_key = torch._C._cuda_getDevice(), torch._C._cuda_getCurrentStream(index)
+        caller = self._stream(caller_key)
+        try:  # torch's raw stream calls (its stream context makes Stream objects): these also make `index` current
+            torch._C._cuda_setStream(stream_id=side.stream_id, device_index=index, device_type=side.device_type)
+            try:
+                self.check(checked, rows, self.verdict, flag, self.claims, src.shape[0], dst.shape[0], stamp)
+                self.checked.record(side)
+            finally:
+                torch._C._cuda_setStream(stream_id=caller_key[0], device_index=index, device_type=caller_key[2])
             caller.wait_event(self.checked)
             kernel(src, rows, dst, flag, stamp)
             self.copied[word].record(caller)
-            rows.record_stream(caller)
         finally:
+            if device_was != index:
+                torch._C._cuda_setDevice(device_was)
             self.checked.synchronize()  # the check has read the ids (the copy runs on); the buffer is free again
         return host[0] == 0
 
+    def _stream(self, key: tuple[int, int, int]) -> torch.cuda.Stream:
+        """The ``Stream`` for torch's stream key, made once (``torch.cuda.current_stream`` builds a new one)."""
+        stream = self.streams.get(key)
+        if stream is None:
+            if len(self.streams) >= 256:  # external streams come and go: keep the table small
+                self.streams.clear()
+            stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self.streams[key] = stream
+        return stream
+
+    def _rows(self, word: int, n: int) -> torch.Tensor:
+        """Word ``word``'s device buffer for ``n`` checked ids, ``[2, n]`` (its view kept while calls keep the size;
+        a buffer too small replaced only here, once the copy that read it has run)."""
+        rows = self.rows[word]
+        if rows.shape[1] != n:
+            if self.row_buffers[word].numel() < 2 * n:
+                self.row_buffers[word] = torch.empty(2 * n, dtype=torch.int32, device=self.device)
+            rows = self.rows[word] = self.row_buffers[word][: 2 * n].view(2, n)
+        return rows
+
+    def _mapped_ids(self, n: int) -> torch.Tensor:
+        """The device's view of the ids' place in the mapped buffer, ``[2, n]`` (kept while calls keep the size)."""
+        if self.ids.shape[1] != n:
+            self.ids = self.mapped[self.ALIGN : self.ALIGN + 2 * n].view(2, n)
+        return self.ids
+
     def _reserve(self, words: int) -> None:
-        """A mapped buffer of at least ``words`` ``int64`` words (its own pages: CUDA refuses to register a page
+        """A mapped buffer of at least ``words`` ``int32`` words (its own pages: CUDA refuses to register a page
         twice)."""
         if self.host.size >= words:
             return
         if self.mapping is not None:
             self.mapping.close()
-        memory = mmap.mmap(-1, 8 * max(words, 2 * self.host.size, 4096))
-        self.host = np.frombuffer(memory, dtype=np.int64)
+        memory = mmap.mmap(-1, 4 * max(words, 2 * self.host.size, 8192))
+        self.host = np.frombuffer(memory, dtype=np.int32)
         self.mapping = CudaHostMapping(torch.from_numpy(self.host).view(torch.uint8), self.device)
-        self.mapped = self.mapping.tensor.view(torch.int64)
+        self.mapped = self.mapping.tensor.view(torch.int32)
+        self.verdict = self.mapped[:1]
+        self.ids = self.mapped[self.ALIGN : self.ALIGN].view(2, 0)
 
     def _next_stamp(self, dst_count: int) -> int:
         """A stamp above every earlier one, with claims for ``dst_count`` rows."""

@@ -17,7 +17,8 @@ and torch ``copy_``. Also torch's ``index_copy_`` path (the kernels' reference),
 
 **GPU** (a CUDA device and tilelang present, unless ``--no-gpu``): the segment registered with CUDA
 (``CudaHostMapping``), the cache in device memory. ``swap_in`` (the TileLang gather reading the segment across PCIe;
-timed end to end: argument checks, the ids' upload and their check on the device included) against one contiguous
+timed end to end: argument checks, the ids' writing into mapped host memory and their check on the device
+included; the ids are the int64 tensors of ``torch.randperm``, narrowed to int32 by the call) against one contiguous
 ``cudaMemcpyAsync`` of the same bytes from a pinned buffer (the link), with one ``cudaMemcpyAsync`` per block (torch
 ``copy_`` of each slot into its page) and the contiguous copy from the registered segment beside them; the same
 bytes as ``swap_in`` calls of 128 MiB queued back to back, as the engine issues them (``swap_in_grouped``: each
@@ -224,7 +225,7 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
         contiguous = torch.empty(n * page, dtype=torch.uint8, device=device)
         slot_ids, page_ids = _ids(n, n, 1), _ids(n, 2 * n, 2)
         s_dev, p_dev = slot_ids.to(device), page_ids.to(device)
-        rows, clear = torch.stack([s_dev, p_dev]), torch.zeros(1, dtype=torch.int32, device=device)
+        rows, clear = torch.stack([s_dev, p_dev]).int(), torch.zeros(1, dtype=torch.int32, device=device)
         slot_rows, cache_rows = slots.unbind(0), cache.unbind(0)
         pairs = list(zip(slot_ids.tolist(), page_ids.tolist(), strict=True))
         words, cache_words = mapped.view(torch.int32), cache.view(torch.int32)
