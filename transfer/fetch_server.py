@@ -186,6 +186,10 @@ class Fetcher:
         # store clients not in use, by tenant, the most recently used last: a store call takes that one, whose
         # connections are warm (rotating over one client per thread cost ~1.7 ms more CPU a 64 MiB read)
         self._idle_clients: dict[str, list[Client]] = {}
+        # whole-slot views, made the first time a slot is read into and kept (slicing 1,024 a request cost ~0.12 ms);
+        # store calls in flight never share a slot, so they fill these without the lock
+        self._views: list[list[memoryview | None]] = [[None] * pool.slots for pool in self.pools]
+        self._viewed = [np.zeros(pool.slots, dtype=bool) for pool in self.pools]
         self._next_sweep = time.monotonic() + PEER_SWEEP_S
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -302,6 +306,7 @@ class Fetcher:
             for clients in self._idle_clients.values():
                 for client in clients:
                     client.close()
+            self._views.clear()  # (the pools unmap once no view is left)
         self.epoll.close()
         self.listener.close()
         with contextlib.suppress(FileNotFoundError):
@@ -670,9 +675,7 @@ class Fetcher:
         try:
             if client is None:
                 client = Client(self.config, token=self.config.tenants[job.tenant])
-            pool, length = self.pools[job.pool], job.length
-            starts = (pool.data_offset + job.slots * pool.stride).tolist()
-            views = [pool.buffer[start : start + length] for start in starts]
+            views = self._slot_views(job.pool, job.slots, job.length)
             if job.put:
                 job.result = client.put(job.keys, views, job.ttl_class, headers=job.headers)
             else:
@@ -683,6 +686,17 @@ class Fetcher:
             log.warning("store call failed: %s", exc)
             job.error = f"{type(exc).__name__}: {exc}"
         return client
+
+    def _slot_views(self, cls: int, slots: np.ndarray, length: int) -> list[memoryview]:
+        """Views of the first ``length`` bytes of ``slots`` in size class ``cls``."""
+        pool = self.pools[cls]
+        if length != pool.slot_bytes:
+            return [pool.buffer[start : start + length] for start in (pool.data_offset + slots * pool.stride).tolist()]
+        cache, viewed = self._views[cls], self._viewed[cls]
+        for slot in slots[~viewed[slots]].tolist():
+            cache[slot] = pool.view(slot)
+        viewed[slots] = True
+        return list(map(cache.__getitem__, slots.tolist()))  # type: ignore[arg-type]
 
     def _complete(self, job: Job) -> None:
         """The store call of ``job`` is over (under the lock): its slots published (pinned once per waiting FETCH)
