@@ -913,6 +913,7 @@ class ChunkEngine:
 
 _INDEX_BYTES = [bytes((i,)) for i in range(256)]  # the last byte of a shard's name
 _SLOT_KEY = struct.Struct(">HI")  # a shard record's LMDB key: size class, slot (big-endian: sorted by place)
+_SLOT_KEY_DTYPE = np.dtype([("class", ">u2"), ("slot", ">u4")])  # the same key, as a numpy row
 _PLACE = struct.Struct("<2xHI")  # size class and slot, read from a packed shard record
 # size class, slot and creation time, read from packed shard records as a table
 _PLACE_DTYPE = np.dtype(
@@ -938,9 +939,9 @@ def _slot_value(name: bytes, packed: bytes) -> bytes:
 
 def _slot_keys(classes: np.ndarray, slots: np.ndarray) -> list[bytes]:
     """The LMDB keys of shard records in ``slots`` (size class, slot; big-endian), built as one array."""
-    where = np.empty(len(slots), dtype=[("class", ">u2"), ("slot", ">u4")])
+    where = np.empty(len(slots), dtype=_SLOT_KEY_DTYPE)
     where["class"], where["slot"] = classes, slots
-    return where.view("V6").ravel().tolist()
+    return where.view(f"V{_SLOT_KEY.size}").ravel().tolist()
 
 
 def _slot_items(names: list[bytes], values: list[bytes], size_class: np.ndarray, slot: np.ndarray) -> list:
