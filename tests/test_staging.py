@@ -285,3 +285,36 @@ def test_a_batch_that_publishes_one_key_twice_keeps_the_last_copy(shm_name: str)
     assert (stats.ready, stats.free) == (1, pool.slots - 1)
     assert len(pool.reserve_many(pool.slots, owner_pid=1)[0]) == pool.slots  # all reusable, nothing dangling
     pool.close()
+
+
+def test_a_batch_published_for_later_is_visible_to_readers_at_once_and_indexed_before_any_other_call(
+    shm_name: str,
+) -> None:
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    old, _ = fill(pool, 1)
+    slots, gens = pool.reserve_many(2, owner_pid=1)
+    pool.publish_many(slots, TENANT, [key(1), key(2)], SLOT, [None, None], np.array([1, 0], np.uint32), later=True)
+    reader = SlotMap.open(shm_name)
+    assert reader.valid_many(slots, gens).tolist() == [True, True]  # the table is written: readers see the blocks
+    assert pool.state[old] == SlotState.READY  # the copy the new one supersedes goes once the index learns of it
+    assert pool.find(TENANT, [key(1), key(2)], SLOT, [None, None]).tolist() == slots.tolist()  # settled first
+    assert pool.state[old] == SlotState.FREE
+    evictable = set(range(pool.slots)) - {int(slots[0])}  # the unpinned one is in the LRU order, the pinned one not
+    assert set(pool.reserve_many(pool.slots, owner_pid=1)[0].tolist()) == evictable
+    reader.close()
+    pool.close()
+
+
+def test_batch_validity_matches_the_single_checks(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    ready, ready_gen = fill(pool, 1)
+    pinned, pinned_gen = fill(pool, 2, pins=1)
+    filling, filling_gen = pool.reserve(owner_pid=1)  # type: ignore[misc]
+    slots = np.array([ready, pinned, filling, ready, pool.slots + 3], np.uint32)
+    gens = np.array([ready_gen, pinned_gen, filling_gen, ready_gen + 1, 0], np.uint64)
+    assert pool.valid_many(slots, gens).tolist() == [
+        pool.valid(int(s), int(g)) for s, g in zip(slots, gens, strict=True)
+    ]
+    assert pool.valid_many(slots, gens).tolist() == [True, True, False, False, False]
+    assert pool.filling_many(slots, gens).tolist() == [False, False, True, False, False]
+    pool.close()

@@ -150,11 +150,11 @@ class Job:
         """A request carries header digests for all its blocks or for none."""
         return None if self.hdrs[0] is None else self.hdrs  # type: ignore[return-value]
 
-    def position(self, key: bytes) -> int:
-        """Which block of this job ``key`` is (the job must hold it)."""
+    def position(self, key: bytes) -> int | None:
+        """Which block of this job ``key`` is (the last, if twice); None if it holds no such block."""
         if self._positions is None:
             self._positions = dict(zip(self.keys, range(len(self.keys)), strict=True))
-        return self._positions[key]
+        return self._positions.get(key)
 
     def wait(self, j: int, answer: Answer, i: int) -> None:
         self.extra.setdefault(j, []).append((answer, i))
@@ -175,8 +175,9 @@ class Fetcher:
         self.socket_path = socket_path
         self.epoll = select.epoll()
         self._watched: dict[int, Session | str] = {}  # descriptor -> its session, "listen" or "wake"
-        # blocks being read, by (tenant id, length) then key: a request for one of them waits for that read
-        self.flights: dict[tuple[int, int], dict[bytes, Job]] = {}
+        # store reads under way, by (tenant id, length), oldest first: a request for one of their blocks waits for
+        # that read (a job's keys are indexed only when another request looks for them: most never are)
+        self.flights: dict[tuple[int, int], list[Job]] = {}
         self.jobs: list[tuple[int, int, Job]] = []  # a heap: (priority, sequence, job), under the lock
         self.seq = itertools.count()
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))  # every key present: scraped from a thread
@@ -481,7 +482,7 @@ class Fetcher:
         """The blocks of ``request`` at positions ``missed`` (not in the pool): each waits for a read already under
         way, or joins this request's one store call into freshly reserved slots (FULL when none is left)."""
         keys, hdrs = request.keys, request.headers
-        flying = self.flights.setdefault((tid, request.length), {})
+        flying = self.flights.setdefault((tid, request.length), [])
         wanted = missed.tolist()
         wanted_keys = keys if len(wanted) == len(keys) else list(map(keys.__getitem__, wanted))
         twice: list[tuple[int, int]] = []  # (block of this request's read, position): the same block asked again
@@ -497,7 +498,7 @@ class Fetcher:
                 slots, gens, answer, np.arange(got) if wanted_keys is keys else np.array(wanted[:got], np.int64),
                 priority=priority,
             )  # fmt: skip
-            flying.update(zip(job.keys, itertools.repeat(job)))
+            flying.append(job)
             heapq.heappush(self.jobs, (priority, next(self.seq), job))  # one store call: splitting it was slower
         full = wanted[got:] + [i for j, i in twice if j >= got]  # no slot left: every one is pinned or filling
         for j, i in twice:
@@ -516,7 +517,7 @@ class Fetcher:
         keys: list[bytes],
         hdrs: list[bytes | None],
         wanted: list[int],
-        flying: dict[bytes, Job],
+        flying: list[Job],
         priority: int,
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """Positions that wait for another request's read (at this request's priority), and of the rest, those
@@ -527,8 +528,8 @@ class Fetcher:
         hurried: set[Job] = set()
         for i in wanted:
             key, hdr = keys[i], hdrs[i]
-            job = flying.get(key)
-            if job is not None and job.hdrs[j := job.position(key)] == hdr:
+            job, j = _reading(flying, key, hdr)
+            if job is not None:
                 job.wait(j, answer, i)
                 if job not in hurried:
                     hurried.add(job)
@@ -636,7 +637,7 @@ class Fetcher:
         return {
             **PoolStats.total([p.stats() for p in self.pools]).as_dict(),
             "slot_sizes": self.slot_sizes,
-            "in_flight": sum(len(flying) for flying in self.flights.values()),
+            "in_flight": sum(len(job.keys) for flying in self.flights.values() for job in flying),
             "queued_jobs": len({job for _, _, job in self.jobs if not job.started}),
             "sessions": len(self.sessions),
             "pid": os.getpid(),
@@ -709,12 +710,13 @@ class Fetcher:
         for j, waiters in job.extra.items():
             pins[j] += sum(a.pins for a, _ in waiters)
         stored, failed = np.flatnonzero(ok), np.flatnonzero(~ok)
+        # the table now (what engines read), the pool's index once the answers are out (``settle`` below)
         if len(stored) == n:
-            pool.publish_many(job.slots, tid, job.keys, job.length, job.hdrs, pins)
+            pool.publish_many(job.slots, tid, job.keys, job.length, job.hdrs, pins, later=True)
         elif len(stored):
             at = stored.tolist()
             keys, hdrs = list(map(job.keys.__getitem__, at)), list(map(job.hdrs.__getitem__, at))
-            pool.publish_many(job.slots[stored], tid, keys, job.length, hdrs, pins[stored])
+            pool.publish_many(job.slots[stored], tid, keys, job.length, hdrs, pins[stored], later=True)
         if len(failed):
             pool.abandon_many(job.slots[failed], job.gens[failed])
         if job.put:
@@ -732,21 +734,15 @@ class Fetcher:
                 self._settle(job, answer, np.array([i]), ok[j : j + 1], good, bad, error, j)
         if not job.put:
             self._land(job, tid)
+        pool.settle()
 
     def _land(self, job: Job, tid: int) -> None:
         """The job's reads are over: later requests for its blocks no longer wait for it."""
         flying = self.flights.get((tid, job.length))
-        if flying is None:
-            return
-        owners = list(map(flying.get, job.keys))  # a key read again with another header has a newer job
-        if owners.count(job) == len(flying):  # the usual case: nothing else in flight
-            del self.flights[(tid, job.length)]
-            return
-        for key, owner in zip(job.keys, owners, strict=True):
-            if owner is job:
-                del flying[key]
-        if not flying:
-            del self.flights[(tid, job.length)]
+        if flying is not None and job in flying:
+            flying.remove(job)
+            if not flying:
+                del self.flights[(tid, job.length)]
 
     def _settle(
         self,
@@ -773,6 +769,15 @@ class Fetcher:
         answer.remaining -= len(index)
         if answer.remaining == 0:
             self._answer(answer, FetchOp.PUT if job.put else FetchOp.FETCH if answer.pin else FetchOp.PREFETCH)
+
+
+def _reading(flying: list[Job], key: bytes, hdr: bytes | None) -> tuple[Job | None, int]:
+    """The newest of ``flying`` that reads ``key`` with header digest ``hdr``, and which of its blocks it is."""
+    for job in reversed(flying):
+        j = job.position(key)
+        if j is not None and job.hdrs[j] == hdr:
+            return job, j
+    return None, -1
 
 
 def _alive(pid: int) -> bool:

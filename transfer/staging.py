@@ -223,6 +223,21 @@ class SlotMap:
         """Whether ``slot`` is still being filled under ``generation`` (an engine's allocated slot, not reclaimed)."""
         return 0 <= slot < self.slots and int(self.gen[slot]) == generation and int(self.state[slot]) == FILLING
 
+    def valid_many(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """:meth:`valid` of a batch, as a ``bool`` array (the generations are read before the states, as there)."""
+        inside = (slots >= 0) & (slots < self.slots)
+        at = np.where(inside, slots, 0)
+        same = self.gen[at] == gens
+        state = self.state[at]
+        return inside & same & ((state == READY) | (state == PINNED))
+
+    def filling_many(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """:meth:`filling` of a batch, as a ``bool`` array."""
+        inside = (slots >= 0) & (slots < self.slots)
+        at = np.where(inside, slots, 0)
+        same = self.gen[at] == gens
+        return inside & same & (self.state[at] == FILLING)
+
     @property
     def writer_pid(self) -> int:
         return struct.unpack_from("<I", self._mmap, 12)[0]
@@ -314,8 +329,10 @@ class StagingPool(SlotMap):
         super().__init__(name, mapping)
         self._fd = fd  # holds the writer's ``flock`` for the pool's life
         self._lock = threading.RLock()
-        self._index: dict[tuple[int, bytes], int] = {}  # (tenant, key) -> READY/PINNED slot
-        self._held: dict[int, tuple[int, bytes]] = {}  # the reverse: slot -> (tenant, key)
+        # tenant -> key -> READY/PINNED slot (the reverse is the table's tenant and key columns): one dict a
+        # tenant, so that a batch of keys is looked up, added or removed in C without a tuple per key
+        self._index: dict[int, dict[bytes, int]] = {}
+        self._later: list[Callable[[], None]] = []  # index changes of ``publish_many(later=True)``, in order
         self._evictable = _Lru()  # READY slots, oldest first
         self._free: list[int] = []
         self._detached: set[int] = set()  # superseded by a newer copy of their key: freed at last unpin
@@ -408,13 +425,13 @@ class StagingPool(SlotMap):
                 self.state[slot] = READY
                 reclaimed += 1
             if self.state[slot] == READY:
-                held = (int(self.tenant[slot]), self._key(slot))
-                older = self._index.get(held)
+                index = self._keys_of(int(self.tenant[slot]))
+                key = self._key(slot)
+                older = index.get(key)
                 if older is not None:  # a superseded copy kept for its (now dead) pins: the newest stays
-                    del self._held[older]
                     self._evictable.discard((older,))
                     self._to_free(older)
-                self._index[held], self._held[slot] = slot, held
+                index[key] = slot
                 self._evictable.add((slot,))
             else:
                 self._free.append(slot)
@@ -422,6 +439,24 @@ class StagingPool(SlotMap):
 
     def _key(self, slot: int) -> bytes:
         return bytes(self.keys[slot, : self.klen[slot]])
+
+    def _keys_of(self, tenant: int) -> dict[bytes, int]:
+        """``tenant``'s part of the index (made at its first block)."""
+        index = self._index.get(tenant)
+        if index is None:
+            index = self._index[tenant] = {}
+        return index
+
+    def settle(self) -> None:
+        """Make the index changes ``publish_many(later=True)`` left for later (every other method does so first)."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        while self._later:
+            later, self._later = self._later, []
+            for change in later:
+                change()
 
     @staticmethod
     def _checked(key: bytes) -> bytes:
@@ -446,7 +481,8 @@ class StagingPool(SlotMap):
     def lookup(self, tenant: int, key: bytes, hdr: bytes | None = None, length: int | None = None) -> int | None:
         """The READY/PINNED slot holding ``key`` for ``tenant`` (and, when given, that header and length)."""
         with self._lock:
-            slot = self._index.get((tenant, self._checked(key)))
+            self._settle()
+            slot = self._index.get(tenant, {}).get(self._checked(key))
             if slot is None:
                 return None
             if length is not None and self.length[slot] != length:
@@ -457,8 +493,9 @@ class StagingPool(SlotMap):
 
     def find(self, tenant: int, keys: Sequence[bytes], length: int, hdrs: Sequence[bytes | None]) -> np.ndarray:
         """:meth:`lookup` for a batch (keys already checked): per key its slot, or -1."""
-        with self._lock:  # the lookups run in C (map over zip): no Python frame per key
-            slots = np.fromiter(map(self._index.get, zip(repeat(tenant), keys), repeat(-1)), np.int64, len(keys))
+        with self._lock:  # the lookups run in C (map): no Python frame per key
+            self._settle()
+            slots = np.fromiter(map(self._index.get(tenant, {}).get, keys, repeat(-1)), np.int64, len(keys))
         held = np.flatnonzero(slots >= 0)
         found = slots[held]
         ok = self.length[found] == length
@@ -472,6 +509,7 @@ class StagingPool(SlotMap):
     def pin_many(self, slots: np.ndarray) -> np.ndarray:
         """:meth:`pin` for slots :meth:`find` just returned on this thread; returns their generations."""
         with self._lock:
+            self._settle()
             self._evictable.discard(slots.tolist())
             np.add.at(self.pins, slots, 1)
             self.state[slots] = PINNED
@@ -483,6 +521,7 @@ class StagingPool(SlotMap):
     def unpin_many(self, slots: np.ndarray, gens: np.ndarray) -> int:
         """:meth:`unpin` for a batch (a slot may appear as often as it is pinned); how many pins were dropped."""
         with self._lock:
+            self._settle()
             ok = (self.gen[slots] == gens) & (self.state[slots] == PINNED)
             held, asked = np.unique(slots[ok], return_counts=True)
             take = np.minimum(asked, self.pins[held]).astype(np.uint32)  # never more pins than there are
@@ -521,21 +560,22 @@ class StagingPool(SlotMap):
     def reserve_many(self, n: int, owner_pid: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`reserve` for up to ``n`` slots (fewer when the rest are FILLING or PINNED): (slots, generations)."""
         with self._lock:
+            self._settle()
             take = self._free[len(self._free) - min(n, len(self._free)) :]
             del self._free[len(self._free) - len(take) :]
             evict = min(n - len(take), len(self._evictable))
             if evict:
                 evicted = self._evictable.take_oldest(evict)
-                held = list(map(self._held.pop, evicted))
-                index = self._index
-                if list(map(index.get, held)) == evicted:  # the usual case: no newer copy owns an entry
-                    _each(index.__delitem__, held)
-                else:
-                    for entry in [e for s, e in zip(evicted, held, strict=True) if index.get(e) == s]:
-                        del index[entry]  # (unless a newer copy of the key owns the entry)
-                if self.on_evict is not None:
-                    for slot, entry in zip(evicted, held, strict=True):
-                        self.on_evict(entry[0], entry[1], slot, int(self.gen[slot]))
+                for tenant, keys, slots in self._entries(np.array(evicted, dtype=np.int64)):
+                    index = self._index[tenant]
+                    if list(map(index.get, keys)) == slots:  # the usual case: no newer copy owns an entry
+                        _each(index.__delitem__, keys)
+                    else:
+                        for key in [k for k, s in zip(keys, slots, strict=True) if index.get(k) == s]:
+                            del index[key]  # (unless a newer copy of the key owns the entry)
+                    if self.on_evict is not None:
+                        for key, slot in zip(keys, slots, strict=True):
+                            self.on_evict(tenant, key, slot, int(self.gen[slot]))
                 self._counters[1] += np.uint64(evict)
                 take += evicted
             slots = np.array(take, dtype=np.int64)
@@ -560,66 +600,108 @@ class StagingPool(SlotMap):
         length: int,
         hdrs: Sequence[bytes | None],
         pins: np.ndarray,
+        later: bool = False,
     ) -> None:
-        """:meth:`publish` for a batch of distinct slots and keys."""
+        """:meth:`publish` for a batch of distinct slots and keys.
+
+        With ``later``, only the table (what readers see) is written now: the slots are READY/PINNED with their
+        keys when this returns, and the writer's index learns of them at :meth:`settle` or at the start of the next
+        other call (so that a fetcher answers first). Until then a lookup by this process would not find them,
+        and a newer copy of a key would keep superseding the old one only then."""
         lengths = set(map(len, keys))
         if not lengths <= {16, 32}:
             for key in keys:
                 self._checked(key)  # raises for the first key of another length
         with self._lock:
+            if not later:
+                self._settle()
             if (self.state[slots] != FILLING).any():
                 raise ValueError(f"slots {slots[self.state[slots] != FILLING].tolist()} are not FILLING")
-            entries = list(zip(repeat(tenant), keys))
-            slot_list = slots.tolist()
-            if len(set(keys)) == len(keys):
-                olds = list(map(self._index.get, entries))
-                if olds.count(None) < len(olds):  # newer copies of keys the pool holds: the old ones go
-                    for slot, old in zip(slot_list, olds, strict=True):
-                        if old is not None and old != slot:
-                            self._detach(old)
-                self._index.update(zip(entries, slot_list, strict=True))
-                self._held.update(zip(slot_list, entries, strict=True))
-            else:  # a key twice (two header digests): one at a time, so the last copy supersedes the first
-                for slot, entry in zip(slot_list, entries, strict=True):
-                    old = self._index.get(entry)
+            self._write_rows(slots, tenant, keys, lengths, length, hdrs, pins)
+            change = functools.partial(self._index_published, slots, tenant, keys, pins)
+            if later:
+                self._later.append(change)
+            else:
+                change()
+
+    def _index_published(self, slots: np.ndarray, tenant: int, keys: Sequence[bytes], pins: np.ndarray) -> None:
+        """The index side of :meth:`publish_many` (the table is written): a newer copy of a key supersedes the older
+        one, and slots published unpinned join the LRU order."""
+        index = self._keys_of(tenant)
+        slot_list = slots.tolist()
+        if len(set(keys)) == len(keys):
+            olds = list(map(index.get, keys))
+            if olds.count(None) < len(olds):  # newer copies of keys the pool holds: the old ones go
+                for slot, old in zip(slot_list, olds, strict=True):
                     if old is not None and old != slot:
                         self._detach(old)
-                    self._index[entry], self._held[slot] = slot, entry
-            self.tenant[slots] = tenant
-            if len(lengths) == 1:  # one key length (the usual case): no per-key padding
-                klen = lengths.pop()
-                self.keys[slots, :klen] = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, klen)
-                self.keys[slots, klen:] = 0
-                self.klen[slots] = klen
-            else:
-                padded = b"".join(key.ljust(KEY_BYTES, b"\0") for key in keys)
-                self.keys[slots] = np.frombuffer(padded, dtype=np.uint8).reshape(-1, KEY_BYTES)
-                self.klen[slots] = np.fromiter(map(len, keys), np.uint32, len(keys))
-            if any(hdrs):
-                hdr_bytes = b"".join(hdr or bytes(HDR_BYTES) for hdr in hdrs)
-                self.hdrs[slots] = np.frombuffer(hdr_bytes, dtype=np.uint8).reshape(-1, HDR_BYTES)
-            else:  # no header digests (the usual case): no bytes object per block
-                self.hdrs[slots] = 0
-            self.length[slots] = length
-            self.pins[slots] = pins
-            clock = int(self._counters[0])
-            self.lru[slots] = np.arange(clock + 1, clock + 1 + len(slots), dtype=np.uint64)
-            self._counters[0] = clock + len(slots)
-            self.state[slots] = np.where(pins > 0, PINNED, READY)  # last: the bytes and the table are in place
-            ready = slots[pins == 0].tolist()
-            if self._detached.isdisjoint(ready):
-                self._evictable.add(ready)
-            else:  # one superseded within this batch is freed at once
-                for slot in ready:
-                    self._unpinned(slot)
+            index.update(zip(keys, slot_list, strict=True))
+        else:  # a key twice (two header digests): one at a time, so the last copy supersedes the first
+            for slot, key in zip(slot_list, keys, strict=True):
+                old = index.get(key)
+                if old is not None and old != slot:
+                    self._detach(old)
+                index[key] = slot
+        ready = slots[pins == 0].tolist()
+        if self._detached.isdisjoint(ready):
+            self._evictable.add(ready)
+        else:  # one superseded within this batch is freed at once
+            for slot in ready:
+                self._unpinned(slot)
 
-    def _unindex(self, slot: int, held: tuple[int, bytes]) -> None:
-        """Drop the index entry of ``held`` if it is ``slot``'s (not a newer copy's)."""
-        if self._index.get(held) == slot:
-            del self._index[held]
+    def _write_rows(
+        self,
+        slots: np.ndarray,
+        tenant: int,
+        keys: Sequence[bytes],
+        lengths: set[int],
+        length: int,
+        hdrs: Sequence[bytes | None],
+        pins: np.ndarray,
+    ) -> None:
+        """The table side of :meth:`publish_many`: the rows of ``slots`` hold their blocks, READY or PINNED last."""
+        self.tenant[slots] = tenant
+        if len(lengths) == 1:  # one key length (the usual case): no per-key padding
+            klen = lengths.pop()
+            self.keys[slots, :klen] = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, klen)
+            self.keys[slots, klen:] = 0
+            self.klen[slots] = klen
+        else:
+            padded = b"".join(key.ljust(KEY_BYTES, b"\0") for key in keys)
+            self.keys[slots] = np.frombuffer(padded, dtype=np.uint8).reshape(-1, KEY_BYTES)
+            self.klen[slots] = np.fromiter(map(len, keys), np.uint32, len(keys))
+        if any(hdrs):
+            hdr_bytes = b"".join(hdr or bytes(HDR_BYTES) for hdr in hdrs)
+            self.hdrs[slots] = np.frombuffer(hdr_bytes, dtype=np.uint8).reshape(-1, HDR_BYTES)
+        else:  # no header digests (the usual case): no bytes object per block
+            self.hdrs[slots] = 0
+        self.length[slots] = length
+        self.pins[slots] = pins
+        clock = int(self._counters[0])
+        self.lru[slots] = np.arange(clock + 1, clock + 1 + len(slots), dtype=np.uint64)
+        self._counters[0] = clock + len(slots)
+        self.state[slots] = np.where(pins > 0, PINNED, READY)  # last: the bytes and the table are in place
+
+    def _entries(self, slots: np.ndarray) -> list[tuple[int, list[bytes], list[int]]]:
+        """(tenant, keys, slots) of READY/PINNED ``slots``, read from the table, grouped by tenant and key length
+        (one group in the usual case): the keys split in C, no Python frame per slot."""
+        tenants, klens = self.tenant[slots], self.klen[slots]
+        if (tenants == tenants[0]).all() and (klens == klens[0]).all():
+            groups = [(int(tenants[0]), int(klens[0]), slots)]
+        else:
+            pairs = sorted(set(zip(tenants.tolist(), klens.tolist(), strict=True)))
+            groups = [(t, k, slots[(tenants == t) & (klens == k)]) for t, k in pairs]
+        entries = []
+        for tenant, klen, at in groups:
+            keys = np.ascontiguousarray(self.keys[at, :klen]).view(f"V{klen}")  # one bytes object a row
+            entries.append((tenant, keys.ravel().tolist(), at.tolist()))
+        return entries
 
     def _detach(self, slot: int) -> None:
-        self._unindex(slot, self._held.pop(slot))
+        index = self._index.get(int(self.tenant[slot]), {})
+        key = self._key(slot)
+        if index.get(key) == slot:  # (unless a newer copy of the key owns the entry)
+            del index[key]
         if self.state[slot] == READY:
             self._evictable.discard((slot,))
             self._to_free(slot)
@@ -633,6 +715,7 @@ class StagingPool(SlotMap):
     def abandon_many(self, slots: np.ndarray, gens: np.ndarray) -> int:
         """:meth:`abandon` for a batch of distinct slots; how many were freed (the others were stale)."""
         with self._lock:
+            self._settle()
             mine = slots[(self.gen[slots] == gens) & (self.state[slots] == FILLING)]
             self.state[mine] = FREE  # the state first, then the generation: see ``valid``
             self.gen[mine] += np.uint64(1)  # holders of the old generation now see a miss
@@ -646,6 +729,7 @@ class StagingPool(SlotMap):
         """Pin a READY/PINNED slot at ``generation`` (so it is never evicted); False if it no longer holds it
         (or, when given, holds another tenant's or another key's block)."""
         with self._lock:
+            self._settle()
             if not 0 <= slot < self.slots or int(self.gen[slot]) != generation:
                 return False
             if self.state[slot] not in (READY, PINNED):
@@ -665,6 +749,7 @@ class StagingPool(SlotMap):
     def touch(self, slot: int) -> None:
         """Mark a READY slot most recently used."""
         with self._lock:
+            self._settle()
             if slot in self._evictable:
                 self._evictable.move_to_end(slot)
                 self._tick(slot)
@@ -672,7 +757,8 @@ class StagingPool(SlotMap):
     def drop(self, tenant: int, key: bytes) -> bool:
         """Forget ``key`` (freed now, or at its last unpin). False if the pool does not hold it."""
         with self._lock:
-            slot = self._index.get((tenant, self._checked(key)))
+            self._settle()
+            slot = self._index.get(tenant, {}).get(self._checked(key))
             if slot is None:
                 return False
             self._detach(slot)
@@ -681,5 +767,8 @@ class StagingPool(SlotMap):
     def cached(self) -> list[tuple[int, bytes, int, int]]:
         """(tenant, key, slot, generation) of every READY/PINNED slot, least recently used first."""
         with self._lock:
-            slots = sorted(self._index.values(), key=lambda s: int(self.lru[s]))
+            self._settle()
+            slots = sorted(
+                (s for index in self._index.values() for s in index.values()), key=lambda s: int(self.lru[s])
+            )
             return [(int(self.tenant[s]), self._key(s), s, int(self.gen[s])) for s in slots]
