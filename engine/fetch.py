@@ -18,7 +18,7 @@ holds it (generation checked) after the swap-in has finished; one that does not 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -27,7 +27,7 @@ import torch
 from kvtier.engine.paged_cache import PagedKVCache
 from kvtier.engine.store import BlockStore
 from kvtier.kvstore.keys import header_digests
-from kvtier.transfer.fetch_client import Block, FetchClient, FetcherError
+from kvtier.transfer.fetch_client import FetchClient, FetcherError
 from kvtier.transfer.swapin import CudaHostMapping, slot_tensor, swap_in, swap_out
 
 log = logging.getLogger("kvtier.engine")
@@ -112,11 +112,12 @@ class FetcherPages:
             return 0
         try:
             with self.client.fetch(keys, self.cache.page_bytes, headers=self._headers(keys, tokens)) as blocks:
-                n = _leading_ok(blocks)
-                swap_in(self._slot_rows(), [b.slot for b in blocks[:n]], self.cache.pages, list(pages[:n]))
+                n = blocks.leading(blocks.ok())  # the answers as arrays: no Python object per block
+                slots = blocks.slots[:n].astype(np.int32)  # int32 ids: what the GPU kernels read, copied as is
+                swap_in(self._slot_rows(), slots, self.cache.pages, np.asarray(pages[:n], dtype=np.int32))
                 if self.cache.pages.device.type != "cpu":
                     torch.cuda.current_stream().synchronize()  # before the pins are released
-                return _leading(blocks[:n], lambda b: b.valid())  # a slot reused meanwhile is a miss from there
+                return blocks.leading(blocks.valid()[:n])  # a slot reused meanwhile is a miss from there
         except (FetcherError, ValueError) as e:  # ValueError: SwapError, or pages no size class holds
             log.warning("fetcher failed, recomputing instead: %s", e)
             return 0
@@ -126,8 +127,9 @@ class FetcherPages:
             return 0
         try:
             slots = self.client.alloc(len(keys), self.cache.page_bytes)
-            n = _leading_ok(slots)
-            swap_out(self.cache.pages, list(pages[:n]), self._slot_rows(), [b.slot for b in slots[:n]])
+            n = slots.leading(slots.ok())
+            ids = slots.slots[:n].astype(np.int32)
+            swap_out(self.cache.pages, np.asarray(pages[:n], dtype=np.int32), self._slot_rows(), ids)
             if self.cache.pages.device.type != "cpu":
                 torch.cuda.current_stream().synchronize()
             if n < len(slots):
@@ -158,17 +160,6 @@ class FetcherPages:
                 rows = self._cuda.tensor
             self._slots = (pool, rows)
         return self._slots[1]
-
-
-def _leading_ok(blocks: Sequence[Block]) -> int:
-    return _leading(blocks, lambda b: b.ok)
-
-
-def _leading(blocks: Sequence[Block], good: Callable[[Block], bool]) -> int:
-    for i, b in enumerate(blocks):
-        if not good(b):
-            return i
-    return len(blocks)
 
 
 def _view(t: torch.Tensor) -> memoryview:

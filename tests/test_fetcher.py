@@ -108,6 +108,29 @@ def test_a_second_fetch_is_a_host_memory_hit_and_contacts_no_node(cluster: Local
         assert stats["hits"] == 4 and stats["misses"] == 4 and stats["hit_ratio"] == 0.5
 
 
+def test_a_fetchs_answers_as_arrays_match_its_blocks_and_release_their_pins(
+    cluster: LocalCluster, start_fetcher
+) -> None:
+    fetcher = start_fetcher()
+    keys, blocks = stored_blocks(cluster, 3)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        got = client.fetch([*keys, secrets.token_bytes(16)], BLOCK)
+        assert got.status.tolist() == [BlockStatus.FETCHED] * 3 + [BlockStatus.MISS]
+        assert got.ok().tolist() == got.valid().tolist() == [True, True, True, False]
+        assert got.leading(got.ok()) == 3
+        rows = client.map_for(BLOCK)[1]
+        for slot, expected in zip(got.slots[:3].tolist(), blocks, strict=True):
+            assert np.array_equal(np.frombuffer(rows.view(slot, BLOCK), np.uint8), expected)
+        assert client.stats()["pinned"] == 3
+        assert client.release(got) == 3  # from the arrays: no Block object was made
+        assert client.stats()["pinned"] == 0 and client.release(got) == 0  # nothing is released twice
+        again = client.fetch(keys, BLOCK)
+        assert [(b.slot, b.generation, b.status) for b in again] == list(
+            zip(again.slots.tolist(), again.generations.tolist(), [BlockStatus.HIT] * 3, strict=True)
+        )
+        assert client.release(again[1:]) == 2 and client.release(again) == 1  # the Blocks now hold the pins
+
+
 def test_a_miss_is_an_answer_and_leaves_no_slot_behind(cluster: LocalCluster, start_fetcher) -> None:
     fetcher = start_fetcher()
     keys, _ = stored_blocks(cluster, 1)

@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import numpy as np
 
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _STATUSES = {int(s): s for s in BlockStatus}  # by value, without the enum's per-call cost
 _SLOTTED = frozenset(int(s) for s in (*OK_STATUSES, BlockStatus.ALLOCATED))
+_SLOTTED_LIST = np.array(sorted(_SLOTTED), dtype=np.uint8)
 _ids = itertools.count(1)
 
 
@@ -91,12 +92,100 @@ class Block:
         return self._map.valid(self.slot, self.generation)
 
 
-class Blocks(list[Block]):
-    """The answers of one call, in key order; a context manager that releases their pins on exit."""
+class Blocks(Sequence[Block]):
+    """The answers of one call, in key order; a context manager that releases their pins on exit.
 
-    def __init__(self, blocks: list[Block], release: Callable[[Blocks], Any]) -> None:
-        super().__init__(blocks)
+    The answers are kept as columns, one row per key: ``status`` (``uint8`` BlockStatus values), ``slots``
+    (``uint32``) and ``generations`` (``uint64``), plus :meth:`ok` and :meth:`valid` as ``bool`` arrays, so that a
+    caller handling a batch at once (the engine's swap-in) makes no Python object per block. The :class:`Block`
+    objects are made at the first access by index or iteration; from then on they hold the pins (``Block.pinned``).
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[bytes],
+        columns: tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]],
+        length: int,
+        pool: int,
+        segment: SlotMap,
+        pinned: bool,
+        release: Callable[[Blocks], Any],
+    ) -> None:
+        self.keys = keys
+        self.status, self.slots, self.generations, self.errors = columns
+        self.length, self.pool, self._map = length, pool, segment
+        self._pinned = self.ok() if pinned else np.zeros(len(keys), dtype=bool)  # until Blocks are made
+        self._blocks: list[Block] | None = None
         self._release = release
+
+    def ok(self) -> np.ndarray:
+        """Per block whether its slot holds it (HIT, FETCHED) or is this caller's to fill (ALLOCATED)."""
+        return np.isin(self.status, _SLOTTED_LIST)
+
+    def valid(self) -> np.ndarray:
+        """Per block :meth:`Block.valid`, for the whole batch in a few array operations."""
+        valid = self._map.valid_many(self.slots, self.generations) & self.ok()
+        allocated = self.status == BlockStatus.ALLOCATED
+        if allocated.any():
+            valid[allocated] = self._map.filling_many(self.slots[allocated], self.generations[allocated])
+        return valid
+
+    def leading(self, good: np.ndarray) -> int:
+        """How many leading blocks ``good`` (a ``bool`` array such as :meth:`ok`) holds true for."""
+        return len(good) if good.all() else int(np.argmin(good))
+
+    def pins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(size class, slot, generation) of every pin this connection still holds on these blocks, now given up
+        here (the caller sends them in a RELEASE)."""
+        if self._blocks is None:
+            held = np.flatnonzero(self._pinned)
+            self._pinned[:] = False
+            return np.full(len(held), self.pool, np.uint8), self.slots[held], self.generations[held]
+        blocks = [b for b in self._blocks if b.pinned]
+        for block in blocks:
+            block.pinned = False
+        return (
+            np.array([b.pool for b in blocks], np.uint8),
+            np.array([b.slot for b in blocks], np.uint32),
+            np.array([b.generation for b in blocks], np.uint64),
+        )
+
+    def _made(self) -> list[Block]:
+        if self._blocks is None:
+            cls, segment, length, errors = self.pool, self._map, self.length, self.errors
+            columns = self.status.tolist(), self.slots.tolist(), self.generations.tolist(), self._pinned.tolist()
+            rows = zip(self.keys, *columns, strict=True)
+            self._blocks = [  # one comprehension: at 1,024 blocks a call the per-block cost shows
+                Block(key, _STATUSES[st], slot, gen, length, errors.get(i, ""), pin, cls, segment)
+                if st in _SLOTTED
+                else Block(key, _STATUSES[st], error=errors.get(i, ""))
+                for i, (key, st, slot, gen, pin) in enumerate(rows)
+            ]
+        return self._blocks
+
+    def __len__(self) -> int:
+        return len(self.status)
+
+    @overload
+    def __getitem__(self, index: int) -> Block: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Block]: ...
+
+    def __getitem__(self, index: int | slice) -> Block | list[Block]:
+        return self._made()[index]
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._made())
+
+    def __add__(self, other: Sequence[Block]) -> list[Block]:
+        return [*self, *other]
+
+    def __radd__(self, other: Sequence[Block]) -> list[Block]:
+        return [*other, *self]
+
+    def __repr__(self) -> str:
+        return f"Blocks({self._made()!r})"
 
     def __enter__(self) -> Blocks:
         return self
@@ -172,16 +261,9 @@ class _Protocol:
         return FetcherError(f"{self.what} went away ({why})")
 
     def _slot_blocks(self, keys: Sequence[bytes], length: int, meta: dict[str, Any], pinned: bool) -> Blocks:
-        status, slots, gens, errors = fp.parse_slots(meta, len(keys))
         cls, segment = self.map_for(length)
-        rows = zip(keys, status.tolist(), slots.tolist(), gens.tolist(), strict=True)
-        blocks = [  # one comprehension: at 1,024 blocks a call the per-block cost shows
-            Block(key, _STATUSES[st], slot, gen, length, errors.get(i, "") if errors else "", pinned, cls, segment)
-            if st in _SLOTTED
-            else Block(key, _STATUSES[st], error=errors.get(i, ""))
-            for i, (key, st, slot, gen) in enumerate(rows)
-        ]
-        return Blocks(blocks, self.release)  # type: ignore[attr-defined]
+        columns = fp.parse_slots(meta, len(keys))
+        return Blocks(keys, columns, length, cls, segment, pinned, self.release)  # type: ignore[attr-defined]
 
     def _check_length(self, length: int) -> None:
         if self.maps:
@@ -198,10 +280,14 @@ class _Protocol:
         return _Call(op, meta, lambda reply: self._slot_blocks(keys, length, reply, pin))
 
     def _release_call(self, blocks: Sequence[Block]) -> _Call[int]:
-        held = [b for b in blocks if b.pinned]
-        for block in held:
-            block.pinned = False
-        meta = fp.release_meta([b.slot for b in held], [b.generation for b in held], [b.pool for b in held])
+        if isinstance(blocks, Blocks):
+            pools, slots, gens = blocks.pins()
+        else:
+            held = [b for b in blocks if b.pinned]
+            for block in held:
+                block.pinned = False
+            pools, slots, gens = [b.pool for b in held], [b.slot for b in held], [b.generation for b in held]
+        meta = fp.release_meta(slots, gens, pools)
         return _Call(FetchOp.RELEASE, meta, lambda reply: int(reply.get("released", 0)))
 
     def _alloc_call(self, n: int, length: int) -> _Call[Blocks]:
