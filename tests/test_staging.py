@@ -318,3 +318,16 @@ def test_batch_validity_matches_the_single_checks(shm_name: str) -> None:
     assert pool.valid_many(slots, gens).tolist() == [True, True, False, False, False]
     assert pool.filling_many(slots, gens).tolist() == [False, False, True, False, False]
     pool.close()
+
+
+def test_an_evicted_key_is_never_found_again_whatever_its_slot_holds_by_then(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 2 * SLOT, SLOT)
+    evicted: list[bytes] = []
+    pool.on_evict = lambda tenant, k, slot, gen: evicted.append(k)
+    fill(pool, 1)
+    fill(pool, 2)
+    slots, _ = pool.reserve_many(1, owner_pid=1)  # evicts key 1; the index forgets it at the next settle
+    pool.publish_many(slots, TENANT, [key(3)], SLOT, [None], np.zeros(1, np.uint32), later=True)  # same slot
+    found = pool.find(TENANT, [key(1), key(2), key(3)], SLOT, [None] * 3)
+    assert found.tolist() == [-1, int(slots[0]) ^ 1, int(slots[0])] and evicted == [key(1)]
+    pool.close()

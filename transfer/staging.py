@@ -130,6 +130,24 @@ def unlink(name: str) -> None:
         segment_path(name).unlink()
 
 
+def _entries(
+    tenants: np.ndarray, klens: np.ndarray, keys: np.ndarray
+) -> list[tuple[int, list[bytes], np.ndarray | None]]:
+    """Table rows (``tenant``, ``klen`` and ``key`` columns) grouped by tenant and key length, as (tenant, keys,
+    positions in the rows; None for all of them, the usual case): the keys split in C, no Python frame per row."""
+    if (tenants == tenants[0]).all() and (klens == klens[0]).all():
+        groups = [(int(tenants[0]), int(klens[0]), None)]
+    else:
+        pairs = sorted(set(zip(tenants.tolist(), klens.tolist(), strict=True)))
+        groups = [(t, k, np.flatnonzero((tenants == t) & (klens == k))) for t, k in pairs]
+    entries = []
+    for tenant, klen, at in groups:
+        rows = keys if at is None else keys[at]
+        names = np.ascontiguousarray(rows[:, :klen]).view(f"V{klen}")  # one bytes object a row
+        entries.append((tenant, names.ravel().tolist(), at))
+    return entries
+
+
 @dataclass(frozen=True)
 class PoolStats:
     slots: int
@@ -301,8 +319,12 @@ class _Lru:
     def take_oldest(self, n: int) -> list[int]:
         """Remove and return the ``n`` least recently used slots (at most ``len``)."""
         oldest = list(islice(self._order, n))
-        _each(self._order.__delitem__, oldest)
-        self._deleted(len(oldest))
+        if 2 * len(oldest) < len(self._order):
+            _each(self._order.__delitem__, oldest)
+            self._deleted(len(oldest))
+        else:  # most of them: the rest copied is cheaper than deleting these one by one (all of them: nothing)
+            self._order = dict.fromkeys(islice(self._order, len(oldest), None))
+            self._holes = 0
         return oldest
 
     def move_to_end(self, slot: int) -> None:
@@ -566,16 +588,11 @@ class StagingPool(SlotMap):
             evict = min(n - len(take), len(self._evictable))
             if evict:
                 evicted = self._evictable.take_oldest(evict)
-                for tenant, keys, slots in self._entries(np.array(evicted, dtype=np.int64)):
-                    index = self._index[tenant]
-                    if list(map(index.get, keys)) == slots:  # the usual case: no newer copy owns an entry
-                        _each(index.__delitem__, keys)
-                    else:
-                        for key in [k for k, s in zip(keys, slots, strict=True) if index.get(k) == s]:
-                            del index[key]  # (unless a newer copy of the key owns the entry)
-                    if self.on_evict is not None:
-                        for key, slot in zip(keys, slots, strict=True):
-                            self.on_evict(tenant, key, slot, int(self.gen[slot]))
+                at = np.array(evicted, dtype=np.int64)
+                # their index entries go at the next settle (before any other call reads the index), from copies of
+                # their rows: a publish may rewrite the rows first
+                rows = self.tenant[at], self.klen[at], self.keys[at], self.gen[at]
+                self._later.append(functools.partial(self._unindex, evicted, *rows))
                 self._counters[1] += np.uint64(evict)
                 take += evicted
             slots = np.array(take, dtype=np.int64)
@@ -682,20 +699,22 @@ class StagingPool(SlotMap):
         self._counters[0] = clock + len(slots)
         self.state[slots] = np.where(pins > 0, PINNED, READY)  # last: the bytes and the table are in place
 
-    def _entries(self, slots: np.ndarray) -> list[tuple[int, list[bytes], list[int]]]:
-        """(tenant, keys, slots) of READY/PINNED ``slots``, read from the table, grouped by tenant and key length
-        (one group in the usual case): the keys split in C, no Python frame per slot."""
-        tenants, klens = self.tenant[slots], self.klen[slots]
-        if (tenants == tenants[0]).all() and (klens == klens[0]).all():
-            groups = [(int(tenants[0]), int(klens[0]), slots)]
-        else:
-            pairs = sorted(set(zip(tenants.tolist(), klens.tolist(), strict=True)))
-            groups = [(t, k, slots[(tenants == t) & (klens == k)]) for t, k in pairs]
-        entries = []
-        for tenant, klen, at in groups:
-            keys = np.ascontiguousarray(self.keys[at, :klen]).view(f"V{klen}")  # one bytes object a row
-            entries.append((tenant, keys.ravel().tolist(), at.tolist()))
-        return entries
+    def _unindex(
+        self, slots: list[int], tenants: np.ndarray, klens: np.ndarray, keys: np.ndarray, gens: np.ndarray
+    ) -> None:
+        """The index entries of evicted ``slots`` dropped (unless a newer copy of a key owns its entry), and
+        ``on_evict`` told; the other arguments are the slots' table rows when they were evicted."""
+        for tenant, names, at in _entries(tenants, klens, keys):
+            index, held = self._index[tenant], slots if at is None else [slots[i] for i in at.tolist()]
+            if list(map(index.get, names)) == held:  # the usual case: no newer copy owns an entry
+                _each(index.__delitem__, names)
+            else:
+                for key in [k for k, s in zip(names, held, strict=True) if index.get(k) == s]:
+                    del index[key]
+            if self.on_evict is not None:
+                generations = (gens if at is None else gens[at]).tolist()
+                for key, slot, gen in zip(names, held, generations, strict=True):
+                    self.on_evict(tenant, key, slot, gen)
 
     def _detach(self, slot: int) -> None:
         index = self._index.get(int(self.tenant[slot]), {})
