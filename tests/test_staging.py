@@ -331,3 +331,20 @@ def test_an_evicted_key_is_never_found_again_whatever_its_slot_holds_by_then(shm
     found = pool.find(TENANT, [key(1), key(2), key(3)], SLOT, [None] * 3)
     assert found.tolist() == [-1, int(slots[0]) ^ 1, int(slots[0])] and evicted == [key(1)]
     pool.close()
+
+
+def test_keys_published_as_rows_are_found_as_bytes_and_rows_of_another_shape_are_refused(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    slots, _ = pool.reserve_many(2, owner_pid=1)
+    keys = [key(1), bytes(31) + b"\x01"]  # (one of each length: the rows must be one width)
+    with pytest.raises(ValueError, match="key rows of shape"):
+        pool.publish_many(
+            slots, TENANT, keys, SLOT, [None] * 2, np.zeros(2, np.uint32), rows=np.zeros((2, 8), np.uint8)
+        )
+    rows = np.frombuffer(key(1) + key(2), np.uint8).reshape(2, 16)
+    pool.publish_many(slots, TENANT, [key(1), key(2)], SLOT, [None] * 2, np.zeros(2, np.uint32), rows=rows)
+    assert pool.find(TENANT, [key(2), key(1)], SLOT, [None] * 2).tolist() == slots[::-1].tolist()
+    pool.close()
+    again = StagingPool.own(shm_name, 4 * SLOT, SLOT)  # a restarted writer rebuilds its index from the table's rows
+    assert again.lookup(TENANT, key(2)) == slots[1]
+    again.close()

@@ -67,6 +67,7 @@ class FetchRequest:
     length: int
     headers: list[bytes | None]
     priority: int
+    rows: np.ndarray  # the keys as they came: uint8 [n, klen]
 
 
 @dataclass
@@ -143,12 +144,14 @@ def _length(meta: dict[str, Any], slot_bytes: int) -> int:
 
 
 def parse_fetch(meta: dict[str, Any], slot_bytes: int, max_batch: int) -> FetchRequest:
-    keys = _split_keys(meta, max_batch)
+    blob, klen = wire.unpack_key_blob(meta, max_batch)
+    keys = split(blob, klen)
     priority = wire.field(meta, "prio", int)
     if not 0 <= priority < MAX_PRIORITY:
         raise wire.bad(f"priority {priority} out of range")
     headers = _headers(meta, len(keys))
-    return FetchRequest(keys, _length(meta, slot_bytes), headers, priority)
+    rows = np.frombuffer(blob, np.uint8).reshape(len(keys), klen)
+    return FetchRequest(keys, _length(meta, slot_bytes), headers, priority, rows)
 
 
 def slots_meta(status: np.ndarray, slots: np.ndarray, gens: np.ndarray, errors: dict[int, str]) -> dict[str, Any]:

@@ -138,6 +138,7 @@ class Job:
     answer: Answer
     index: np.ndarray  # int64
     ttl_class: str = ""
+    rows: np.ndarray | None = None  # a read's keys as they came in the request: uint8 [n, klen]
     priority: int = 0
     started: bool = False  # taken by a worker (a job may sit in the queue twice: see ``_hurry``)
     result: list[bool] | None = None
@@ -496,7 +497,7 @@ class Fetcher:
                 False, session.tenant or "", request.length, cls, wanted_keys[:got],
                 hdrs[:got] if wanted_keys is keys else list(map(hdrs.__getitem__, wanted[:got])),
                 slots, gens, answer, np.arange(got) if wanted_keys is keys else np.array(wanted[:got], np.int64),
-                priority=priority,
+                rows=request.rows[:got] if wanted_keys is keys else request.rows[wanted[:got]], priority=priority,
             )  # fmt: skip
             flying.append(job)
             heapq.heappush(self.jobs, (priority, next(self.seq), job))  # one store call: splitting it was slower
@@ -711,12 +712,14 @@ class Fetcher:
             pins[j] += sum(a.pins for a, _ in waiters)
         stored, failed = np.flatnonzero(ok), np.flatnonzero(~ok)
         # the table now (what engines read), the pool's index once the answers are out (``settle`` below)
+        rows = job.rows
         if len(stored) == n:
-            pool.publish_many(job.slots, tid, job.keys, job.length, job.hdrs, pins, later=True)
+            pool.publish_many(job.slots, tid, job.keys, job.length, job.hdrs, pins, later=True, rows=rows)
         elif len(stored):
             at = stored.tolist()
             keys, hdrs = list(map(job.keys.__getitem__, at)), list(map(job.hdrs.__getitem__, at))
-            pool.publish_many(job.slots[stored], tid, keys, job.length, hdrs, pins[stored], later=True)
+            rows = None if rows is None else rows[stored]
+            pool.publish_many(job.slots[stored], tid, keys, job.length, hdrs, pins[stored], later=True, rows=rows)
         if len(failed):
             pool.abandon_many(job.slots[failed], job.gens[failed])
         if job.put:

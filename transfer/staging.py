@@ -618,23 +618,32 @@ class StagingPool(SlotMap):
         hdrs: Sequence[bytes | None],
         pins: np.ndarray,
         later: bool = False,
+        rows: np.ndarray | None = None,
     ) -> None:
         """:meth:`publish` for a batch of distinct slots and keys.
+
+        ``rows``: the same keys as a ``uint8`` array ``[n, 16 or 32]``, when the caller has them that way (a
+        request's keys as they came): then they are neither joined nor checked one by one.
 
         With ``later``, only the table (what readers see) is written now: the slots are READY/PINNED with their
         keys when this returns, and the writer's index learns of them at :meth:`settle` or at the start of the next
         other call (so that a fetcher answers first). Until then a lookup by this process would not find them,
         and a newer copy of a key would keep superseding the old one only then."""
-        lengths = set(map(len, keys))
-        if not lengths <= {16, 32}:
-            for key in keys:
-                self._checked(key)  # raises for the first key of another length
+        if rows is None:
+            lengths = set(map(len, keys))
+            if not lengths <= {16, 32}:
+                for key in keys:
+                    self._checked(key)  # raises for the first key of another length
+            if len(lengths) == 1:  # one key length (the usual case): no per-key padding
+                rows = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1)
+        elif rows.ndim != 2 or len(rows) != len(keys) or rows.shape[1] not in (16, 32):
+            raise ValueError(f"key rows of shape {rows.shape} for {len(keys)} keys of 16 or 32 bytes")
         with self._lock:
             if not later:
                 self._settle()
             if (self.state[slots] != FILLING).any():
                 raise ValueError(f"slots {slots[self.state[slots] != FILLING].tolist()} are not FILLING")
-            self._write_rows(slots, tenant, keys, lengths, length, hdrs, pins)
+            self._write_rows(slots, tenant, keys, rows, length, hdrs, pins)
             change = functools.partial(self._index_published, slots, tenant, keys, pins)
             if later:
                 self._later.append(change)
@@ -671,18 +680,19 @@ class StagingPool(SlotMap):
         slots: np.ndarray,
         tenant: int,
         keys: Sequence[bytes],
-        lengths: set[int],
+        rows: np.ndarray | None,
         length: int,
         hdrs: Sequence[bytes | None],
         pins: np.ndarray,
     ) -> None:
-        """The table side of :meth:`publish_many`: the rows of ``slots`` hold their blocks, READY or PINNED last."""
+        """The table side of :meth:`publish_many`: the rows of ``slots`` hold their blocks, READY or PINNED last.
+        ``rows``: the keys as an array when they have one length, else None."""
         self.tenant[slots] = tenant
-        if len(lengths) == 1:  # one key length (the usual case): no per-key padding
-            klen = lengths.pop()
-            self.keys[slots, :klen] = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, klen)
-            self.keys[slots, klen:] = 0
-            self.klen[slots] = klen
+        if rows is not None:
+            padded = np.zeros((len(rows), KEY_BYTES), np.uint8)
+            padded[:, : rows.shape[1]] = rows
+            self.keys[slots] = padded  # one row write a slot, the padding with it
+            self.klen[slots] = rows.shape[1]
         else:
             padded = b"".join(key.ljust(KEY_BYTES, b"\0") for key in keys)
             self.keys[slots] = np.frombuffer(padded, dtype=np.uint8).reshape(-1, KEY_BYTES)
