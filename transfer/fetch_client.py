@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _STATUSES = {int(s): s for s in BlockStatus}  # by value, without the enum's per-call cost
 _SLOTTED = frozenset(int(s) for s in (*OK_STATUSES, BlockStatus.ALLOCATED))
-_SLOTTED_LIST = np.array(sorted(_SLOTTED), dtype=np.uint8)
+_SLOTTED_TABLE = np.isin(np.arange(256), sorted(_SLOTTED))  # by status value: an index, cheaper than isin a call
 _ids = itertools.count(1)
 
 
@@ -120,7 +120,7 @@ class Blocks(Sequence[Block]):
 
     def ok(self) -> np.ndarray:
         """Per block whether its slot holds it (HIT, FETCHED) or is this caller's to fill (ALLOCATED)."""
-        return np.isin(self.status, _SLOTTED_LIST)
+        return _SLOTTED_TABLE[self.status]
 
     def valid(self) -> np.ndarray:
         """Per block :meth:`Block.valid`, for the whole batch in a few array operations."""
