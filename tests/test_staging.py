@@ -348,3 +348,13 @@ def test_keys_published_as_rows_are_found_as_bytes_and_rows_of_another_shape_are
     again = StagingPool.own(shm_name, 4 * SLOT, SLOT)  # a restarted writer rebuilds its index from the table's rows
     assert again.lookup(TENANT, key(2)) == slots[1]
     again.close()
+
+
+def test_a_batch_with_a_digest_for_every_key_finds_only_the_blocks_stored_with_it(shm_name: str) -> None:
+    pool = StagingPool.own(shm_name, 4 * SLOT, SLOT)
+    slots, _ = pool.reserve_many(2, owner_pid=1)
+    pool.publish_many(slots, TENANT, [key(1), key(2)], SLOT, [b"a" * 16, b"b" * 16], np.zeros(2, np.uint32))
+    found = pool.find(TENANT, [key(1), key(2), key(3)], SLOT, [b"a" * 16, b"x" * 16, b"a" * 16])
+    assert found.tolist() == [slots[0], -1, -1]
+    assert pool.find(TENANT, [key(2), key(1)], SLOT, [b"b" * 16, b"a" * 16]).tolist() == slots[::-1].tolist()
+    pool.close()
