@@ -525,7 +525,7 @@ class StagingPool(SlotMap):
             picked = hdrs if len(held) == len(hdrs) else list(map(hdrs.__getitem__, held.tolist()))
             wanted = np.frombuffer(b"".join(picked), np.uint8).reshape(-1, HDR_BYTES)  # type: ignore[arg-type]
             ok &= (self.hdrs[found] == wanted).all(axis=1)
-        elif checked := [i for i, j in enumerate(held.tolist()) if hdrs[j] is not None]:
+        elif any(hdrs) and (checked := [i for i, j in enumerate(held.tolist()) if hdrs[j] is not None]):
             wanted = np.frombuffer(b"".join(hdrs[j] for j in held[checked].tolist()), np.uint8).reshape(-1, HDR_BYTES)
             ok[checked] &= (self.hdrs[found[checked]] == wanted).all(axis=1)
         slots[held[~ok]] = -1
