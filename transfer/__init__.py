@@ -11,6 +11,7 @@ API for engines (the contracts in full are in each class's docstring and in ``do
             b.ok         # HIT, FETCHED or ALLOCATED: b.slot / b.generation name the slot, pinned until release
             b.array()    # numpy uint8 view of the slot's bytes (no copy); b.tensor(): torch view (torch optional)
             b.valid()    # the slot still holds this block (False once reused after a fetcher crash)
+        blocks.status, blocks.slots, blocks.generations, blocks.ok(), blocks.valid()   # the same, as arrays
     # leaving the ``with`` releases the pins (or call fc.release(blocks))
     fc.prefetch(keys, block_bytes)          # same path at low priority, nothing pinned; answered when done
     out = fc.alloc(n, block_bytes)          # slots for swap-out: write into out[i].array() ...
