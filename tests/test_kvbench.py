@@ -16,6 +16,8 @@ import pytest
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.tools.benchutil import (
+    REREAD_S,
+    PageCacheFill,
     busy_seconds,
     latency_percentiles,
     memory_free_bytes,
@@ -279,6 +281,30 @@ def test_a_page_cache_fill_leaves_no_file_behind(tmp_path: Path) -> None:
         assert list(tmp_path.iterdir()) == []
         assert fill.refresh() == fill.bytes
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_page_cache_fill_reads_itself_whole_again_only_after_the_reread_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [0.0]
+    fd = os.open(tmp_path / "fill", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fill = PageCacheFill(fd, leave_free=max(0, memory_free_bytes() - (32 << 20)), clock=lambda: now[0])
+        fill.refresh()
+        fill.leave_free = memory_free_bytes() + (1 << 40)  # no more growth: only re-reads would read
+        read_from: list[int] = []
+        real_preadv = os.preadv
+        monkeypatch.setattr(
+            os, "preadv", lambda fd, bufs, offset: read_from.append(offset) or real_preadv(fd, bufs, offset)
+        )
+        now[0] += REREAD_S / 2
+        fill.refresh()
+        assert read_from == []
+        now[0] += REREAD_S
+        fill.refresh()
+        assert read_from and read_from[0] == 0 and fill.bytes > 0
+    finally:
+        os.close(fd)
 
 
 def test_a_page_cache_fill_takes_nothing_when_memory_is_short(tmp_path: Path) -> None:

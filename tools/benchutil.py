@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
@@ -138,27 +138,36 @@ def memory_free_bytes() -> int:
 
 FILL_CHUNK = 8 << 20
 FILL_DISK_RESERVE = 4 << 30  # disk space a fill never takes
+REREAD_S = 30.0  # a fill is read whole again at most this often (DAMON pages out what sat idle for 60 s)
 
 
 class PageCacheFill:
     """An unlinked file whose pages are kept in the page cache: see :func:`page_cache_filled`."""
 
-    def __init__(self, fd: int, leave_free: int) -> None:
+    def __init__(self, fd: int, leave_free: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.fd = fd
         self.leave_free = leave_free
         self.bytes = 0
+        self.clock = clock
+        self._read_at = -REREAD_S  # when the whole file was last read
         self._chunk = bytearray(FILL_CHUNK)
 
     def refresh(self) -> int:
-        """Read the whole file again (its pages count as recently used, and pages the kernel dropped come back),
-        then grow it until only about ``leave_free`` bytes of memory are free; returns the bytes cached."""
+        """Grow the file until only about ``leave_free`` bytes of memory are free (reading what it adds, so the
+        new pages are cached), and read all of it again once ``REREAD_S`` have passed since the last time: its
+        pages count as recently used before an idle-page reclaimer could take them, and pages the kernel
+        dropped come back. Returns the bytes cached. Reading 20 GiB takes tens of seconds and sweeps the CPU
+        caches, so it is not done between measurements that follow each other closely."""
         stat = os.fstatvfs(self.fd)
         room = stat.f_bavail * stat.f_frsize - FILL_DISK_RESERVE
         grow = min(memory_free_bytes() - self.leave_free, room) // FILL_CHUNK * FILL_CHUNK
+        start = self.bytes
         if grow > 0:
             os.posix_fallocate(self.fd, self.bytes, grow)
             self.bytes += grow
-        for offset in range(0, self.bytes, FILL_CHUNK):
+        if self.clock() - self._read_at >= REREAD_S:
+            start, self._read_at = 0, self.clock()
+        for offset in range(start, self.bytes, FILL_CHUNK):
             os.preadv(self.fd, [self._chunk], offset)
         return self.bytes
 
