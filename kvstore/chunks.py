@@ -43,6 +43,7 @@ writes, and any torn shard fails its crc and is treated as an erasure.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -158,21 +159,26 @@ class WriteBatch:
         self.digests = digests if digests is not None else bytes(HEADER_BYTES * n)
         self.replace = replace
         self.ns = ns.ljust(32, b"\0")
-        holders = np.flatnonzero(np.isin(self.index, RECORD_HOLDERS)).tolist()
+        holders = np.flatnonzero(holds_record(self.index)).tolist()
         self.parents = dict(zip(holders, parents or [b""] * len(holders), strict=True))
         self.created = created
         self.status = np.zeros(n, dtype=np.uint8)  # Status.OK
-        self.size_class = np.searchsorted(_CLASS_BYTES, self.length).astype(np.int64)
+        self.size_class = np.searchsorted(_CLASS_BYTES, self.length)
         self.slot = np.zeros(n, dtype=np.int64)
         self.crc = np.zeros(n, dtype="<u4")
         self.shard_keys: list[bytes] = []  # LMDB keys, set by ``reserve``
+        self.name_rows = np.zeros((n, 0), dtype=np.uint8)  # the same as a table, a row each
         self.staged_at = 0.0
 
     def key(self, i: int) -> bytes:
         return self.keys[i * self.klen : (i + 1) * self.klen]
 
     def rows(self, status: int) -> np.ndarray:
-        return np.flatnonzero(self.status == status)
+        return np.flatnonzero(self.status == int(status))  # a plain int: numpy probes an IntEnum (~3 us)
+
+    def holds_any(self) -> bool:
+        """Whether any row is reserved (OK) or already stored (EXISTS): the batch has something to commit."""
+        return bool(((self.status == _OK) | (self.status == _EXISTS)).any())
 
     def make_shard_keys(self, tenant: str) -> list[bytes]:
         """tenant/key/index of every row, built as one array (the LMDB keys of the shard records)."""
@@ -182,6 +188,7 @@ class WriteBatch:
         table[:, :p] = np.frombuffer(prefix, dtype=np.uint8)
         table[:, p:-1] = np.frombuffer(self.keys, dtype=np.uint8).reshape(self.n, self.klen)
         table[:, -1] = self.index
+        self.name_rows = table  # kept for ``slot_records``
         return table.view(f"V{width}").ravel().tolist()  # void scalars come back as bytes, trailing zeros kept
 
     def plan(self, fd_of: Callable[[int], int]) -> np.ndarray:
@@ -190,28 +197,38 @@ class WriteBatch:
         plan = np.zeros((self.n, 4), dtype=np.int64)
         plan[:, 0] = -1
         plan[:, 2] = plan[:, 3] = self.length
-        for size_class in np.unique(self.size_class[self.status == Status.OK]).tolist():
-            rows = np.flatnonzero((self.status == Status.OK) & (self.size_class == size_class))
+        for size_class, rows in _by_class(self.size_class, self.rows(_OK)):
             plan[rows, 0] = fd_of(size_class)
             plan[rows, 1] = self.slot[rows] * SIZE_CLASSES[size_class]
             plan[rows, 3] = SIZE_CLASSES[size_class]
         return plan
 
-    def shard_values(self, rows: np.ndarray, now: float) -> list[bytes]:
-        """Packed COMMITTED shard records (``ShardRecord`` layout) of ``rows``, built as one array."""
+    def slot_records(self, rows: np.ndarray, now: float) -> tuple[list[bytes], zip]:
+        """The packed COMMITTED shard records (``ShardRecord`` layout) of ``rows``, in row order, and what
+        ``slots`` gets for them: (LMDB key, ``_slot_value``) pairs in slot order (a put's records land in
+        neighbouring B-tree pages). One table (name length, name, record) a call; after ``make_shard_keys``."""
         cls = self.ttl_class.encode()
-        table = np.zeros(len(rows), dtype=_shard_dtype(len(cls)))
-        table["state"] = COMMITTED
-        table["index"] = self.index[rows]
-        table["size_class"] = self.size_class[rows]
-        table["slot"] = self.slot[rows]
-        table["length"] = self.length[rows]
-        table["crc"] = self.crc[rows]
-        table["block_len"] = self.block_len[rows]
-        table["created"] = now
-        table["header"] = np.frombuffer(self.digests, dtype=np.uint8).reshape(self.n, HEADER_BYTES)[rows]
-        table["ttl"] = np.frombuffer(cls, dtype=np.uint8)
-        return table.view(f"V{table.dtype.itemsize}").ravel().tolist()
+        width = self.name_rows.shape[1]
+        table = np.zeros(len(rows), dtype=_slot_value_dtype(width, len(cls)))
+        table["len"] = width
+        table["name"] = self.name_rows[rows]
+        rec = table["rec"]
+        rec["state"] = COMMITTED
+        rec["index"] = self.index[rows]
+        rec["size_class"] = classes = self.size_class[rows]
+        rec["slot"] = slots = self.slot[rows]
+        rec["length"] = self.length[rows]
+        rec["crc"] = self.crc[rows]
+        rec["block_len"] = self.block_len[rows]
+        rec["created"] = now
+        rec["header"] = np.frombuffer(self.digests, dtype=np.uint8).reshape(self.n, HEADER_BYTES)[rows]
+        rec["ttl"] = np.frombuffer(cls, dtype=np.uint8)
+        values = rec.view(f"V{rec.dtype.itemsize}").tolist()
+        place = classes << 32 | slots
+        if (place[1:] < place[:-1]).any():  # usually in order already: slots are handed out ascending
+            order = np.argsort(place, kind="stable")
+            table, classes, slots = table[order], classes[order], slots[order]
+        return values, zip(_slot_keys(classes, slots), table.view(f"V{table.dtype.itemsize}").tolist(), strict=True)
 
     def pending_record(self, i: int) -> ShardRecord:
         """Row ``i`` as the record it becomes at COMMIT (``stat`` shows pending shards this way)."""
@@ -222,11 +239,39 @@ class WriteBatch:
         )  # fmt: skip
 
 
+@functools.cache
 def _shard_dtype(ttl_len: int) -> np.dtype:
-    """``_SHARD`` + the TTL class as a numpy record (packed, little-endian)."""
+    """``_SHARD`` + the TTL class as a numpy record (packed, little-endian); made once per length."""
     fields = ["state", "index", "size_class", "slot", "length", "crc", "block_len", "created", "header", "ttl"]
     kinds = ["u1", "u1", "<u2", "<u4", "<u4", "<u4", "<u8", "<f8", (np.uint8, HEADER_BYTES), (np.uint8, ttl_len)]
     return np.dtype({"names": fields, "formats": kinds})
+
+
+def holds_record(index: np.ndarray) -> np.ndarray:
+    """Per shard index, whether its holder keeps the block record (``RECORD_HOLDERS``: shards 0 and 1), by one
+    comparison (``np.isin`` costs ~25 us on a small array)."""
+    return index < len(RECORD_HOLDERS)
+
+
+assert tuple(range(len(RECORD_HOLDERS))) == RECORD_HOLDERS
+
+
+def _by_class(size_class: np.ndarray, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``rows`` grouped by their ``size_class``, ascending: (class, its rows); one group without a sort in the
+    usual case (a put's shards are of one size)."""
+    if not len(rows):
+        return []
+    classes = size_class[rows]
+    first = int(classes[0])
+    if (classes == first).all():
+        return [(first, rows)]
+    return [(c, rows[classes == c]) for c in np.unique(classes).tolist()]
+
+
+@functools.cache
+def _slot_value_dtype(name_len: int, ttl_len: int) -> np.dtype:
+    """``_slot_value`` as a numpy record: the name's length, the name, the packed shard record."""
+    return np.dtype([("len", "<u2"), ("name", np.uint8, (name_len,)), ("rec", _shard_dtype(ttl_len))])
 
 
 def _rows(rows: list[int]) -> np.ndarray:
@@ -369,28 +414,32 @@ class ChunkEngine:
         with self._lock:
             if not batch.replace and not self._records.keys().isdisjoint(skeys):
                 stored = np.fromiter(map(self._records.__contains__, skeys), dtype=bool, count=batch.n)
-                batch.status[stored] = Status.EXISTS
-            for i in np.flatnonzero((batch.index == 0) & (batch.status == Status.OK)).tolist():
-                self._charge(skeys[i], SIZE_CLASSES[batch.size_class[i]])
+                batch.status[stored] = _EXISTS
+            primaries = np.flatnonzero((batch.index == 0) & (batch.status == _OK)).tolist()
+            sizes = _CLASS_BYTES[batch.size_class].tolist()
+            for i in primaries:
+                self._charge(skeys[i], sizes[i])
         if self.primary_excess() > 0 and self.make_room is not None:
             self.make_room()
         with self._lock:
             excess = self.primary_excess()
-            if excess > 0:  # the budget is over only if nothing more could be evicted
-                for i in np.flatnonzero((batch.index == 0) & (batch.status == Status.OK))[::-1].tolist():
+            if excess > 0 and primaries:  # over only if nothing more could be evicted (rows unchanged since)
+                for i in reversed(primaries):
                     excess -= self._refuse(batch, i)
                     if excess <= 0:
                         break
-            rows = batch.rows(Status.OK)
+            rows = batch.rows(_OK)
             sizes = _CLASS_BYTES[batch.size_class[rows]]
-            self._wait_for_room(int(sizes.sum()))
-            fits = self.used_bytes + np.cumsum(sizes) <= self.capacity_bytes
-            for i in rows[~fits].tolist():
-                self._refuse(batch, i)
-            rows, sizes = rows[fits], sizes[fits]
-            self.used_bytes += int(sizes.sum())
-            for size_class in np.unique(batch.size_class[rows]).tolist():
-                mine = rows[batch.size_class[rows] == size_class]
+            needed = int(sizes.sum())
+            self._wait_for_room(needed)
+            if self.used_bytes + needed > self.capacity_bytes:
+                fits = self.used_bytes + np.cumsum(sizes) <= self.capacity_bytes
+                for i in rows[~fits].tolist():
+                    self._refuse(batch, i)
+                rows = rows[fits]
+                needed = int(sizes[fits].sum())
+            self.used_bytes += needed
+            for size_class, mine in _by_class(batch.size_class, rows):
                 try:
                     batch.slot[mine] = self.slabs.allocate(size_class, len(mine))
                 except NoSpace:  # the disk under the slabs is full
@@ -403,7 +452,7 @@ class ChunkEngine:
 
     def _refuse(self, batch: WriteBatch, i: int) -> int:
         """Mark row ``i`` NO_SPACE, giving back its primary charge; returns the bytes given back."""
-        batch.status[i] = Status.NO_SPACE
+        batch.status[i] = _NO_SPACE
         return self._uncharge(batch.shard_keys[i]) if batch.index[i] == 0 else 0
 
     def _charge(self, skey: bytes, size: int) -> None:
@@ -427,6 +476,10 @@ class ChunkEngine:
     def _wait_for_room(self, needed: int) -> None:
         """With the lock held: wait until ``needed`` more bytes fit, at most ``room_wait_s`` (removals under way
         elsewhere, slots pinned by replies being sent, or slots in their grace time free room)."""
+        if self.slabs.quarantine:
+            self.used_bytes -= self.slabs.reap(self.clock())
+        if self.used_bytes + needed <= self.capacity_bytes:
+            return
         deadline = time.monotonic() + self.room_wait_s
         while True:
             self.used_bytes -= self.slabs.reap(self.clock())
@@ -449,23 +502,25 @@ class ChunkEngine:
         with self._lock:
             old = self._pending.pop((tenant, put_id), None)
             if old is not None:
-                self._give_back(old, old.rows(Status.OK))
+                self._give_back(old, old.rows(_OK))
             self._pending[(tenant, put_id)] = batch
 
     def cancel(self, batch: WriteBatch) -> None:
         """Give back the slots of a batch whose shards never arrived (the writer went away)."""
         with self._lock:
-            self._give_back(batch, batch.rows(Status.OK))
+            self._give_back(batch, batch.rows(_OK))
 
     def _give_back(self, batch: WriteBatch, rows: np.ndarray) -> None:
         """With the lock held: free reserved slots that no record names (never visible: reusable at once)."""
+        if not len(rows):
+            return
         for i in rows.tolist():
             size_class = int(batch.size_class[i])
             self.used_bytes -= SIZE_CLASSES[size_class]
             self.slabs.release_now(size_class, int(batch.slot[i]))
             if batch.index[i] == 0:
                 self._uncharge(batch.shard_keys[i])
-        batch.status[rows] = Status.MISSING
+        batch.status[rows] = _MISSING
         self._room.notify_all()
 
     def commit(self, tenant: str, put_id: bytes, action: np.ndarray | None = None) -> bytes | None:
@@ -488,24 +543,28 @@ class ChunkEngine:
                 action = np.full(batch.n, COMMIT, dtype=np.uint8)
             elif len(action) != batch.n:
                 raise ValueError(f"the put holds {batch.n} shards here, the commit names {len(action)}")
-            out = np.full(batch.n, Status.MISSING, dtype=np.uint8)
-            write = np.flatnonzero((batch.status == Status.OK) & (action == COMMIT))
-            again = np.flatnonzero((batch.status == Status.EXISTS) & (action == COMMIT))
+            status, committing = batch.status, action == COMMIT
+            out = np.full(batch.n, _MISSING, dtype=np.uint8)
+            write = np.flatnonzero((status == _OK) & committing)
+            again = np.flatnonzero((status == _EXISTS) & committing)
             with self.env.begin(write=True) as txn:
                 if len(write):
                     self._write_shards(txn, batch, write, now)
-                    out[write] = Status.OK
+                    out[write] = _OK
                 if len(again):  # already committed at PUT time: still there?
-                    out[_rows([i for i in again.tolist() if batch.shard_keys[i] in self._records])] = Status.OK
-                holders = np.flatnonzero((out == Status.OK) & np.isin(batch.index, RECORD_HOLDERS))
+                    out[_rows([i for i in again.tolist() if batch.shard_keys[i] in self._records])] = _OK
+                holders = np.flatnonzero((out == _OK) & holds_record(batch.index))
                 if len(holders):
                     self._write_block_records(txn, tenant, batch, holders, now, indexed)
             for bkey, *entry in indexed:
                 self._uncharge(bkey + b"\x00")  # shard 0's pending charge moves into the LRU index
                 self.lru.insert(bkey, *entry)
-            batch.status[write] = Status.MISSING  # the records own these slots now
-            self._give_back(batch, np.flatnonzero((batch.status == Status.OK) & (action == DROP)))
-            if not ((batch.status == Status.OK) & (action == KEEP)).any():
+            status[write] = _MISSING  # the records own these slots now
+            pending = status == _OK  # rows left reserved: dropped or kept
+            if pending.any():
+                self._give_back(batch, np.flatnonzero(pending & (action == DROP)))
+                pending &= action == KEEP
+            if not pending.any():
                 del self._pending[(tenant, put_id)]
                 self._settled[(tenant, put_id)] = out.tobytes()
                 while len(self._settled) > SETTLED_KEPT:
@@ -517,7 +576,7 @@ class ChunkEngine:
         meanwhile (or an earlier row of this batch of the same name) wins and this row's slot is given back,
         unless the batch replaces (repair: the old record goes and its slot is released)."""
         records = self._records
-        names = [batch.shard_keys[i] for i in rows.tolist()]
+        names = batch.shard_keys if len(rows) == batch.n else [batch.shard_keys[i] for i in rows.tolist()]
         slots = txn.cursor(db=self.slots_db)
         if batch.replace:
             old = [records[name] for name in dict.fromkeys(names) if name in records]
@@ -535,8 +594,8 @@ class ChunkEngine:
             self._give_back(batch, rows[_rows(lost)])
             rows = rows[_rows(keep)]
             names = [names[j] for j in keep]
-        values = batch.shard_values(rows, now)
-        slots.putmulti(_slot_items(names, values, batch.size_class[rows], batch.slot[rows]))
+        values, items = batch.slot_records(rows, now)
+        slots.putmulti(items)
         records.update(zip(names, values, strict=True))
 
     def _write_block_records(
@@ -575,7 +634,7 @@ class ChunkEngine:
         """``reserve``, write, ``stage`` and ``commit`` in one call, for shards already in memory; returns the
         commit's statuses (EXISTS rows count as OK when still stored)."""
         self.reserve(tenant, batch)
-        for i in batch.rows(Status.OK).tolist():
+        for i in batch.rows(_OK).tolist():
             self.slabs.write(int(batch.size_class[i]), int(batch.slot[i]), payloads[i])
             batch.crc[i] = _native.crc32c(payloads[i])
         put_id = os.urandom(8)
@@ -944,22 +1003,6 @@ def _slot_keys(classes: np.ndarray, slots: np.ndarray) -> list[bytes]:
     return where.view(f"V{_SLOT_KEY.size}").ravel().tolist()
 
 
-def _slot_items(names: list[bytes], values: list[bytes], size_class: np.ndarray, slot: np.ndarray) -> list:
-    """(LMDB key, value) of shard records for ``slots``, in slot order (a put's records land in neighbouring
-    B-tree pages), built as arrays; ``names`` and ``values`` are each of one length (one put's rows)."""
-    n = len(names)
-    if not n:
-        return []
-    nw, vw = len(names[0]), len(values[0])
-    table = np.empty(n, dtype=[("len", "<u2"), ("name", f"V{nw}"), ("rec", f"V{vw}")])
-    table["len"] = nw
-    table["name"] = np.frombuffer(b"".join(names), dtype=f"V{nw}")
-    table["rec"] = np.frombuffer(b"".join(values), dtype=f"V{vw}")
-    order = np.lexsort((slot, size_class))
-    keys = _slot_keys(size_class[order], slot[order])
-    return list(zip(keys, table[order].view(f"V{table.dtype.itemsize}").ravel().tolist(), strict=True))
-
-
 def _unpack_slot_value(raw: bytes) -> tuple[bytes, bytes]:
     (n,) = _NAME_LEN.unpack_from(raw)
     return bytes(raw[2 : 2 + n]), bytes(raw[2 + n :])
@@ -995,6 +1038,7 @@ def _shard_lmdb_keys(prefix: bytes, keys: bytes, klen: int, index: np.ndarray) -
 
 _FIXED = _shard_dtype(0)  # a shard record without its TTL class name
 _OK = int(Status.OK)  # a plain int: numpy probes an IntEnum operand for array protocols (~3 us a comparison)
+_EXISTS, _MISSING, _NO_SPACE = int(Status.EXISTS), int(Status.MISSING), int(Status.NO_SPACE)
 _EXTENT_SLOTS = np.asarray([SlabFiles.extent_slots(c) for c in range(len(SIZE_CLASSES))], dtype=np.int64)
 _NONE = np.zeros(0, dtype=np.int64)
 

@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ import numpy as np
 
 from kvtier.kvstore import _native
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.chunks import KEEP, RECORD_HOLDERS, ChunkEngine, WriteBatch
+from kvtier.kvstore.chunks import KEEP, ChunkEngine, WriteBatch, holds_record
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
@@ -213,10 +214,9 @@ class StorageNode:
         else:
             self.engine.reserve(tenant, batch)
         session.receiving = (head.request_id, tenant, batch)
-        timeout = sock.gettimeout()
         crcs = _native.recv_to_files(
             sock.fileno(),
-            -1 if timeout is None else int(timeout * 1000),
+            _milliseconds(self.config.gc.write_timeout_s),  # a peer may not stall mid-frame
             batch.plan(self.engine.slabs.fd),
             session.scratch_view(RECV_PIECE_BYTES),
         )
@@ -234,7 +234,7 @@ class StorageNode:
             raise bad("field 'put' must be a put id of 1 to 32 bytes")
         ns = meta.get("ns", b"")
         parents = meta.get("par")
-        holders = int(np.isin(idx, RECORD_HOLDERS).sum())
+        holders = int(np.count_nonzero(holds_record(idx)))
         if not isinstance(ns, bytes) or len(ns) > 32:
             raise bad("field 'ns' must be a namespace digest of at most 32 bytes")
         if parents is not None and (
@@ -268,7 +268,7 @@ class StorageNode:
         if session.receiving is None or session.receiving[0] != frame.request_id:
             raise bad("PUT_SHARDS without shards")
         _, tenant, batch = session.receiving
-        if ((batch.status == Status.OK) | (batch.status == Status.EXISTS)).any():
+        if batch.holds_any():
             self.engine.stage(tenant, frame.meta["put"], batch)
         session.receiving = None  # staged: from here on the slots belong to the pending batch, not to us
         return Reply({"st": batch.status.tobytes()})
@@ -279,7 +279,7 @@ class StorageNode:
         the node restarted since the PUT)."""
         put_id = field(frame.meta, "put", bytes)
         action = field(frame.meta, "act", bytes)
-        if len(action) > self.config.limits.max_batch or any(a > KEEP for a in set(action)):
+        if len(action) > self.config.limits.max_batch or max(action, default=0) > KEEP:
             raise bad("field 'act' must hold one action (0 drop, 1 commit, 2 keep) per shard of the put")
         try:
             statuses = self.engine.commit(self.tenant(session, frame.meta), put_id, np.frombuffer(action, np.uint8))
@@ -492,7 +492,12 @@ class NodeServer:
                     self.node.abandon_payload(state.session)
 
     def _converse(self, conn: socket.socket, state: _Conversation) -> None:
+        """Serve the connection's frames in turn. Before HELLO every receive times out after
+        ``PRE_AUTH_TIMEOUT_S``; after it the socket blocks with ``SO_RCVTIMEO`` set to ``gc.write_timeout_s``
+        (set once: no timeout switch, no poll per receive), which ends the connection only mid-frame."""
         reader = FrameReader(PRE_AUTH_LIMITS)
+        conn.settimeout(PRE_AUTH_TIMEOUT_S)
+        timeout_ms = _milliseconds(PRE_AUTH_TIMEOUT_S)
         while True:
             frame = self._next_frame(conn, reader, state)
             if frame is None:
@@ -503,6 +508,10 @@ class NodeServer:
                 reader.limits = self.node.config.limits
                 session = state.session
                 reply = Reply({"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin})
+                write_timeout_s = self.node.config.gc.write_timeout_s
+                conn.settimeout(None)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(write_timeout_s))
+                timeout_ms = _milliseconds(write_timeout_s)
             else:
                 started = time.perf_counter()
                 try:
@@ -510,13 +519,12 @@ class NodeServer:
                 except ProtocolError as exc:
                     if exc.code != ErrorCode.FORBIDDEN:
                         raise
-                    conn.sendall(encode_error(frame.request_id, exc.code, str(exc)))
+                    _native.send_all(conn.fileno(), timeout_ms, [encode_error(frame.request_id, exc.code, str(exc))])
                     continue
             payload_len = sum(len(p) for p in reply.payload)
             head = encode_head(frame.opcode | Op.REPLY, frame.request_id, reply.meta, payload_len)
             try:
-                timeout = conn.gettimeout()
-                _native.send_all(conn.fileno(), -1 if timeout is None else int(timeout * 1000), [head, *reply.payload])
+                _native.send_all(conn.fileno(), timeout_ms, [head, *reply.payload])
             finally:
                 if reply.on_sent is not None:
                     reply.on_sent()
@@ -526,19 +534,18 @@ class NodeServer:
 
     def _next_frame(self, conn: socket.socket, reader: FrameReader, state: _Conversation) -> Frame | None:
         def before_recv(reader: FrameReader) -> None:
-            # A peer may sit idle between requests for as long as it likes, but not mid-frame (a PUT's
-            # reserved slots would be held) nor before it authenticates.
-            if state.session is None:
-                conn.settimeout(PRE_AUTH_TIMEOUT_S)
-            else:
-                conn.settimeout(self.node.config.gc.write_timeout_s if reader.in_frame else None)
             if reader.needs_sink and state.session is not None:
                 assert reader.head is not None
                 state.request_id = reader.head.request_id
                 self.node.receive_payload(state.session, reader.head, conn)
                 reader.payload_received()
 
-        return recv_frame(conn, reader, before_recv)
+        while True:
+            try:
+                return recv_frame(conn, reader, before_recv)
+            except BlockingIOError:  # SO_RCVTIMEO passed: a peer may idle between requests, not mid-frame (a
+                if reader.in_frame:  # PUT's reserved slots would be held)
+                    raise TimeoutError("the peer stalled mid-frame") from None
 
 
 class _Conversation:
@@ -547,6 +554,17 @@ class _Conversation:
     def __init__(self) -> None:
         self.session: Session | None = None
         self.request_id = 0
+
+
+def _milliseconds(seconds: float) -> int:
+    """A timeout as the compiled socket loops take it."""
+    return max(1, int(seconds * 1000))
+
+
+def _timeval(seconds: float) -> bytes:
+    """A timeout as ``SO_RCVTIMEO`` takes it (``struct timeval``); at least 1 us (0 would mean none)."""
+    micros = max(1, int(seconds * 1e6))
+    return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
 
 
 def _close_with_error(conn: socket.socket, request_id: int, code: ErrorCode, message: str) -> None:
