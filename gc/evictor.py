@@ -6,8 +6,9 @@ missing, and never orphan shards once the node is back:
 
 1. ``ChunkEngine.remove_blocks``: one LMDB transaction deletes the block records and this node's shards and
    writes an eviction intent per block. From here readers get ``ABSENT`` from the primary.
-2. ``DELETE(before = removal time)`` to all 12 nodes of each block's group; when every node answered, the
-   intents are cleared. Otherwise they stay and ``replay`` resends them (at start-up, then every GC cycle).
+2. ``DELETE(before = removal time)`` to the other 11 nodes of each block's group (this node's part was step
+   1); when every node answered, the intents are cleared. Otherwise they stay and ``replay`` resends them (at
+   start-up, then every GC cycle).
 
 One removal runs at a time (the on-demand path runs in connection threads, the GC in its own), each with a
 fresh look at the budget, so two writers needing room never evict twice for the same bytes.
@@ -30,8 +31,9 @@ log = logging.getLogger("kvtier.gc")
 class Evictor:
     """Removes whole blocks of one primary (see the module docstring). Thread-safe."""
 
-    def __init__(self, engine: ChunkEngine, config: ClusterConfig) -> None:
+    def __init__(self, engine: ChunkEngine, config: ClusterConfig, node_id: int) -> None:
         self.engine = engine
+        self.node_id = node_id
         self.client = Client(config)  # the cluster token: may act for any tenant; used under the lock only
         self.low_watermark = config.gc.low_watermark
         self._lock = threading.Lock()
@@ -71,7 +73,7 @@ class Evictor:
 
     def _delete_everywhere(self, tenant: str, keys: list[bytes], when: float) -> bool:
         with self.client.acting_for(tenant):
-            done = self.client.delete(keys, before=when)
+            done = self.client.delete(keys, before=when, primary_done=self.node_id)
         if done:
             self.engine.clear_intents(tenant, keys)
         return done

@@ -22,7 +22,7 @@ def run_node(config_path: str, node_id: int) -> None:
     """Open the node, attach its GC worker, serve until SIGTERM/SIGINT."""
     logs.configure(node=node_id)
     node, server = open_node(config_path, node_id)
-    evictor = Evictor(node.engine, node.config)
+    evictor = Evictor(node.engine, node.config, node_id)
     worker = GCWorker(node.engine, node_id, node.config, lambda: node.ttl_classes, evictor=evictor)
     node.gc = worker
     node.engine.on_high_watermark = worker.wake

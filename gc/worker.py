@@ -92,7 +92,7 @@ class GCWorker:
         self._wake = threading.Event()
         self._lock = threading.Lock()  # one cycle at a time (timer, watermark wake-up, admin request)
         self.client = Client(config)  # the cluster token: admin, may act for any tenant
-        self.evictor = evictor or Evictor(engine, config)
+        self.evictor = evictor or Evictor(engine, config, node_id)
         self._next_zombie_scan = 0.0
 
     def wake(self) -> None:

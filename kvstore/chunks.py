@@ -279,12 +279,6 @@ def _rows(rows: list[int]) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64)
 
 
-_BLOCK_DTYPE = np.dtype(
-    {
-        "names": ["block_len", "created", "last_access", "header", "ns", "parent_len"],
-        "formats": ["<u8", "<f8", "<f8", (np.uint8, HEADER_BYTES), (np.uint8, 32), "u1"],
-    }
-)
 # what a COMMIT asks per row of its PUT
 DROP, COMMIT, KEEP = 0, 1, 2
 _CLASS_BYTES = np.asarray(SIZE_CLASSES, dtype=np.int64)
@@ -602,33 +596,24 @@ class ChunkEngine:
         self, txn: lmdb.Transaction, tenant: str, batch: WriteBatch, rows: np.ndarray, now: float, indexed: list
     ) -> None:
         """Block records of ``rows`` (shard 0 or 1 held here); a re-put keeps the block's ``created``. Shard 0s
-        are added to ``indexed`` for the LRU index (inserted once the transaction has committed)."""
-        prefix = tenant_prefix(tenant)
+        are added to ``indexed`` for the LRU index (inserted once the transaction has committed). A few rows a
+        request (a sixth of them): packed one by one, which costs less than a table's dozen numpy calls."""
+        prefix, keys, klen, digests = tenant_prefix(tenant), batch.keys, batch.klen, batch.digests
         picked = rows.tolist()
-        bkeys = [prefix + batch.key(i) for i in picked]
+        bkeys = [prefix + keys[i * klen : (i + 1) * klen] for i in picked]
         cursor = txn.cursor(db=self.blocks_db)
         old = {bytes(k): _BLOCK.unpack_from(raw)[1] for k, raw in cursor.getmulti(bkeys)}
-        created = batch.created[rows] if batch.created is not None else np.full(len(rows), now)
-        created = np.asarray([old.get(bkey, c) for bkey, c in zip(bkeys, created.tolist(), strict=True)])
-        parents = [batch.parents[i] for i in picked]
-        table = np.zeros(len(rows), dtype=_BLOCK_DTYPE)  # the fixed part of each record (``_BLOCK``)
-        table["block_len"] = batch.block_len[rows]
-        table["created"] = created
-        table["last_access"] = now
-        table["header"] = np.frombuffer(batch.digests, dtype=np.uint8).reshape(batch.n, HEADER_BYTES)[rows]
-        table["ns"] = np.frombuffer(batch.ns, dtype=np.uint8)
-        table["parent_len"] = [len(p) for p in parents]
-        fixed, width, cls = table.tobytes(), _BLOCK.size, batch.ttl_class.encode()
-        cursor.putmulti(
-            [
-                (bkey, fixed[j * width : (j + 1) * width] + parent + cls)
-                for j, (bkey, parent) in enumerate(zip(bkeys, parents, strict=True))
-            ]
-        )
-        primaries = np.flatnonzero(batch.index[rows] == 0).tolist()
-        size = _CLASS_BYTES[batch.size_class[rows]].tolist()
-        for j in primaries:
-            indexed.append((bkeys[j], size[j], now, batch.ttl_class, float(created[j])))
+        given = batch.created[rows].tolist() if batch.created is not None else [now] * len(picked)
+        created = [old.get(bkey, c) for bkey, c in zip(bkeys, given, strict=True)] if old else given
+        columns = zip(picked, bkeys, created, batch.block_len[rows].tolist(), batch.index[rows].tolist(), strict=True)
+        ns, cls, items = batch.ns, batch.ttl_class.encode(), []
+        for i, bkey, c, block_len, index in columns:
+            parent = batch.parents[i]
+            header = digests[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+            items.append((bkey, _BLOCK.pack(block_len, c, now, header, ns, len(parent)) + parent + cls))
+            if index == 0:
+                indexed.append((bkey, SIZE_CLASSES[batch.size_class[i]], now, batch.ttl_class, float(c)))
+        cursor.putmulti(items)
 
     def store(self, tenant: str, batch: WriteBatch, payloads: Sequence[bytes | memoryview]) -> bytes:
         """``reserve``, write, ``stage`` and ``commit`` in one call, for shards already in memory; returns the
@@ -696,37 +681,55 @@ class ChunkEngine:
         if index is not None and len(set(map(len, keys))) == 1:  # one lookup per key, at the placement's index
             names = _shard_lmdb_keys(prefix, b"".join(keys), len(keys[0]), index)
             found = list(map(records.get, names))
-            unsure = [prefix + keys[j] for j, raw in enumerate(found) if raw is None] if None in found else []
             # block records are kept only where shard 0 or 1 is (and wherever a shard is not where expected)
-            holders = [prefix + keys[j] for j in np.flatnonzero(np.isin(index, RECORD_HOLDERS)).tolist()] + unsure
+            holders = [prefix + keys[j] for j in np.flatnonzero(holds_record(index)).tolist()]
+            unsure = [prefix + keys[j] for j, raw in enumerate(found) if raw is None] if None in found else []
+            holders += unsure
         else:
             names, found = [], []
             unsure = holders = [prefix + key for key in keys]
-        more = [base + _INDEX_BYTES[i] for base in unsure for i in range(TOTAL_SHARDS)]  # any shard it has here
-        names += more
-        found += map(records.get, more)
-        for bkey, raw in txn.cursor(db=self.blocks_db).getmulti(holders):
-            if before is not None and _BLOCK.unpack_from(raw)[1] > before:  # created after the removal
-                continue
-            txn.delete(bkey, db=self.blocks_db)
-            self.lru.remove(bkey)
-            self._accessed.pop(bkey, None)
-        hits = {name: raw for name, raw in zip(names, found, strict=True) if raw is not None}
+        if unsure:
+            more = [base + _INDEX_BYTES[i] for base in unsure for i in range(TOTAL_SHARDS)]  # any shard it has here
+            names += more
+            found += map(records.get, more)
+        if holders:
+            self._delete_block_records(txn, holders, before)
+        hits = dict(zip(names, found, strict=True))  # one entry a shard, even when a key is listed twice
+        if None in found:
+            hits = {name: raw for name, raw in hits.items() if raw is not None}
         if not hits:
             return 0
         held = list(hits)
-        place = np.frombuffer(b"".join(raw[: _PLACE_DTYPE.itemsize] for raw in hits.values()), dtype=_PLACE_DTYPE)
-        rows = np.arange(len(held)) if before is None else np.flatnonzero(place["created"] <= before)
-        rows = rows[np.lexsort((place["slot"][rows], place["size_class"][rows]))]  # in slot order: neighbouring
-        classes, slots = place["size_class"][rows], place["slot"][rows]  # records share B-tree pages
+        place = _places(list(hits.values()))
+        if before is not None and not (place["created"] <= before).all():  # some written after the removal
+            rows = np.flatnonzero(place["created"] <= before)
+            place, held = place[rows], [held[j] for j in rows.tolist()]
+        classes, slots = place["size_class"].astype(np.int64), place["slot"].astype(np.int64)
+        where = classes << 32 | slots
+        if (where[1:] < where[:-1]).any():  # in slot order: neighbouring records share B-tree pages
+            order = np.argsort(where)
+            classes, slots, held = classes[order], slots[order], [held[j] for j in order.tolist()]
         cursor = txn.cursor(db=self.slots_db)
-        for where in _slot_keys(classes, slots):
-            if cursor.set_key(where):
+        for key in _slot_keys(classes, slots):
+            if cursor.set_key(key):
                 cursor.delete()
-        for j in rows.tolist():
-            del records[held[j]]
+        for name in held:
+            del records[name]
         self._release_slots(classes, slots)
-        return len(rows)
+        return len(held)
+
+    def _delete_block_records(self, txn: lmdb.Transaction, bkeys: list[bytes], before: float | None) -> None:
+        """With the lock held: delete the block records ``bkeys`` that are here (and not created after ``before``),
+        and their LRU entries."""
+        cursor = txn.cursor(db=self.blocks_db)
+        for bkey in bkeys:
+            if not cursor.set_key(bkey):
+                continue
+            if before is not None and _BLOCK.unpack_from(cursor.value())[1] > before:  # created after the removal
+                continue
+            cursor.delete()
+            self.lru.remove(bkey)
+            self._accessed.pop(bkey, None)
 
     def remove_blocks(self, tenant: str, keys: Sequence[bytes]) -> float:
         """The primary's half of removing blocks (eviction, expiry): in one transaction, delete the records and
@@ -984,6 +987,26 @@ _PLACE_DTYPE = np.dtype(
     }
 )
 _NAME_LEN = struct.Struct("<H")
+
+
+@functools.cache
+def _place_dtype(width: int) -> np.dtype:
+    """``_PLACE_DTYPE`` over whole packed shard records of ``width`` bytes (a table of them, read in place)."""
+    fields = _PLACE_DTYPE.fields
+    names = list(fields)
+    return np.dtype(
+        {"names": names, "formats": [fields[n][0] for n in names], "offsets": [fields[n][1] for n in names],
+         "itemsize": width}
+    )  # fmt: skip
+
+
+def _places(records: list[bytes]) -> np.ndarray:
+    """Size class, slot and creation time of packed shard records, as a ``_PLACE_DTYPE`` table (one join when
+    they are of one length, the usual case: one TTL class)."""
+    widths = set(map(len, records))
+    if len(widths) == 1:
+        return np.frombuffer(b"".join(records), dtype=_place_dtype(widths.pop()))
+    return np.frombuffer(b"".join(raw[: _PLACE_DTYPE.itemsize] for raw in records), dtype=_PLACE_DTYPE)
 
 
 def _where(packed: bytes) -> bytes:

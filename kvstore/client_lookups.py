@@ -12,6 +12,8 @@ from kvtier.kvstore.protocol import Op
 from kvtier.kvstore.transport import Exchange
 from kvtier.kvstore.wire import pack_keys
 
+_ANY_SHARD = 255  # a DELETE's ``idx`` for a key of which the node holds several shards: it looks among all
+
 
 class Lookups(ClientCore):
     """``match``, ``exists``, ``liveness``, ``delete``, ``stat`` and the admin calls (see ``Client``)."""
@@ -50,7 +52,7 @@ class Lookups(ClientCore):
                 live[positions] = flags.astype(bool)
         return live
 
-    def delete(self, keys: Sequence[bytes], before: float | None = None) -> bool:
+    def delete(self, keys: Sequence[bytes], before: float | None = None, primary_done: int | None = None) -> bool:
         """Remove blocks: all 12 nodes of each block's group drop its shards and records (the primary's and
         shard 1's copy). Returns whether every one of those nodes answered.
 
@@ -58,16 +60,28 @@ class Lookups(ClientCore):
         written after it, so a block stored again meanwhile is not harmed. A node that is down keeps its
         shards, which no reader is given once the primary's record is gone; they go when they expire (the
         GC, which removes blocks itself, retries its DELETEs until every node answered).
+
+        ``primary_done``: the node that already removed these blocks' records and shard 0s (their primary, in
+        the transaction that wrote its eviction intents): it is asked only about other shards it holds.
+        Each node is told which shard each key has there (``idx``), or to look among all of them where it
+        holds several.
         """
         if not keys:
             return True
         shard_nodes = self.placement.shard_nodes(keys)
+        blob, klen = pack_keys(keys)
+        table = np.frombuffer(blob, dtype=np.uint8).reshape(len(keys), klen)
         exchange = Exchange(self.pool)
         asks = []
         for node_id in np.unique(shard_nodes).tolist():
-            positions = np.flatnonzero((shard_nodes == node_id).any(axis=1))
-            blob, klen = pack_keys([keys[i] for i in positions])
-            meta: dict[str, Any] = {"keys": blob, "klen": klen}
+            held = shard_nodes == node_id
+            count = held.sum(axis=1)
+            asked = count - held[:, 0] if node_id == primary_done else count
+            positions = np.flatnonzero(asked)
+            if not len(positions):
+                continue
+            index = np.where(count[positions] == 1, held[positions].argmax(axis=1), _ANY_SHARD).astype(np.uint8)
+            meta: dict[str, Any] = {"keys": table[positions].tobytes(), "klen": klen, "idx": index.tobytes()}
             if before is not None:
                 meta["before"] = float(before)
             asks.append(exchange.request(node_id, Op.DELETE, meta))

@@ -342,8 +342,11 @@ class StorageNode:
         before = frame.meta.get("before")
         if before is not None and (not isinstance(before, float | int) or isinstance(before, bool)):
             raise bad("field 'before' must be a time in seconds")
-        held = self.placement.shard_nodes(keys) == self.node_id  # the shard each key has here, by the map
-        index = np.where(held.any(axis=1), held.argmax(axis=1), 0)
+        if "idx" in frame.meta:  # the shard each key has here, as the sender's map says (a hint: a key whose
+            index = unpack_array(frame.meta, "idx", "u1", len(keys))  # shard is not there is searched for)
+        else:
+            held = self.placement.shard_nodes(keys) == self.node_id  # the shard each key has here, by the map
+            index = np.where(held.any(axis=1), held.argmax(axis=1), 0)
         removed = self.engine.delete(self.tenant(session, frame.meta), keys, before=before, index=index)
         return Reply({"removed": removed})
 

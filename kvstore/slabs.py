@@ -85,6 +85,13 @@ class Pins:
     def pinned(self, classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Whether each (``classes[i]``, ``slots[i]``) is pinned, as one array."""
         out = np.zeros(len(slots), dtype=bool)
+        first = int(classes[0]) if len(classes) else -1
+        if (classes == first).all():  # the usual case: one size class
+            counts = self._counts.get(first)
+            if counts is not None:
+                inside = slots < len(counts)
+                out[inside] = counts[slots[inside]] > 0
+            return out
         for size_class, counts in self._counts.items():
             rows = np.flatnonzero((classes == size_class) & (slots < len(counts)))
             out[rows] = counts[slots[rows]] > 0
@@ -215,9 +222,16 @@ class SlabFiles:
             return 0
         classes, numbers = np.asarray(classes, dtype=np.int64), np.asarray(slots, dtype=np.int64)
         held = self.pins.pinned(classes, numbers) if after <= now else np.ones(len(numbers), dtype=bool)
+        first = int(classes[0])
+        if (classes == first).all():  # the usual case: one size class, nothing pinned
+            groups = [(first, np.ones(len(numbers), dtype=bool))]
+            if not held.any():
+                self.free.setdefault(first, []).extend(numbers.tolist())
+                return len(numbers) * SIZE_CLASSES[first]
+        else:
+            groups = [(size_class, classes == size_class) for size_class in np.unique(classes).tolist()]
         freed = 0
-        for size_class in np.unique(classes).tolist():
-            mine = classes == size_class
+        for size_class, mine in groups:
             reusable = numbers[mine & ~held].tolist()
             self.free.setdefault(size_class, []).extend(reusable)
             freed += len(reusable) * SIZE_CLASSES[size_class]
