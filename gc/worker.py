@@ -3,8 +3,9 @@
 One worker runs in every node process (composed in :mod:`kvtier.gc.nodeproc`), over the blocks that node is
 *primary* for (its LRU index), and talks to the other nodes of its group through an admin
 :class:`~kvtier.kvstore.client.Client` that acts for each tenant in turn. It keeps headroom so that few
-writes have to make room themselves (:class:`~kvtier.gc.evictor.Evictor`, the on-demand backstop). A cycle,
-every ``gc.interval_s`` or at once when a write pushes usage past the high watermark:
+writes have to make room themselves (:class:`~kvtier.gc.evictor.Evictor`, the on-demand backstop). A cycle
+runs every ``gc.interval_s``; a write that pushes usage past the high watermark wakes the worker at once for
+step 3 alone (after reaping): at capacity that is every few puts, and steps 2 and 4 walk every block.
 
 1. **Reap and flush**: slots whose grace time has passed become free; batched last-access times are
    written; removals whose DELETEs did not reach every node (a node was down, or this one crashed) are
@@ -96,21 +97,26 @@ class GCWorker:
         self._next_zombie_scan = 0.0
 
     def wake(self) -> None:
-        self._wake.set()
+        """Evict down to the low watermark soon (a write took usage past the high one). Called on every such
+        write: costs a flag test while the worker is awake already."""
+        if not self._wake.is_set():
+            self._wake.set()
 
     def run(self, stopping: threading.Event) -> None:
-        """Finish removals a crash interrupted, then cycle until ``stopping`` is set; a failing cycle is logged
-        and retried next interval."""
-        first = True
+        """Finish removals a crash interrupted, then cycle every ``interval_s`` until ``stopping`` is set, and
+        evict to the watermark whenever woken in between; a failing pass is logged and retried next time."""
+        next_cycle = 0.0  # the first cycle runs at once
         while not stopping.is_set():
-            if not first:
-                self._wake.wait(self.config.gc.interval_s)
-            first = False
+            self._wake.wait(max(0.0, next_cycle - time.monotonic()))
             self._wake.clear()
             if stopping.is_set():
                 break
             try:
-                self.cycle()
+                if time.monotonic() >= next_cycle:
+                    next_cycle = time.monotonic() + self.config.gc.interval_s
+                    self.cycle()
+                else:
+                    self.make_headroom()
                 self.stats.failing = False
             except Exception as exc:
                 self.stats.failing = True
@@ -137,6 +143,12 @@ class GCWorker:
             self.stats.last_cycle_s = time.perf_counter() - start
             return self.stats.as_dict()
 
+    def make_headroom(self) -> None:
+        """Step 3 of a cycle alone (after reaping): what a write past the high watermark wakes the worker for."""
+        with self._lock:
+            self.engine.reap()
+            self._evict_to_watermark()
+
     # -- removal --------------------------------------------------------------------------------------
 
     def _expire(self) -> None:
@@ -152,12 +164,14 @@ class GCWorker:
         node between them, with no coordination: the total drops the moment a block is removed. Writes that
         come faster than this make room themselves (``Evictor.make_room``).
         """
-        gc = self.config.gc
+        gc, budget = self.config.gc, self.engine.primary_budget_bytes
+        if self.engine.primary_bytes <= gc.high_watermark * budget:
+            return
 
         def over_high(entries: list[BlockEntry]) -> list[bytes]:
             return plan_eviction(  # type: ignore[return-value]
                 self.engine.pending_primary_bytes + sum(entry.size_bytes for entry in entries),
-                self.engine.primary_budget_bytes,
+                budget,
                 gc.high_watermark,
                 gc.low_watermark,
                 ((entry.key, entry.size_bytes) for entry in entries),

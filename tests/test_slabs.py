@@ -86,3 +86,22 @@ def test_a_slot_pinned_twice_stays_pinned_until_both_pins_are_released(tmp_path:
     slabs.unpin([0, 0], [slots[0], slots[1]])
     assert len(slabs.pins) == 0 and (0, slots[0]) not in slabs.pins
     slabs.close()
+
+
+def test_freed_slots_are_handed_out_in_runs_of_adjacent_slots_longest_first(tmp_path: Path) -> None:
+    slabs = SlabFiles(tmp_path)
+    slabs.allocate(0, 48)
+    every_twelfth = list(range(0, 48, 12))  # one primary's evicted blocks at this node
+    slabs.release([0] * 4, every_twelfth, after=0.0, now=0.0)
+    slabs.release([0] * 8, list(range(26, 34)), after=0.0, now=0.0)  # others', of the same age
+    assert slabs.allocate(0, 6).tolist() == list(range(26, 32))
+    assert slabs.allocate(0, 4).tolist() == [0, 12, 32, 33]  # the rest of the run, then single slots in order
+
+
+def test_free_slots_merge_into_one_run_when_the_gaps_between_them_are_freed(tmp_path: Path) -> None:
+    slabs = SlabFiles(tmp_path)
+    slabs.allocate(0, 10)
+    slabs.release([0] * 5, [0, 2, 4, 6, 8], after=0.0, now=0.0)
+    assert slabs.allocate(0, 1).tolist() == [0]  # the runs are ordered now; freeing the gaps must merge them
+    slabs.release([0] * 4, [3, 5, 7, 9], after=0.0, now=0.0)
+    assert slabs.allocate(0, 8).tolist() == list(range(2, 10))
