@@ -29,7 +29,7 @@ import errno
 import math
 import mmap
 import os
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -79,6 +79,7 @@ class Pins:
 
     def __init__(self) -> None:
         self._counts: dict[int, np.ndarray] = {}
+        self._total = 0  # pins held, all slots together: none, the usual case for a delete, is one test
 
     def __len__(self) -> int:
         return sum(int(np.count_nonzero(counts > 0)) for counts in self._counts.values())
@@ -91,6 +92,8 @@ class Pins:
     def pinned(self, classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Whether each (``classes[i]``, ``slots[i]``) is pinned, as one array."""
         out = np.zeros(len(slots), dtype=bool)
+        if not self._total:
+            return out
         first = int(classes[0]) if len(classes) else -1
         if (classes == first).all():  # the usual case: one size class
             counts = self._counts.get(first)
@@ -108,6 +111,7 @@ class Pins:
         twice counts twice."""
         if not len(slots):
             return
+        self._total += step * len(slots)
         one = bool((classes == classes[0]).all())  # the usual case: one size class
         for size_class in [int(classes[0])] if one else np.unique(classes).tolist():
             rows = slots if one else slots[classes == size_class]
@@ -191,7 +195,7 @@ class SlabFiles:
         directory.mkdir(parents=True, exist_ok=True)
         self.fds: dict[int, int] = {}
         self.next_slot: dict[int, int] = {}  # slots of the class handed out at least once
-        self.free: dict[int, FreeSlots] = {}
+        self.free: defaultdict[int, FreeSlots] = defaultdict(FreeSlots)
         self.quarantine: deque[tuple[float, int, int]] = deque()  # (reusable after, class, slot)
         self.quarantined_bytes = 0
         self.pins = Pins()  # slots whose bytes a reader is still sending
@@ -221,7 +225,7 @@ class SlabFiles:
     def allocate(self, size_class: int, count: int) -> np.ndarray:
         """``count`` slots of a class, in ascending order (adjacent slots are written in one call): freed ones
         first (in runs, :class:`FreeSlots`), then new ones reserved on disk in one call."""
-        free = self.free.setdefault(size_class, FreeSlots())
+        free = self.free[size_class]
         reused = free.take(count)
         new = count - len(reused)
         if not new:
@@ -287,16 +291,16 @@ class SlabFiles:
         held = self.pins.pinned(classes, numbers) if after <= now else np.ones(len(numbers), dtype=bool)
         first = int(classes[0])
         if (classes == first).all():  # the usual case: one size class, nothing pinned
-            groups = [(first, np.ones(len(numbers), dtype=bool))]
             if not held.any():
-                self.free.setdefault(first, FreeSlots()).add(numbers)
+                self.free[first].add(numbers)
                 return len(numbers) * SIZE_CLASSES[first]
+            groups = [(first, np.ones(len(numbers), dtype=bool))]
         else:
             groups = [(size_class, classes == size_class) for size_class in np.unique(classes).tolist()]
         freed = 0
         for size_class, mine in groups:
             reusable = numbers[mine & ~held].tolist()
-            self.free.setdefault(size_class, FreeSlots()).add(reusable)
+            self.free[size_class].add(reusable)
             freed += len(reusable) * SIZE_CLASSES[size_class]
             waiting = numbers[mine & held].tolist()
             self.quarantine.extend((after, size_class, slot) for slot in waiting)
@@ -305,7 +309,7 @@ class SlabFiles:
 
     def release_now(self, size_class: int, slot: int) -> None:
         """Make a slot reusable at once (it was never visible to any reader)."""
-        self.free.setdefault(size_class, FreeSlots()).add([slot])
+        self.free[size_class].add([slot])
 
     def pin(self, classes: np.ndarray, slots: np.ndarray) -> None:
         """Readers are sending these (``classes[i]``, ``slots[i]``): they are not reused until unpinned."""
@@ -324,7 +328,7 @@ class SlabFiles:
             if (entry[1], entry[2]) in self.pins:
                 still_pinned.append(entry)
                 continue
-            self.free.setdefault(entry[1], FreeSlots()).add([entry[2]])
+            self.free[entry[1]].add([entry[2]])
             freed += SIZE_CLASSES[entry[1]]
         self.quarantine.extendleft(reversed(still_pinned))
         self.quarantined_bytes -= freed
