@@ -170,7 +170,7 @@ class GCWorker:
 
         def over_high(entries: list[BlockEntry]) -> list[bytes]:
             return plan_eviction(  # type: ignore[return-value]
-                self.engine.pending_primary_bytes + sum(entry.size_bytes for entry in entries),
+                self.engine.primary_bytes,
                 budget,
                 gc.high_watermark,
                 gc.low_watermark,

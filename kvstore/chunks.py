@@ -62,7 +62,7 @@ from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
 from kvtier.kvstore.lru import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
-from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles
+from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, by_class
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
 # The primary (data shard 0) keeps the block record; the holder of shard 1 keeps a copy, so a wiped
@@ -197,7 +197,7 @@ class WriteBatch:
         plan = np.zeros((self.n, 4), dtype=np.int64)
         plan[:, 0] = -1
         plan[:, 2] = plan[:, 3] = self.length
-        for size_class, rows in _by_class(self.size_class, self.rows(_OK)):
+        for size_class, rows in by_class(self.size_class, self.rows(_OK)):
             plan[rows, 0] = fd_of(size_class)
             plan[rows, 1] = self.slot[rows] * SIZE_CLASSES[size_class]
             plan[rows, 3] = SIZE_CLASSES[size_class]
@@ -254,18 +254,6 @@ def holds_record(index: np.ndarray) -> np.ndarray:
 
 
 assert tuple(range(len(RECORD_HOLDERS))) == RECORD_HOLDERS
-
-
-def _by_class(size_class: np.ndarray, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """``rows`` grouped by their ``size_class``, ascending: (class, its rows); one group without a sort in the
-    usual case (a put's shards are of one size)."""
-    if not len(rows):
-        return []
-    classes = size_class[rows]
-    first = int(classes[0])
-    if (classes == first).all():
-        return [(first, rows)]
-    return [(c, rows[classes == c]) for c in np.unique(classes).tolist()]
 
 
 @functools.cache
@@ -433,7 +421,7 @@ class ChunkEngine:
                 rows = rows[fits]
                 needed = int(sizes[fits].sum())
             self.used_bytes += needed
-            for size_class, mine in _by_class(batch.size_class, rows):
+            for size_class, mine in by_class(batch.size_class, rows):
                 try:
                     batch.slot[mine] = self.slabs.allocate(size_class, len(mine))
                 except NoSpace:  # the disk under the slabs is full
@@ -989,24 +977,12 @@ _PLACE_DTYPE = np.dtype(
 _NAME_LEN = struct.Struct("<H")
 
 
-@functools.cache
-def _place_dtype(width: int) -> np.dtype:
-    """``_PLACE_DTYPE`` over whole packed shard records of ``width`` bytes (a table of them, read in place)."""
-    fields = _PLACE_DTYPE.fields
-    names = list(fields)
-    return np.dtype(
-        {"names": names, "formats": [fields[n][0] for n in names], "offsets": [fields[n][1] for n in names],
-         "itemsize": width}
-    )  # fmt: skip
-
-
 def _places(records: list[bytes]) -> np.ndarray:
-    """Size class, slot and creation time of packed shard records, as a ``_PLACE_DTYPE`` table (one join when
-    they are of one length, the usual case: one TTL class)."""
-    widths = set(map(len, records))
-    if len(widths) == 1:
-        return np.frombuffer(b"".join(records), dtype=_place_dtype(widths.pop()))
-    return np.frombuffer(b"".join(raw[: _PLACE_DTYPE.itemsize] for raw in records), dtype=_PLACE_DTYPE)
+    """Size class, slot and creation time of packed shard records, as a ``_PLACE_DTYPE`` table."""
+    out = np.empty(len(records), dtype=_PLACE_DTYPE)
+    for same, table in _by_length(records):
+        out[same] = np.ascontiguousarray(table[:, : _PLACE_DTYPE.itemsize]).view(_PLACE_DTYPE).ravel()
+    return out
 
 
 def _where(packed: bytes) -> bytes:

@@ -68,6 +68,18 @@ _EXTENT_SLOTS = [_extent_slots(size) for size in SIZE_CLASSES]
 POPULATE_MIN_BYTES = 64 << 10  # below this, a handful of page faults cost less than the system call
 
 
+def by_class(classes: np.ndarray, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``rows`` grouped by their size class (``classes[rows]``), ascending: (class, its rows); one group without
+    a sort in the usual case (a put's or an eviction's shards are of one size)."""
+    if not len(rows):
+        return []
+    mine = classes[rows]
+    first = int(mine[0])
+    if (mine == first).all():
+        return [(first, rows)]
+    return [(c, rows[mine == c]) for c in np.unique(mine).tolist()]
+
+
 class NoSpace(Exception):
     """The disk under the slab files is full."""
 
@@ -94,16 +106,11 @@ class Pins:
         out = np.zeros(len(slots), dtype=bool)
         if not self._total:
             return out
-        first = int(classes[0]) if len(classes) else -1
-        if (classes == first).all():  # the usual case: one size class
-            counts = self._counts.get(first)
+        for size_class, rows in by_class(classes, np.arange(len(slots))):
+            counts = self._counts.get(size_class)
             if counts is not None:
-                inside = slots < len(counts)
+                inside = rows[slots[rows] < len(counts)]
                 out[inside] = counts[slots[inside]] > 0
-            return out
-        for size_class, counts in self._counts.items():
-            rows = np.flatnonzero((classes == size_class) & (slots < len(counts)))
-            out[rows] = counts[slots[rows]] > 0
         return out
 
     def add(self, classes: np.ndarray, slots: np.ndarray, step: int) -> None:
@@ -112,9 +119,8 @@ class Pins:
         if not len(slots):
             return
         self._total += step * len(slots)
-        one = bool((classes == classes[0]).all())  # the usual case: one size class
-        for size_class in [int(classes[0])] if one else np.unique(classes).tolist():
-            rows = slots if one else slots[classes == size_class]
+        for size_class, mine in by_class(classes, np.arange(len(slots))):
+            rows = slots[mine]
             counts = self._counts.get(size_class)
             if counts is None or len(counts) <= int(rows.max()):
                 grown = np.zeros(max(2 * (0 if counts is None else len(counts)), int(rows.max()) + 1), np.int32)
@@ -289,21 +295,13 @@ class SlabFiles:
             return 0
         classes, numbers = np.asarray(classes, dtype=np.int64), np.asarray(slots, dtype=np.int64)
         held = self.pins.pinned(classes, numbers) if after <= now else np.ones(len(numbers), dtype=bool)
-        first = int(classes[0])
-        if (classes == first).all():  # the usual case: one size class, nothing pinned
-            if not held.any():
-                self.free[first].add(numbers)
-                return len(numbers) * SIZE_CLASSES[first]
-            groups = [(first, np.ones(len(numbers), dtype=bool))]
-        else:
-            groups = [(size_class, classes == size_class) for size_class in np.unique(classes).tolist()]
         freed = 0
-        for size_class, mine in groups:
-            reusable = numbers[mine & ~held].tolist()
+        for size_class, mine in by_class(classes, np.arange(len(numbers))):
+            waiting = mine[held[mine]]
+            reusable = numbers[mine[~held[mine]]] if len(waiting) else numbers[mine]
             self.free[size_class].add(reusable)
             freed += len(reusable) * SIZE_CLASSES[size_class]
-            waiting = numbers[mine & held].tolist()
-            self.quarantine.extend((after, size_class, slot) for slot in waiting)
+            self.quarantine.extend((after, size_class, slot) for slot in numbers[waiting].tolist())
             self.quarantined_bytes += len(waiting) * SIZE_CLASSES[size_class]
         return freed
 
