@@ -431,3 +431,24 @@ def test_a_node_whose_connects_time_out_is_retried_ever_less_often(store: LocalC
         for s in queued:
             s.close()
         black_hole.close()
+
+
+def test_a_delete_whose_shard_index_hint_is_wrong_still_removes_the_shard(client: Client, store: LocalCluster) -> None:
+    keys, blocks = rand_keys(1), rand_blocks(1, 30_000)
+    client.put(keys, blocks)
+    holder = int(Placement(store.config.groups).shard_nodes(keys)[0, 4])
+    exchange = Exchange(client.pool)
+    pending = exchange.request(holder, Op.DELETE, {"keys": keys[0], "klen": len(keys[0]), "idx": bytes([7])})
+    exchange.run(10)
+    assert pending.frame is not None and pending.frame.meta["removed"] == 1  # idx is a hint: shard 4 was found
+    assert not client.probe(keys)[0, 4]
+
+
+def test_a_delete_after_the_primarys_own_removal_leaves_no_shard_anywhere(client: Client, store: LocalCluster) -> None:
+    keys, blocks = rand_keys(3), rand_blocks(3, 30_000)
+    client.put(keys, blocks)
+    primary = int(Placement(store.config.groups).primaries(keys[:1])[0])
+    assert client.delete(keys[:1], primary_done=primary)  # the primary is asked only about other shards it holds
+    assert client.probe(keys[:1])[0, 1:].sum() == 0  # every other holder dropped its shard
+    assert client.probe(keys[:1])[0, 0]  # the primary's own shard is its own removal's to delete (not done here)
+    assert [bytes(b) for b in client.get(keys[1:])] == blocks[1:]
