@@ -29,16 +29,18 @@ Contract (every method is safe to call from several threads):
 - ``read``            returns committed, unexpired shards whose crc32c verifies, pinned until ``unpin``;
   anything else is an erasure (``MISSING``/``CORRUPT``/``MISMATCH``/``ABSENT``), never wrong bytes.
 - ``delete``          removes block records first, then shards; a freed slot is reused once no reader pins
-  it (and after ``grace_s``, default none). ``remove_blocks`` is the primary's side of an eviction: records,
-  its shards and an eviction intent in one transaction (``intents``/``clear_intents`` track the rest).
+  it (and after ``grace_s``, default none). A deleted shard's record stays in LMDB, marked dead
+  (:mod:`~kvtier.kvstore.dead_slots`), until its slot's next record overwrites it. ``remove_blocks`` is the
+  primary's side of an eviction: records, its shards and an eviction intent in one transaction
+  (``intents``/``clear_intents`` track the rest).
 
 Every record is scoped by tenant: the tenant is a prefix of the LMDB key and comes from the connection's
 authentication, never from a request. Slots are allocated in memory (free lists rebuilt from LMDB at
 open); a crash between a slot write and its record leaves the slot free, which is exactly right.
 
-Durability: LMDB runs without fsync per transaction and is flushed every second by ``sync``; the slab
-files rely on the page cache. A killed process loses nothing; a power loss may lose the last second of
-writes, and any torn shard fails its crc and is treated as an erasure.
+Durability: LMDB runs without fsync per transaction and is flushed every ``gc.meta_sync_s`` (5 s) by ``sync``;
+the slab files rely on the page cache. A killed process loses nothing; a power loss may lose the last few
+seconds of writes, and any torn shard fails its crc and is treated as an erasure.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import numpy as np
 
 from kvtier.kvstore import _native
 from kvtier.kvstore.codec import TOTAL_SHARDS
+from kvtier.kvstore.dead_slots import DeadSlots
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
 from kvtier.kvstore.lru import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
@@ -318,7 +321,7 @@ class ChunkEngine:
         self.env = lmdb.open(
             str(self.data_dir / "meta"),
             map_size=1 << 36,
-            max_dbs=5,
+            max_dbs=8,
             sync=False,
             metasync=False,
             lock=True,
@@ -331,6 +334,7 @@ class ChunkEngine:
         self.blocks_db = self.env.open_db(b"blocks")
         self.settings_db = self.env.open_db(b"settings")
         self.intents_db = self.env.open_db(b"evicting")  # tenant/key -> removal time, until every holder deleted
+        freed_db = self.env.open_db(b"freed")  # marks of shard records left in place after a delete
         self.slabs = SlabFiles(self.data_dir / "slabs")
         self.used_bytes = 0  # slots holding shards, reserved, or in their grace time after a delete
         self.lru = LruIndex()  # block records this node is primary for, least recently used first
@@ -344,13 +348,17 @@ class ChunkEngine:
         # committed shard records (``ShardRecord`` packed) by name (tenant/key/index): what ``slots`` holds
         self._records: dict[bytes, bytes] = {}
         used: dict[int, set[int]] = {}
-        abandoned = []  # PENDING records an older node left in LMDB: writes that were never committed
+        # dead records (their shards were deleted; see dead_slots), and PENDING records an older node left in
+        # LMDB (writes that were never committed): deleted now, so every record left is a live shard
+        abandoned = []
         with self.env.begin(write=True) as txn:
             self._move_named_records(txn)
+            self.dead_slots = DeadSlots(freed_db, txn)
+            dead = self.dead_slots.take_all(txn)
             for where, raw in txn.cursor(db=self.slots_db):
                 name, packed = _unpack_slot_value(raw)
                 rec = ShardRecord.unpack(packed)
-                if rec.state == PENDING:
+                if rec.state == PENDING or (dead and (rec.size_class, rec.slot) in dead):
                     abandoned.append(bytes(where))
                     continue
                 self._records[name] = packed
@@ -559,14 +567,10 @@ class ChunkEngine:
         unless the batch replaces (repair: the old record goes and its slot is released)."""
         records = self._records
         names = batch.shard_keys if len(rows) == batch.n else [batch.shard_keys[i] for i in rows.tolist()]
-        slots = txn.cursor(db=self.slots_db)
         if batch.replace:
-            old = [records[name] for name in dict.fromkeys(names) if name in records]
-            for packed in old:
-                if slots.set_key(_where(packed)):
-                    slots.delete()
-            places = [_PLACE.unpack_from(packed) for packed in old]
-            self._release_slots([c for c, _ in places], [slot for _, slot in places])
+            old = [name for name in dict.fromkeys(names) if name in records]
+            if old:
+                self._free_records(txn, old, _places([records[name] for name in old]))
         if len(set(names)) < len(names) or (not batch.replace and not records.keys().isdisjoint(names)):
             seen: set[bytes] = set()
             keep, lost = [], []
@@ -576,8 +580,10 @@ class ChunkEngine:
             self._give_back(batch, rows[_rows(lost)])
             rows = rows[_rows(keep)]
             names = [names[j] for j in keep]
+        for size_class, mine in by_class(batch.size_class, rows):
+            self.dead_slots.clear(txn, size_class, batch.slot[mine].astype(np.int64))
         values, items = batch.slot_records(rows, now)
-        slots.putmulti(items)
+        txn.cursor(db=self.slots_db).putmulti(items)  # a dead record in a reused slot is overwritten
         records.update(zip(names, values, strict=True))
 
     def _write_block_records(
@@ -692,19 +698,20 @@ class ChunkEngine:
         if before is not None and not (place["created"] <= before).all():  # some written after the removal
             rows = np.flatnonzero(place["created"] <= before)
             place, held = place[rows], [held[j] for j in rows.tolist()]
-        classes, slots = place["size_class"].astype(np.int64), place["slot"].astype(np.int64)
-        where = classes << 32 | slots
-        if (where[1:] < where[:-1]).any():  # in slot order: neighbouring records share B-tree pages
-            order = np.argsort(where)
-            classes, slots, held = classes[order], slots[order], [held[j] for j in order.tolist()]
-        cursor = txn.cursor(db=self.slots_db)
-        for key in _slot_keys(classes, slots):
-            if cursor.set_key(key):
-                cursor.delete()
-        for name in held:
-            del records[name]
-        self._release_slots(classes, slots)
+        self._free_records(txn, held, place)
         return len(held)
+
+    def _free_records(self, txn: lmdb.Transaction, names: list[bytes], place: np.ndarray) -> None:
+        """With the lock held, in ``txn``: the committed shards ``names`` (at ``place``, a ``_PLACE_DTYPE`` row each)
+        are deleted: out of the index, their records marked dead (left in LMDB until their slots are reused),
+        their slots released."""
+        records = self._records
+        for name in names:
+            del records[name]
+        classes, slots = place["size_class"].astype(np.int64), place["slot"].astype(np.int64)
+        for size_class, mine in by_class(classes, np.arange(len(slots))):
+            self.dead_slots.mark(txn, size_class, slots[mine])
+        self._release_slots(classes, slots)
 
     def _delete_block_records(self, txn: lmdb.Transaction, bkeys: list[bytes], before: float | None) -> None:
         """With the lock held: delete the block records ``bkeys`` that are here (and not created after ``before``),
@@ -829,14 +836,12 @@ class ChunkEngine:
     ) -> int:
         """Remove the committed shards ``items`` for which ``still(record)`` holds when looked at again under the
         lock (a shard written since the caller decided is left alone); returns how many."""
-        with self._lock, self.env.begin(db=self.slots_db, write=True) as txn:
+        with self._lock, self.env.begin(write=True) as txn:
             names = dict.fromkeys(shard_key(tenant, key, index) for key, index in items)
-            found = [(name, ShardRecord.unpack(raw)) for name in names if (raw := self._records.get(name)) is not None]
-            found = [(name, rec) for name, rec in found if rec.state == COMMITTED and (still is None or still(rec))]
-            for name, rec in found:
-                txn.delete(_SLOT_KEY.pack(rec.size_class, rec.slot))
-                del self._records[name]
-            self._release_slots([rec.size_class for _, rec in found], [rec.slot for _, rec in found])
+            found = [(name, raw) for name in names if (raw := self._records.get(name)) is not None]
+            found = [(name, raw) for name, raw in found if still is None or still(ShardRecord.unpack(raw))]
+            if found:
+                self._free_records(txn, [name for name, _ in found], _places([raw for _, raw in found]))
         return len(found)
 
     # -- reads ----------------------------------------------------------------------------------------

@@ -610,24 +610,25 @@ def open_node(config_path: str, node_id: int) -> tuple[StorageNode, NodeServer]:
 def serve(node: StorageNode, server: NodeServer, workers: Sequence[Callable[[threading.Event], None]] = ()) -> None:
     """Serve until SIGTERM/SIGINT, then close the engine cleanly.
 
-    Runs beside the connections: the flush loop (LMDB every second, batched access times every
+    Runs beside the connections: the flush loop (LMDB every ``gc.meta_sync_s``, batched access times every
     ``gc.access_flush_s``), the metrics endpoint, and each of ``workers`` (called with the stop event).
     Prints ``node <id> ready`` once it accepts connections (``kvstore.local`` waits for that line).
     """
     engine = node.engine
     node_cfg = node.config.nodes[node.node_id]
     access_every = max(0.05, node.config.gc.access_flush_s)
+    sync_every = max(0.05, node.config.gc.meta_sync_s)
 
     def flush() -> None:
         next_sync = next_access = time.monotonic()
-        while not server.stopping.wait(min(1.0, access_every)):
+        while not server.stopping.wait(min(sync_every, access_every)):
             now = time.monotonic()
             if now >= next_access:
                 engine.flush_access()
                 next_access = now + access_every
             if now >= next_sync:
                 engine.sync()
-                next_sync = now + 1.0
+                next_sync = now + sync_every
 
     threading.Thread(target=flush, daemon=True).start()
     for work in workers:

@@ -30,7 +30,7 @@ def staged(engine: ChunkEngine, keys: list[bytes], index: int = 0) -> tuple[byte
     put_id, shards = os.urandom(8), batch(keys, index)
     engine.reserve("default", shards)
     for i in shards.rows(Status.OK).tolist():
-        engine.slabs.write(int(shards.size_class[i]), int(shards.slot[i]), bytes([i]) * SHARD)
+        engine.slabs.write(int(shards.size_class[i]), int(shards.slot[i]), bytes([i % 256]) * SHARD)
     engine.stage("default", put_id, shards)
     return put_id, shards
 
