@@ -353,7 +353,7 @@ class ChunkEngine:
         abandoned = []
         with self.env.begin(write=True) as txn:
             self._move_named_records(txn)
-            self.dead_slots = DeadSlots(freed_db, txn)
+            self.dead_slots = DeadSlots(freed_db)
             dead = self.dead_slots.take_all(txn)
             for where, raw in txn.cursor(db=self.slots_db):
                 name, packed = _unpack_slot_value(raw)

@@ -21,6 +21,8 @@ import struct
 import lmdb
 import numpy as np
 
+from kvtier.kvstore.slabs import by_class
+
 CHUNK_SLOTS = 4096  # slots per bitmap record (512 bytes)
 _SHIFT = CHUNK_SLOTS.bit_length() - 1
 _KEY = struct.Struct(">HI")  # size class, chunk
@@ -29,12 +31,9 @@ _KEY = struct.Struct(">HI")  # size class, chunk
 class DeadSlots:
     """The marks of one engine (see the module docstring)."""
 
-    def __init__(self, db: lmdb._Database, txn: lmdb.Transaction) -> None:
+    def __init__(self, db: lmdb._Database) -> None:
         self.db = db
         self._bits: dict[tuple[int, int], np.ndarray] = {}  # (size class, chunk) -> bool per slot
-        for key, raw in txn.cursor(db=db):
-            bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=CHUNK_SLOTS).astype(bool)
-            self._bits[_KEY.unpack(key)] = bits
 
     def mark(self, txn: lmdb.Transaction, size_class: int, slots: np.ndarray) -> None:
         """The records in ``slots`` (of ``size_class``) are dead: their shards were deleted."""
@@ -62,12 +61,13 @@ class DeadSlots:
                 txn.delete(key, db=self.db)
 
     def take_all(self, txn: lmdb.Transaction) -> set[tuple[int, int]]:
-        """Every marked (size class, slot), and the marks cleared: the caller deletes those records in ``txn``."""
-        out = {
-            (size_class, chunk << _SHIFT | int(offset))
-            for (size_class, chunk), bits in self._bits.items()
-            for offset in np.flatnonzero(bits).tolist()
-        }
+        """Every (size class, slot) marked in LMDB, and the marks cleared: the caller (at open, before any
+        ``mark``) deletes those records in ``txn``."""
+        out = set()
+        for key, raw in txn.cursor(db=self.db):
+            size_class, chunk = _KEY.unpack(key)
+            offsets = np.flatnonzero(np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=CHUNK_SLOTS))
+            out.update((size_class, chunk << _SHIFT | offset) for offset in offsets.tolist())
         self._bits.clear()
         txn.drop(self.db, delete=False)
         return out
@@ -75,8 +75,6 @@ class DeadSlots:
 
 def _by_chunk(slots: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """``slots`` grouped by bitmap record: (chunk, offsets within it)."""
-    chunks = slots >> _SHIFT
-    first, last = int(chunks.min()), int(chunks.max())
-    if first == last:
-        return [(first, slots & (CHUNK_SLOTS - 1))]
-    return [(int(c), slots[chunks == c] & (CHUNK_SLOTS - 1)) for c in np.unique(chunks).tolist()]
+    return [
+        (chunk, slots[mine] & (CHUNK_SLOTS - 1)) for chunk, mine in by_class(slots >> _SHIFT, np.arange(len(slots)))
+    ]
