@@ -5,9 +5,10 @@ live block or an invisible one whose shards are still being deleted, never a vis
 missing, and never orphan shards once the node is back:
 
 1. ``ChunkEngine.remove_blocks``: one LMDB transaction deletes the block records and this node's shards and
-   writes an eviction intent per block. From here readers get ``ABSENT`` from the primary.
+   writes the removal's intent (one record for all its blocks). From here readers get ``ABSENT`` from the
+   primary.
 2. ``DELETE(before = removal time)`` to the other 11 nodes of each block's group (this node's part was step
-   1); when every node answered, the intents are cleared. Otherwise they stay and ``replay`` resends them (at
+   1); when every node answered, the intent is cleared. Otherwise it stays and ``replay`` resends it (at
    start-up, then every GC cycle).
 
 One removal runs at a time (the on-demand path runs in connection threads, the GC in its own), each with a
@@ -24,6 +25,7 @@ from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.cluster import ClusterConfig
 from kvtier.kvstore.lru import BlockEntry
+from kvtier.kvstore.removals import Removal
 
 log = logging.getLogger("kvtier.gc")
 
@@ -67,15 +69,15 @@ class Evictor:
         for tenant, key in self.engine.block_keys_to_pairs(bkeys):
             by_tenant.setdefault(tenant, []).append(key)
         for tenant, keys in by_tenant.items():
-            when = self.engine.remove_blocks(tenant, keys)
+            removal = self.engine.remove_blocks(tenant, keys)
             log.info("removed %d blocks here; deleting their shards on the group", len(keys))
-            self._delete_everywhere(tenant, keys, when)
+            self._delete_everywhere(removal)
 
-    def _delete_everywhere(self, tenant: str, keys: list[bytes], when: float) -> bool:
-        with self.client.acting_for(tenant):
-            done = self.client.delete(keys, before=when, primary_done=self.node_id)
+    def _delete_everywhere(self, removal: Removal) -> bool:
+        with self.client.acting_for(removal.tenant):
+            done = self.client.delete(removal.keys, before=removal.when, primary_done=self.node_id)
         if done:
-            self.engine.clear_intents(tenant, keys)
+            self.engine.clear_removal(removal)
         return done
 
     def replay(self) -> int:
@@ -83,12 +85,11 @@ class Evictor:
         killed mid-removal); returns how many blocks are still waiting for a node to answer."""
         waiting = 0
         with self._lock:
-            for tenant, by_time in self.engine.intents().items():
-                for when, keys in by_time.items():
-                    if self._delete_everywhere(tenant, keys, when):
-                        self.deletes_replayed += len(keys)
-                    else:
-                        waiting += len(keys)
+            for removal in self.engine.removals():
+                if self._delete_everywhere(removal):
+                    self.deletes_replayed += len(removal.keys)
+                else:
+                    waiting += len(removal.keys)
         return waiting
 
     def close(self) -> None:

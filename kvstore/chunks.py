@@ -31,8 +31,8 @@ Contract (every method is safe to call from several threads):
 - ``delete``          removes block records first, then shards; a freed slot is reused once no reader pins
   it (and after ``grace_s``, default none). A deleted shard's record stays in LMDB, marked dead
   (:mod:`~kvtier.kvstore.dead_slots`), until its slot's next record overwrites it. ``remove_blocks`` is the
-  primary's side of an eviction: records, its shards and an eviction intent in one transaction
-  (``intents``/``clear_intents`` track the rest).
+  primary's side of an eviction: records, its shards and the removal's intent in one transaction
+  (``removals``/``clear_removal`` track the rest; :mod:`~kvtier.kvstore.removals`).
 
 Every record is scoped by tenant: the tenant is a prefix of the LMDB key and comes from the connection's
 authentication, never from a request. Slots are allocated in memory (free lists rebuilt from LMDB at
@@ -65,6 +65,7 @@ from kvtier.kvstore.dead_slots import DeadSlots
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
 from kvtier.kvstore.lru import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
+from kvtier.kvstore.removals import Removal, RemovalLog
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, by_class
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
@@ -333,7 +334,6 @@ class ChunkEngine:
         self.slots_db = self.env.open_db(b"slots")
         self.blocks_db = self.env.open_db(b"blocks")
         self.settings_db = self.env.open_db(b"settings")
-        self.intents_db = self.env.open_db(b"evicting")  # tenant/key -> removal time, until every holder deleted
         freed_db = self.env.open_db(b"freed")  # marks of shard records left in place after a delete
         self.slabs = SlabFiles(self.data_dir / "slabs")
         self.used_bytes = 0  # slots holding shards, reserved, or in their grace time after a delete
@@ -353,6 +353,7 @@ class ChunkEngine:
         abandoned = []
         with self.env.begin(write=True) as txn:
             self._move_named_records(txn)
+            self.removal_log = RemovalLog(self.env, txn)  # removals whose DELETEs not every holder answered yet
             self.dead_slots = DeadSlots(freed_db)
             dead = self.dead_slots.take_all(txn)
             for where, raw in txn.cursor(db=self.slots_db):
@@ -726,31 +727,26 @@ class ChunkEngine:
             self.lru.remove(bkey)
             self._accessed.pop(bkey, None)
 
-    def remove_blocks(self, tenant: str, keys: Sequence[bytes]) -> float:
+    def remove_blocks(self, tenant: str, keys: Sequence[bytes]) -> Removal:
         """The primary's half of removing blocks (eviction, expiry): in one transaction, delete the records and
-        this node's shards and write an eviction intent per block. The blocks are invisible from here on;
-        the caller then has every other holder delete its shard (``before`` the returned time) and clears the
-        intents (``clear_intents``) once all of them answered. Intents left by a crash are replayed."""
+        this node's shards and write the removal's intent (one record for all of ``keys``). The blocks are
+        invisible from here on; the caller then has every other holder delete its shard (``before`` the
+        removal's time) and clears the intent (``clear_removal``) once all of them answered. Intents left by
+        a crash are replayed (``removals``)."""
         with self._lock, self.env.begin(write=True) as txn:
             now = self.clock()
             self._delete_locked(txn, tenant, keys, None, np.zeros(len(keys), dtype=np.int64))
-            stamp = struct.pack("<d", now)
-            txn.cursor(db=self.intents_db).putmulti([(block_key(tenant, key), stamp) for key in keys])
-        return now
+            return self.removal_log.add(txn, tenant, list(keys), now)
 
-    def intents(self) -> dict[str, dict[float, list[bytes]]]:
-        """Removals whose DELETEs have not reached every holder yet: per tenant, per removal time, the keys."""
-        out: dict[str, dict[float, list[bytes]]] = {}
-        with self.env.begin(db=self.intents_db) as txn:
-            for bkey, raw in txn.cursor():
-                ((tenant, key),) = self.block_keys_to_pairs([bytes(bkey)])
-                out.setdefault(tenant, {}).setdefault(struct.unpack("<d", raw)[0], []).append(key)
-        return out
+    def removals(self) -> list[Removal]:
+        """Removals whose DELETEs have not reached every holder yet, oldest first."""
+        with self.env.begin() as txn:
+            return self.removal_log.pending(txn)
 
-    def clear_intents(self, tenant: str, keys: Sequence[bytes]) -> None:
-        with self._lock, self.env.begin(db=self.intents_db, write=True) as txn:
-            for key in keys:
-                txn.delete(block_key(tenant, key))
+    def clear_removal(self, removal: Removal) -> None:
+        """Every holder answered ``removal``'s DELETE: forget its intent."""
+        with self._lock, self.env.begin(write=True) as txn:
+            self.removal_log.clear(txn, removal)
 
     def eviction_candidates(self, headroom: int = 0) -> list[bytes]:
         """This primary's least recently used blocks (keys as in the LRU index) whose removal brings it within

@@ -383,7 +383,7 @@ class StorageNode:
                 "pending_primary_bytes": self.engine.pending_primary_bytes,
                 "primary_budget_bytes": self.engine.primary_budget_bytes,
                 "pinned_slots": len(self.engine.slabs.pins),
-                "evicting": sum(len(k) for t in self.engine.intents().values() for k in t.values()),
+                "evicting": sum(len(removal.keys) for removal in self.engine.removals()),
                 "high_watermark": gc.high_watermark,
                 "low_watermark": gc.low_watermark,
                 "uptime_s": time.time() - self.started,
