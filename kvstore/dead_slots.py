@@ -21,8 +21,6 @@ import struct
 import lmdb
 import numpy as np
 
-from kvtier.kvstore.slabs import by_class
-
 CHUNK_SLOTS = 4096  # slots per bitmap record (512 bytes)
 _SHIFT = CHUNK_SLOTS.bit_length() - 1
 _KEY = struct.Struct(">HI")  # size class, chunk
@@ -33,31 +31,45 @@ class DeadSlots:
 
     def __init__(self, db: lmdb._Database) -> None:
         self.db = db
-        self._bits: dict[tuple[int, int], np.ndarray] = {}  # (size class, chunk) -> bool per slot
+        self._bits: dict[int, np.ndarray] = {}  # size class -> bool per slot (whole chunks), grown on demand
 
     def mark(self, txn: lmdb.Transaction, size_class: int, slots: np.ndarray) -> None:
         """The records in ``slots`` (of ``size_class``) are dead: their shards were deleted."""
-        for chunk, offsets in _by_chunk(slots):
-            bits = self._bits.get((size_class, chunk))
-            if bits is None:
-                bits = self._bits[(size_class, chunk)] = np.zeros(CHUNK_SLOTS, dtype=bool)
-            bits[offsets] = True
-            txn.put(_KEY.pack(size_class, chunk), np.packbits(bits).tobytes(), db=self.db)
+        if not len(slots):
+            return
+        bits = self._grown(size_class, int(slots.max()))
+        bits[slots] = True
+        self._write(txn, size_class, bits, slots)
 
     def clear(self, txn: lmdb.Transaction, size_class: int, slots: np.ndarray) -> None:
         """New records are being written in ``slots``: whatever was marked there is live again."""
-        if not self._bits:
+        bits = self._bits.get(size_class)
+        if bits is None or not len(slots):
             return
-        for chunk, offsets in _by_chunk(slots):
-            bits = self._bits.get((size_class, chunk))
-            if bits is None or not bits[offsets].any():
-                continue
-            bits[offsets] = False
+        inside = slots[slots < len(bits)]
+        marked = inside[bits[inside]]
+        if not len(marked):
+            return
+        bits[marked] = False
+        self._write(txn, size_class, bits, marked)
+
+    def _grown(self, size_class: int, slot: int) -> np.ndarray:
+        bits = self._bits.get(size_class)
+        if bits is None or slot >= len(bits):
+            grown = np.zeros(((slot >> _SHIFT) + 1) * CHUNK_SLOTS, dtype=bool)
+            if bits is not None:
+                grown[: len(bits)] = bits
+            bits = self._bits[size_class] = grown
+        return bits
+
+    def _write(self, txn: lmdb.Transaction, size_class: int, bits: np.ndarray, changed: np.ndarray) -> None:
+        """Store the bitmap records of the chunks ``changed`` lies in (a chunk left with no mark is deleted)."""
+        for chunk in np.flatnonzero(np.bincount(changed >> _SHIFT)).tolist():  # np.unique: ~30x the time
+            page = bits[chunk << _SHIFT : (chunk + 1) << _SHIFT]
             key = _KEY.pack(size_class, chunk)
-            if bits.any():
-                txn.put(key, np.packbits(bits).tobytes(), db=self.db)
+            if page.any():
+                txn.put(key, np.packbits(page).tobytes(), db=self.db)
             else:
-                del self._bits[(size_class, chunk)]
                 txn.delete(key, db=self.db)
 
     def take_all(self, txn: lmdb.Transaction) -> set[tuple[int, int]]:
@@ -71,10 +83,3 @@ class DeadSlots:
         self._bits.clear()
         txn.drop(self.db, delete=False)
         return out
-
-
-def _by_chunk(slots: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """``slots`` grouped by bitmap record: (chunk, offsets within it)."""
-    return [
-        (chunk, slots[mine] & (CHUNK_SLOTS - 1)) for chunk, mine in by_class(slots >> _SHIFT, np.arange(len(slots)))
-    ]
