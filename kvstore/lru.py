@@ -74,6 +74,19 @@ class LruIndex:
         self._entries[key] = BlockEntry(key, size_bytes, now, ttl_class, now if created is None else created)
         self._total_bytes += size_bytes
 
+    def insert_entries(self, entries: list[BlockEntry]) -> None:
+        """``insert`` of each entry in turn (the last becomes the most recently used), as one dict update when
+        none of their keys is present yet (a put's new blocks). The entries are taken as they are, not copied."""
+        keys = [entry.key for entry in entries]
+        if not self._entries.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
+            for entry in entries:
+                self.insert(entry.key, entry.size_bytes, entry.last_access, entry.ttl_class, entry.created)
+            return
+        if any(entry.size_bytes < 0 for entry in entries):
+            raise ValueError("block size must not be negative")
+        self._entries.update(zip(keys, entries, strict=True))
+        self._total_bytes += sum(entry.size_bytes for entry in entries)
+
     def touch(self, key: Key, now: float) -> bool:
         """Mark ``key`` used at ``now`` (most recent). Returns False, changing nothing, if the key is absent."""
         entry = self._entries.get(key)

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.gc.policy import LruIndex, ManualClock, expired, plan_eviction
+from kvtier.kvstore.lru import BlockEntry
 
 
 def make_index(*keys_sizes: tuple[bytes | int, int], ttl_class: str = "chatbot") -> LruIndex:
@@ -89,6 +90,27 @@ def test_pop_lru_removes_the_least_recently_used_block() -> None:
     assert index.pop_lru() is not None
     assert index.pop_lru() is None
     assert index.total_bytes == 0
+
+
+def test_insert_entries_adds_new_blocks_in_order_as_the_most_recent() -> None:
+    index = make_index((1, 10))
+    index.insert_entries([BlockEntry(2, 20, 5.0, "agent", 4.0), BlockEntry(3, 30, 5.0, "chatbot", 5.0)])
+    assert [e.key for e in index] == [1, 2, 3] and index.total_bytes == 60
+    entry = index.get(2)
+    assert entry is not None and (entry.size_bytes, entry.ttl_class, entry.created) == (20, "agent", 4.0)
+
+
+def test_insert_entries_replaces_blocks_already_present_as_insert_does() -> None:
+    index = make_index((1, 10), (2, 20))
+    index.insert_entries([BlockEntry(1, 15, 9.0, "chatbot", 9.0), BlockEntry(3, 30, 9.0, "chatbot", 9.0)])
+    assert [e.key for e in index] == [2, 1, 3] and index.total_bytes == 65
+
+
+def test_insert_entries_rejects_a_negative_size_and_adds_nothing() -> None:
+    index = make_index((1, 10))
+    with pytest.raises(ValueError, match="negative"):
+        index.insert_entries([BlockEntry(2, 5, 1.0, "chatbot", 1.0), BlockEntry(3, -1, 1.0, "chatbot", 1.0)])
+    assert len(index) == 1 and index.total_bytes == 10
 
 
 def test_insert_rejects_a_negative_size() -> None:
