@@ -3,7 +3,7 @@
 Layout of a node's data dir::
 
     slabs/slab-<class bytes>.dat   slot n of a class lives at offset n * class bytes
-    meta/                          LMDB: shard records, block records (primary + shard-1 copy), settings
+    meta/                          LMDB: shard records, block records (primary + shard-1 copy; block_table), settings
 
 Shard records are keyed in LMDB by where their bytes are (size class, slot; the value carries the name): a
 put's shards take adjacent slots, so its records fill a few neighbouring B-tree pages, and an eviction's
@@ -60,6 +60,7 @@ import lmdb
 import numpy as np
 
 from kvtier.kvstore import _native
+from kvtier.kvstore.block_table import BlockTable
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.dead_slots import DeadSlots
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
@@ -329,7 +330,7 @@ class ChunkEngine:
         self.env = lmdb.open(
             str(self.data_dir / "meta"),
             map_size=1 << 36,
-            max_dbs=8,
+            max_dbs=16,  # 5 tables, and up to 3 of an older data dir while they are moved
             sync=False,
             metasync=False,
             lock=True,
@@ -339,7 +340,6 @@ class ChunkEngine:
         # adjacent slots, go into a few neighbouring B-tree pages instead of one random page each; the name ->
         # record index lives in memory (``_records``, rebuilt from this table at open)
         self.slots_db = self.env.open_db(b"slots")
-        self.blocks_db = self.env.open_db(b"blocks")
         self.settings_db = self.env.open_db(b"settings")
         freed_db = self.env.open_db(b"freed")  # marks of shard records left in place after a delete
         self.slabs = SlabFiles(self.data_dir / "slabs")
@@ -361,6 +361,7 @@ class ChunkEngine:
         with self.env.begin(write=True) as txn:
             self._move_named_records(txn)
             self.removal_log = RemovalLog(self.env, txn)  # removals whose DELETEs not every holder answered yet
+            self.block_table = BlockTable(self.env, txn)  # block records (primary, and shard 1's copies)
             self.dead_slots = DeadSlots(freed_db)
             dead = self.dead_slots.take_all(txn)
             for where, raw in txn.cursor(db=self.slots_db):
@@ -374,7 +375,7 @@ class ChunkEngine:
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
             for where in abandoned:
                 txn.delete(where, db=self.slots_db)
-            blocks = [(bytes(k), BlockRecord.unpack(raw)) for k, raw in txn.cursor(db=self.blocks_db)]
+            blocks = [(bkey, BlockRecord.unpack(raw)) for bkey, raw in self.block_table.records(txn)]
             for bkey, block in sorted(blocks, key=lambda kb: kb[1].last_access):
                 own = self._records.get(bkey + b"\x00")
                 if own is not None:  # primary here (a record without shard 0 is shard 1's copy)
@@ -613,8 +614,7 @@ class ChunkEngine:
         prefix, keys, klen = tenant_prefix(tenant), batch.keys, batch.klen
         picked = rows.tolist()
         bkeys = [prefix + keys[i * klen : (i + 1) * klen] for i in picked]
-        cursor = txn.cursor(db=self.blocks_db)
-        old = {bytes(k): _BLOCK.unpack_from(raw)[1] for k, raw in cursor.getmulti(bkeys)}
+        old = {bkey: _BLOCK.unpack_from(raw)[1] for bkey, raw in self.block_table.get_many(txn, bkeys).items()}
         given = batch.created[rows].tolist() if batch.created is not None else [now] * len(picked)
         created = [old.get(bkey, c) for bkey, c in zip(bkeys, given, strict=True)] if old else given
         parents = [batch.parents[i] for i in picked]
@@ -627,7 +627,7 @@ class ChunkEngine:
         table["parent_len"] = list(map(len, parents))
         cls = batch.ttl_class.encode()
         fixed = table.view(f"V{_BLOCK.size}").tolist()  # void scalars come back as bytes, trailing zeros kept
-        cursor.putmulti([(bkey, f + p + cls) for bkey, f, p in zip(bkeys, fixed, parents, strict=True)])
+        self.block_table.put_many(txn, [(bkey, f + p + cls) for bkey, f, p in zip(bkeys, fixed, parents, strict=True)])
         sizes = _CLASS_BYTES[batch.size_class[rows]].tolist()
         for j in np.flatnonzero(batch.index[rows] == 0).tolist():
             indexed.append(BlockEntry(bkeys[j], sizes[j], now, batch.ttl_class, float(created[j])))
@@ -739,13 +739,14 @@ class ChunkEngine:
     def _delete_block_records(self, txn: lmdb.Transaction, bkeys: list[bytes], before: float | None) -> None:
         """With the lock held: delete the block records ``bkeys`` that are here (and not created after ``before``),
         and their LRU entries."""
-        cursor = txn.cursor(db=self.blocks_db)
+        table = self.block_table
         for bkey in bkeys:
-            if not cursor.set_key(bkey):
+            if before is not None:
+                raw = table.get(txn, bkey)
+                if raw is None or _BLOCK.unpack_from(raw)[1] > before:  # absent, or created after the removal
+                    continue
+            if not table.delete(txn, bkey):
                 continue
-            if before is not None and _BLOCK.unpack_from(cursor.value())[1] > before:  # created after the removal
-                continue
-            cursor.delete()
             self.lru.remove(bkey)
             self._accessed.pop(bkey, None)
 
@@ -808,11 +809,13 @@ class ChunkEngine:
             accessed, self._accessed = self._accessed, {}
             if not accessed:
                 return 0
-            with self.env.begin(db=self.blocks_db, write=True) as txn:
-                for bkey, when in accessed.items():
-                    raw = txn.get(bkey)
-                    if raw is not None:
-                        txn.put(bkey, BlockRecord.unpack(raw)._replace(last_access=when).pack())
+            with self.env.begin(write=True) as txn:
+                records = self.block_table.get_many(txn, list(accessed))
+                touched = [
+                    (bkey, BlockRecord.unpack(raw)._replace(last_access=accessed[bkey]))
+                    for bkey, raw in records.items()
+                ]
+                self.block_table.put_many(txn, [(bkey, record.pack()) for bkey, record in touched])
         return len(accessed)
 
     def lru_entries(self) -> list[BlockEntry]:
@@ -946,8 +949,8 @@ class ChunkEngine:
 
     def records_held(self) -> list[tuple[bytes, BlockRecord]]:
         """Every block record here (as primary or as shard 1's copy), keyed by tenant prefix + key."""
-        with self.env.begin(db=self.blocks_db) as txn:
-            return [(bytes(k), BlockRecord.unpack(raw)) for k, raw in txn.cursor()]
+        with self.env.begin() as txn:
+            return [(bkey, BlockRecord.unpack(raw)) for bkey, raw in self.block_table.records(txn)]
 
     def shard_records(self, tenant: str, key: bytes) -> Iterator[ShardRecord]:
         base = tenant_prefix(tenant) + key
@@ -956,8 +959,8 @@ class ChunkEngine:
         yield from (ShardRecord.unpack(raw) for raw in found if raw is not None)
 
     def block_record(self, tenant: str, key: bytes) -> BlockRecord | None:
-        with self.env.begin(db=self.blocks_db) as txn:
-            raw = txn.get(block_key(tenant, key))
+        with self.env.begin() as txn:
+            raw = self.block_table.get(txn, block_key(tenant, key))
         return BlockRecord.unpack(raw) if raw is not None else None
 
     def setting(self, name: str) -> bytes | None:
@@ -970,8 +973,7 @@ class ChunkEngine:
             txn.put(name.encode(), value)
 
     def counts(self) -> dict[str, int]:
-        with self.env.begin() as txn:
-            return {"shards": len(self._records), "blocks": txn.stat(self.blocks_db)["entries"]}
+        return {"shards": len(self._records), "blocks": len(self.block_table)}
 
     def sync(self) -> None:
         self.env.sync(True)
