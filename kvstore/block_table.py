@@ -79,13 +79,18 @@ class BlockTable:
     def put(self, txn: lmdb.Transaction, name: bytes, packed: bytes) -> None:
         self.put_many(txn, [(name, packed)])
 
-    def delete(self, txn: lmdb.Transaction, name: bytes) -> bool:
-        """Delete ``name``'s record; False (nothing done) if it is not here."""
-        key = self._seq.pop(name, None)
-        if key is None:
-            return False
-        txn.delete(key, db=self.db)
-        return True
+    def delete_many(self, txn: lmdb.Transaction, names: list[bytes]) -> list[bytes]:
+        """Delete the records of ``names`` (in table order: neighbouring leaves one after another); returns the
+        names that were here."""
+        pop, found = self._seq.pop, []
+        for name in names:
+            key = pop(name, None)
+            if key is not None:
+                found.append((key, name))
+        found.sort()
+        for key, _ in found:
+            txn.delete(key, db=self.db)
+        return [name for _, name in found]
 
     def _move_named(self, env: lmdb.Environment, txn: lmdb.Transaction) -> None:
         old = env.open_db(b"blocks", txn=txn)

@@ -740,14 +740,12 @@ class ChunkEngine:
         """With the lock held: delete the block records ``bkeys`` that are here (and not created after ``before``),
         and their LRU entries."""
         table = self.block_table
-        for bkey in bkeys:
-            if before is not None:
-                raw = table.get(txn, bkey)
-                if raw is None or _BLOCK.unpack_from(raw)[1] > before:  # absent, or created after the removal
-                    continue
-            if not table.delete(txn, bkey):
-                continue
-            self.lru.remove(bkey)
+        if before is not None:  # not those created after the removal (a re-put since)
+            stored = table.get_many(txn, bkeys)
+            bkeys = [bkey for bkey, raw in stored.items() if _BLOCK.unpack_from(raw)[1] <= before]
+        gone = table.delete_many(txn, bkeys)
+        self.lru.remove_many(gone)
+        for bkey in gone:
             self._accessed.pop(bkey, None)
 
     def remove_blocks(self, tenant: str, keys: Sequence[bytes]) -> Removal:

@@ -103,6 +103,12 @@ class LruIndex:
             self._total_bytes -= entry.size_bytes
         return entry
 
+    def remove_many(self, keys: list[Key]) -> None:
+        """``remove`` of each key (those absent are ignored)."""
+        pop = self._entries.pop
+        removed = [pop(key, None) for key in keys]
+        self._total_bytes -= sum(entry.size_bytes for entry in removed if entry is not None)
+
     def pop_lru(self) -> BlockEntry | None:
         """Remove and return the least recently used block, or None if the index is empty."""
         if not self._entries:

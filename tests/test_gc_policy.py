@@ -113,6 +113,12 @@ def test_insert_entries_rejects_a_negative_size_and_adds_nothing() -> None:
     assert len(index) == 1 and index.total_bytes == 10
 
 
+def test_remove_many_drops_the_keys_present_and_ignores_the_others() -> None:
+    index = make_index((1, 10), (2, 20), (3, 30))
+    index.remove_many([3, 9, 1])
+    assert [e.key for e in index] == [2] and index.total_bytes == 20
+
+
 def test_insert_rejects_a_negative_size() -> None:
     with pytest.raises(ValueError, match="negative"):
         LruIndex().insert(1, -1, now=0.0, ttl_class="chatbot")
