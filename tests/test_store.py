@@ -333,8 +333,13 @@ def test_a_node_whose_disk_fills_refuses_cleanly_and_the_cluster_keeps_serving(m
     with tmpfs(local.config.nodes[victim].data_dir / "slabs", "3m"), connect(local.config_path) as client:
         local.start([victim])
         wait_reachable(client)
-        keys, blocks = rand_keys(60), rand_blocks(60, 1 << 20)
-        primaries = Placement(local.config.groups).primaries(keys).tolist()
+        placement = Placement(local.config.groups)
+        candidates = rand_keys(400)  # 60 keys, 10 of them with the full node as primary (random ones may have none)
+        on_victim = placement.primaries(candidates) == victim
+        mine = [k for k, p in zip(candidates, on_victim.tolist(), strict=True) if p]
+        others = [k for k, p in zip(candidates, on_victim.tolist(), strict=True) if not p]
+        keys, blocks = mine[:10] + others[:50], rand_blocks(60, 1 << 20)
+        primaries = placement.primaries(keys).tolist()
         with pytest.raises(CapacityError, match="at capacity") as info:
             client.put(keys, blocks)
         stored = info.value.stored
