@@ -13,7 +13,7 @@ place). A running node never reuses a number; at open the next is one past the l
 A data dir written before this table kept block records keyed by name (table ``blocks``); they move here,
 once, when the table is opened.
 
-Not thread-safe for writes: the engine calls ``put_many``, ``put`` and ``delete`` under its lock, in its write
+Not thread-safe for writes: the engine calls ``put_many`` and ``delete_many`` under its lock, in its write
 transaction. ``get`` may be called without it (a record deleted meanwhile reads as absent).
 """
 
@@ -31,15 +31,29 @@ _NAME_LEN = struct.Struct("<H")
 class BlockTable:
     """Block records of one engine by name, stored in commit order (see the module docstring)."""
 
-    def __init__(self, env: lmdb.Environment, txn: lmdb.Transaction) -> None:
-        self.db = env.open_db(b"block_seq", txn=txn)
+    def __init__(self, db: lmdb._Database) -> None:
+        self.db = db
         self._seq: dict[bytes, bytes] = {}  # name -> LMDB key (packed sequence number)
         self._next = 0
-        for key, value in txn.cursor(db=self.db):  # in key order: the last is the highest number
-            self._seq[_split(value)[0]] = bytes(key)
-            self._next = _SEQ.unpack(key)[0] + 1
+
+    @classmethod
+    def open(cls, env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[BlockTable, list[tuple[bytes, bytes]]]:
+        """The table of ``env`` (records of an older data dir moved in first), and every (name, packed record) in
+        it, read in the same pass that rebuilds the index: what the engine rebuilds its LRU index from."""
+        table = cls(env.open_db(b"block_seq", txn=txn))
         if txn.get(b"blocks") is not None:
-            self._move_named(env, txn)
+            old = env.open_db(b"blocks", txn=txn)
+            cursor = txn.cursor(db=table.db)
+            table._next = _SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
+            table.put_many(txn, [(bytes(name), bytes(packed)) for name, packed in txn.cursor(db=old)])
+            txn.drop(old, delete=True)
+        held = []
+        for key, value in txn.cursor(db=table.db):  # in key order: the last is the highest number
+            name, packed = _split(value)
+            table._seq[name] = bytes(key)
+            table._next = _SEQ.unpack(key)[0] + 1
+            held.append((name, packed))
+        return table, held
 
     def __len__(self) -> int:
         return len(self._seq)
@@ -76,9 +90,6 @@ class BlockTable:
         if new:
             cursor.putmulti(new, append=True)
 
-    def put(self, txn: lmdb.Transaction, name: bytes, packed: bytes) -> None:
-        self.put_many(txn, [(name, packed)])
-
     def delete_many(self, txn: lmdb.Transaction, names: list[bytes]) -> list[bytes]:
         """Delete the records of ``names`` (in table order: neighbouring leaves one after another); returns the
         names that were here."""
@@ -91,11 +102,6 @@ class BlockTable:
         for key, _ in found:
             txn.delete(key, db=self.db)
         return [name for _, name in found]
-
-    def _move_named(self, env: lmdb.Environment, txn: lmdb.Transaction) -> None:
-        old = env.open_db(b"blocks", txn=txn)
-        self.put_many(txn, [(bytes(name), bytes(packed)) for name, packed in txn.cursor(db=old)])
-        txn.drop(old, delete=True)
 
 
 def _split(value: bytes) -> tuple[bytes, bytes]:

@@ -361,7 +361,7 @@ class ChunkEngine:
         with self.env.begin(write=True) as txn:
             self._move_named_records(txn)
             self.removal_log = RemovalLog(self.env, txn)  # removals whose DELETEs not every holder answered yet
-            self.block_table = BlockTable(self.env, txn)  # block records (primary, and shard 1's copies)
+            self.block_table, held = BlockTable.open(self.env, txn)  # block records (primary, shard 1's copies)
             self.dead_slots = DeadSlots(freed_db)
             dead = self.dead_slots.take_all(txn)
             for where, raw in txn.cursor(db=self.slots_db):
@@ -375,7 +375,7 @@ class ChunkEngine:
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
             for where in abandoned:
                 txn.delete(where, db=self.slots_db)
-            blocks = [(bkey, BlockRecord.unpack(raw)) for bkey, raw in self.block_table.records(txn)]
+            blocks = [(bkey, BlockRecord.unpack(raw)) for bkey, raw in held]
             for bkey, block in sorted(blocks, key=lambda kb: kb[1].last_access):
                 own = self._records.get(bkey + b"\x00")
                 if own is not None:  # primary here (a record without shard 0 is shard 1's copy)
@@ -456,8 +456,7 @@ class ChunkEngine:
         """Charge shard 0s (by shard key) to the primary budget; one charged already is charged anew."""
         pending = self._pending_primary
         if not pending.keys().isdisjoint(skeys):
-            for skey in skeys:
-                self._uncharge(skey)
+            self._uncharge_many(skeys)
         pending.update(zip(skeys, sizes, strict=True))
         self.pending_primary_bytes += sum(sizes)
 
@@ -465,6 +464,10 @@ class ChunkEngine:
         size = self._pending_primary.pop(skey, 0)
         self.pending_primary_bytes -= size
         return size
+
+    def _uncharge_many(self, skeys: list[bytes]) -> None:
+        pop = self._pending_primary.pop
+        self.pending_primary_bytes -= sum(pop(skey, 0) for skey in skeys)
 
     @property
     def primary_bytes(self) -> int:
@@ -559,8 +562,7 @@ class ChunkEngine:
                 if len(holders):
                     self._write_block_records(txn, tenant, batch, holders, now, indexed)
             if indexed:  # shard 0s' pending charges move into the LRU index
-                pop = self._pending_primary.pop
-                self.pending_primary_bytes -= sum(pop(entry.key + b"\x00", 0) for entry in indexed)  # type: ignore[operator]
+                self._uncharge_many([entry.key + b"\x00" for entry in indexed])  # type: ignore[operator]
                 self.lru.insert_entries(indexed)
             status[write] = _MISSING  # the records own these slots now
             pending = status == _OK  # rows left reserved: dropped or kept

@@ -17,7 +17,7 @@ from tests.test_chunks_writes import CAPACITY
 def opened(path: Path) -> tuple[lmdb.Environment, BlockTable]:
     env = lmdb.open(str(path), max_dbs=4)
     with env.begin(write=True) as txn:
-        return env, BlockTable(env, txn)
+        return env, BlockTable.open(env, txn)[0]
 
 
 def test_records_are_found_by_name_and_kept_in_commit_order(tmp_path: Path) -> None:
@@ -36,7 +36,7 @@ def test_a_record_stored_again_is_updated_in_place(tmp_path: Path) -> None:
     a, b = b"tenant/a", b"tenant/b"
     with env.begin(write=True) as txn:
         table.put_many(txn, [(a, b"old"), (b, b"b")])
-        table.put(txn, a, b"new")
+        table.put_many(txn, [(a, b"new")])
     with env.begin() as txn:
         assert list(table.records(txn)) == [(a, b"new"), (b, b"b")] and len(table) == 2
 
@@ -50,7 +50,7 @@ def test_the_index_is_rebuilt_at_open_and_numbers_continue_after_the_last(tmp_pa
     env, table = opened(tmp_path)
     with env.begin(write=True) as txn:
         assert table.get(txn, b"t/b") == b"2" and table.get(txn, b"t/a") is None
-        table.put(txn, b"t/d", b"4")
+        table.put_many(txn, [(b"t/d", b"4")])
     with env.begin() as txn:
         assert [name for name, _ in table.records(txn)] == [b"t/b", b"t/c", b"t/d"]
 
