@@ -22,6 +22,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/codec_bench.py
 	$(PY) benchmarks/store_bench.py
+	$(PY) benchmarks/floor_bench.py
 	$(PY) benchmarks/gc_bench.py
 	$(VENV)/bin/kvbench fetch
 	$(VENV)/bin/kvbench stateblock

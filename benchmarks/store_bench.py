@@ -53,6 +53,7 @@ from kvtier.kvstore.client import CapacityError, Client
 from kvtier.kvstore.keys import Namespace, chain
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.tools.benchutil import (
+    CpuMeter,
     PageCacheFill,
     memory_free_bytes,
     page_cache_filled,
@@ -83,34 +84,6 @@ class Batch:
 
     def fresh_keys(self) -> list[bytes]:
         return [os.urandom(16) for _ in range(self.n)]
-
-
-class CpuMeter:
-    """CPU seconds (user + system) used by this process and the cluster's node processes: on a shared machine a
-    truer cost than wall time, since the store's throughput on two idle cores is about 2 / (CPU s per GB).
-
-    Node time is summed over every thread from ``/proc/PID/task/TID/schedstat`` (nanoseconds): ``/proc/PID/stat``
-    counts in 10 ms ticks, which over 12 nodes is an error of up to 0.12 s on a 30 ms round. A thread that exits
-    between two readings loses its time since the first (the nodes' threads live as long as their connections).
-    """
-
-    def __init__(self, node_pids: list[int]) -> None:
-        self.node_pids = node_pids
-        self._seen: dict[tuple[int, int], int] = {}  # (pid, tid) -> ns on CPU at the last reading
-        self._nodes_ns = 0
-
-    def read(self) -> float:
-        for pid in self.node_pids:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                        ns = int(f.read().split()[0])
-                except (FileNotFoundError, ProcessLookupError):
-                    continue  # the thread exited meanwhile
-                key = (pid, int(tid))
-                self._nodes_ns += ns - self._seen.get(key, 0)
-                self._seen[key] = ns
-        return time.process_time() + self._nodes_ns / 1e9
 
 
 def _timed(meter: CpuMeter, call: Callable[[], object]) -> tuple[object, float, float]:

@@ -80,6 +80,34 @@ def raw_stream_gbps(total: int) -> float:
     return got / max(elapsed, 1e-9) / 1e9
 
 
+class CpuMeter:
+    """CPU seconds (user + system) used by this process and the cluster's node processes: on a shared machine a
+    truer cost than wall time, since the store's throughput on two idle cores is about 2 / (CPU s per GB).
+
+    Node time is summed over every thread from ``/proc/PID/task/TID/schedstat`` (nanoseconds): ``/proc/PID/stat``
+    counts in 10 ms ticks, which over 12 nodes is an error of up to 0.12 s on a 30 ms round. A thread that exits
+    between two readings loses its time since the first (the nodes' threads live as long as their connections).
+    """
+
+    def __init__(self, node_pids: list[int]) -> None:
+        self.node_pids = node_pids
+        self._seen: dict[tuple[int, int], int] = {}  # (pid, tid) -> ns on CPU at the last reading
+        self._nodes_ns = 0
+
+    def read(self) -> float:
+        for pid in self.node_pids:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        ns = int(f.read().split()[0])
+                except (FileNotFoundError, ProcessLookupError):
+                    continue  # the thread exited meanwhile
+                key = (pid, int(tid))
+                self._nodes_ns += ns - self._seen.get(key, 0)
+                self._seen[key] = ns
+        return time.process_time() + self._nodes_ns / 1e9
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile ``q`` (0 < q <= 100) of already sorted values; NaN when there are none."""
     if not sorted_values:
