@@ -46,6 +46,7 @@ seconds of writes, and any torn shard fails its crc and is treated as an erasure
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import struct
@@ -794,14 +795,14 @@ class ChunkEngine:
 
     # -- GC support -----------------------------------------------------------------------------------
 
-    def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
-        """Record a read of blocks this node is primary for: in memory now, in LMDB at the next flush."""
-        now = self.clock()
-        with self._lock:
-            for key in keys:
-                bkey = block_key(tenant, key)
-                if self.lru.touch(bkey, now):
-                    self._accessed[bkey] = now
+    def _touch(self, live: list[BlockEntry], ok: np.ndarray, now: float) -> None:
+        """With the lock held: the blocks of ``live`` whose shard 0 was read (``ok``, a bool each) were used at
+        ``now``: in the LRU index now, in LMDB at the next flush."""
+        if not live:
+            return
+        used = live if ok.all() else list(itertools.compress(live, ok.tolist()))
+        self.lru.touch_entries(used, now)
+        self._accessed.update(dict.fromkeys([entry.key for entry in used], now))  # type: ignore[misc]
 
     def flush_access(self) -> int:
         """Write the batched last-access times into the block records; returns how many."""
@@ -902,7 +903,9 @@ class ChunkEngine:
         block is gone, whatever shards remain); ``MISSING`` (absent, not committed, expired); ``MISMATCH``
         (another header digest); ``CORRUPT`` (``verify`` and the bytes fail their crc32c: an erasure, never
         returned). OK rows are *pinned*: however long the caller takes to send them, their slots are not
-        reused, even after a delete; the caller must ``unpin(reads)`` when done. ``verify=False`` leaves the
+        reused, even after a delete; the caller must ``unpin(reads)`` when done. A shard 0 found OK is a read
+        of a block this node is primary for: the block becomes the most recently used in the LRU index now,
+        and its record's last access is written at the next ``flush_access``. ``verify=False`` leaves the
         check to the reader, which gets each shard's stored crc32c (``reads.records["crc"]``) and checks the
         bytes as they arrive, so the node never reads them itself (end to end: docs/design.md §5). ``probe``:
         statuses only — no bytes, no pins, no check (a repair scan asking what is there).
@@ -918,13 +921,19 @@ class ChunkEngine:
             present, held = self._lookup(lmdb_keys)
             cutoffs = _ExpiryCutoffs(ttl_s, now)
             reads = ShardReads(present, held, cutoffs, headers)
+            live: list[BlockEntry] = []  # blocks asked for their shard 0 here whose record is live, and their rows
+            live_rows: list[int] = []
             for row in np.flatnonzero(index == 0).tolist():  # asked of the primary: is the block live?
                 entry = self.lru.get(lmdb_keys[row][:-1])  # the block record's key: the shard's without its index
                 if entry is None or entry.created < cutoffs[entry.ttl_class]:
                     reads.status[row] = Status.ABSENT
+                else:
+                    live.append(entry)
+                    live_rows.append(row)
             reads.settle()
             if not probe:
                 reads.pin(self.slabs)
+                self._touch(live, reads.status[live_rows] == _OK, now)
         if verify and not probe and len(reads.pins[1]):
             corrupt = reads.check()
             if len(corrupt[1]):

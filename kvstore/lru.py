@@ -96,6 +96,14 @@ class LruIndex:
         self._entries.move_to_end(key)
         return True
 
+    def touch_entries(self, entries: list[BlockEntry], now: float) -> None:
+        """``touch`` of blocks by their entries as ``get`` returned them (present: the caller holds whatever lock
+        guards the index), in order: the last becomes the most recently used."""
+        move = self._entries.move_to_end
+        for entry in entries:
+            entry.last_access = now
+            move(entry.key)
+
     def remove(self, key: Key) -> BlockEntry | None:
         """Drop ``key``; returns its entry, or None if it was absent."""
         entry = self._entries.pop(key, None)

@@ -295,7 +295,7 @@ class StorageNode:
         crc32c (a ``crc`` column, ``<u4``) instead of reading the bytes to check them; otherwise a shard whose
         bytes fail their crc is ``CORRUPT``. ``probe``: statuses only, no bytes, no check (for repair scans).
         """
-        keys, klen, idx, headers = self._shard_batch(frame.meta)
+        keys, _, idx, headers = self._shard_batch(frame.meta)
         tenant = self.tenant(session, frame.meta)
         probe, client_crc = bool(frame.meta.get("probe")), bool(frame.meta.get("client_crc"))
         reads = self.engine.read(tenant, keys, idx, headers, self.ttl_s, probe=probe, verify=not client_crc)
@@ -303,10 +303,6 @@ class StorageNode:
         if probe:
             return Reply({"st": status_bytes})
         self.metrics.lookups(status_bytes)
-        ok = reads.ok
-        read_primary = ok[idx[ok] == 0].tolist()
-        if read_primary:
-            self.engine.touch(tenant, [keys[row * klen : (row + 1) * klen] for row in read_primary])
         records = reads.records
         meta = {
             "st": status_bytes,

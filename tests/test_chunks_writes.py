@@ -123,3 +123,22 @@ def test_a_data_dir_with_shard_records_keyed_by_name_opens_with_its_shards(tmp_p
     assert engine.used_bytes == 3 * SLOT and engine.counts() == {"shards": 3, "blocks": 3}
     assert [r.index for k in keys for r in engine.shard_records("default", k)] == [0, 0, 0]
     engine.close()
+
+
+def test_a_read_of_shard_0_makes_the_block_most_recently_used_and_a_read_of_shard_1_does_not(
+    engine: ChunkEngine,
+) -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    for key in keys:  # stored oldest first; shard 0 here: this node is their primary
+        put_id, _ = staged(engine, [key], index=0)
+        engine.commit("default", put_id)
+    read_at = engine.clock() + 100.0
+    engine.clock = lambda: read_at
+    reads = engine.read("default", keys[0], np.zeros(1, dtype=np.uint8), None, TTL, verify=False)
+    engine.unpin(reads)
+    assert [entry.key[-16:] for entry in engine.lru] == [keys[1], keys[2], keys[0]]
+    assert engine.lru.get(b"default/" + keys[0]).last_access == read_at  # type: ignore[union-attr]
+    assert engine.flush_access() == 1  # the access reaches the block record at the next flush
+    reads = engine.read("default", keys[1], np.ones(1, dtype=np.uint8), None, TTL, verify=False)
+    engine.unpin(reads)  # shard 1 is not held here: nothing read, nothing touched
+    assert [entry.key[-16:] for entry in engine.lru] == [keys[1], keys[2], keys[0]]
