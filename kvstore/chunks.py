@@ -903,9 +903,10 @@ class ChunkEngine:
         block is gone, whatever shards remain); ``MISSING`` (absent, not committed, expired); ``MISMATCH``
         (another header digest); ``CORRUPT`` (``verify`` and the bytes fail their crc32c: an erasure, never
         returned). OK rows are *pinned*: however long the caller takes to send them, their slots are not
-        reused, even after a delete; the caller must ``unpin(reads)`` when done. A shard 0 found OK is a read
-        of a block this node is primary for: the block becomes the most recently used in the LRU index now,
-        and its record's last access is written at the next ``flush_access``. ``verify=False`` leaves the
+        reused, even after a delete; the caller must ``unpin(reads)`` when done. A shard 0 the lookup finds
+        (before ``verify`` reads its bytes) is a read of a block this node is primary for: the block becomes the
+        most recently used in the LRU index now, and its record's last access is written at the next
+        ``flush_access``. ``verify=False`` leaves the
         check to the reader, which gets each shard's stored crc32c (``reads.records["crc"]``) and checks the
         bytes as they arrive, so the node never reads them itself (end to end: docs/design.md §5). ``probe``:
         statuses only — no bytes, no pins, no check (a repair scan asking what is there).
