@@ -68,6 +68,7 @@ from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
 from kvtier.kvstore.lru import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.removals import Removal, RemovalLog
+from kvtier.kvstore.shard_index import RECORD, ShardIndex, name_table, table_names, tables_by_width
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, by_class
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
@@ -194,15 +195,9 @@ class WriteBatch:
         return bool(((self.status == _OK) | (self.status == _EXISTS)).any())
 
     def make_shard_keys(self, tenant: str) -> list[bytes]:
-        """tenant/key/index of every row, built as one array (the LMDB keys of the shard records)."""
-        prefix = tenant_prefix(tenant)
-        p, width = len(prefix), len(prefix) + self.klen + 1
-        table = np.empty((self.n, width), dtype=np.uint8)
-        table[:, :p] = np.frombuffer(prefix, dtype=np.uint8)
-        table[:, p:-1] = np.frombuffer(self.keys, dtype=np.uint8).reshape(self.n, self.klen)
-        table[:, -1] = self.index
-        self.name_rows = table  # kept for ``slot_records``
-        return table.view(f"V{width}").ravel().tolist()  # void scalars come back as bytes, trailing zeros kept
+        """tenant/key/index of every row (the shard names), as bytes; ``name_rows`` keeps them as a table."""
+        self.name_rows = name_table(tenant_prefix(tenant), self.keys, self.klen, self.index)
+        return table_names(self.name_rows)
 
     def plan(self, fd_of: Callable[[int], int]) -> np.ndarray:
         """Where each shard's bytes go, as ``_native.recv_to_files`` takes it: (fd, offset, length, stride)
@@ -216,10 +211,11 @@ class WriteBatch:
             plan[rows, 3] = SIZE_CLASSES[size_class]
         return plan
 
-    def slot_records(self, rows: np.ndarray, now: float) -> tuple[list[bytes], zip]:
-        """The packed COMMITTED shard records (``ShardRecord`` layout) of ``rows``, in row order, and what
-        ``slots`` gets for them: (LMDB key, ``_slot_value``) pairs in slot order (a put's records land in
-        neighbouring B-tree pages). One table (name length, name, record) a call; after ``make_shard_keys``."""
+    def slot_records(self, rows: np.ndarray, now: float, ttl_id: int) -> tuple[np.ndarray, zip]:
+        """The COMMITTED shard records of ``rows`` as the name index keeps them (``RECORD``, TTL class ``ttl_id``),
+        in row order, and what ``slots`` gets for them: (LMDB key, ``_slot_value``) pairs in slot order (a put's
+        records land in neighbouring B-tree pages). One table (name length, name, record) a call; after
+        ``make_shard_keys``."""
         cls = self.ttl_class.encode()
         width = self.name_rows.shape[1]
         table = np.zeros(len(rows), dtype=_slot_value_dtype(width, len(cls)))
@@ -236,12 +232,15 @@ class WriteBatch:
         rec["created"] = now
         rec["header"] = np.frombuffer(self.digests, dtype=np.uint8).reshape(self.n, HEADER_BYTES)[rows]
         rec["ttl"] = np.frombuffer(cls, dtype=np.uint8)
-        values = rec.view(f"V{rec.dtype.itemsize}").tolist()
+        records = np.empty(len(rows), dtype=RECORD)
+        for field in _SHARD_FIELDS:
+            records[field] = rec[field]
+        records["ttl"] = ttl_id
         place = classes << 32 | slots
         if (place[1:] < place[:-1]).any():  # usually in order already: slots are handed out ascending
             order = np.argsort(place, kind="stable")
             table, classes, slots = table[order], classes[order], slots[order]
-        return values, zip(_slot_keys(classes, slots), table.view(f"V{table.dtype.itemsize}").tolist(), strict=True)
+        return records, zip(_slot_keys(classes, slots), table.view(f"V{table.dtype.itemsize}").tolist(), strict=True)
 
     def pending_record(self, i: int) -> ShardRecord:
         """Row ``i`` as the record it becomes at COMMIT (``stat`` shows pending shards this way)."""
@@ -273,11 +272,6 @@ assert tuple(range(len(RECORD_HOLDERS))) == RECORD_HOLDERS
 def _slot_value_dtype(name_len: int, ttl_len: int) -> np.dtype:
     """``_slot_value`` as a numpy record: the name's length, the name, the packed shard record."""
     return np.dtype([("len", "<u2"), ("name", np.uint8, (name_len,)), ("rec", _shard_dtype(ttl_len))])
-
-
-def _rows(rows: list[int]) -> np.ndarray:
-    """Row numbers as an index array (an empty list indexes nothing)."""
-    return np.asarray(rows, dtype=np.int64)
 
 
 # what a COMMIT asks per row of its PUT
@@ -339,7 +333,7 @@ class ChunkEngine:
         )
         # shard records keyed by where their bytes are (size class, slot), so that a put's records, which take
         # adjacent slots, go into a few neighbouring B-tree pages instead of one random page each; the name ->
-        # record index lives in memory (``_records``, rebuilt from this table at open)
+        # record index lives in memory (``_index``, rebuilt from this table at open)
         self.slots_db = self.env.open_db(b"slots")
         self.settings_db = self.env.open_db(b"settings")
         freed_db = self.env.open_db(b"freed")  # marks of shard records left in place after a delete
@@ -353,9 +347,11 @@ class ChunkEngine:
         self.pending_primary_bytes = 0
         self._pending: dict[tuple[str, bytes], WriteBatch] = {}  # staged batches by (tenant, put id)
         self._settled: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()  # recent COMMIT answers
-        # committed shard records (``ShardRecord`` packed) by name (tenant/key/index): what ``slots`` holds
-        self._records: dict[bytes, bytes] = {}
+        # committed shard records by name (tenant/key/index): what ``slots`` holds
+        self._index = ShardIndex()
         used: dict[int, set[int]] = {}
+        names: list[bytes] = []
+        packed: list[bytes] = []
         # dead records (their shards were deleted; see dead_slots), and PENDING records an older node left in
         # LMDB (writes that were never committed): deleted now, so every record left is a live shard
         abandoned = []
@@ -366,21 +362,23 @@ class ChunkEngine:
             self.dead_slots = DeadSlots(freed_db)
             dead = self.dead_slots.take_all(txn)
             for where, raw in txn.cursor(db=self.slots_db):
-                name, packed = _unpack_slot_value(raw)
-                rec = ShardRecord.unpack(packed)
+                name, raw_record = _unpack_slot_value(raw)
+                rec = ShardRecord.unpack(raw_record)
                 if rec.state == PENDING or (dead and (rec.size_class, rec.slot) in dead):
                     abandoned.append(bytes(where))
                     continue
-                self._records[name] = packed
+                names.append(name)
+                packed.append(raw_record)
                 used.setdefault(rec.size_class, set()).add(rec.slot)
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
             for where in abandoned:
                 txn.delete(where, db=self.slots_db)
-            blocks = [(bkey, BlockRecord.unpack(raw)) for bkey, raw in held]
-            for bkey, block in sorted(blocks, key=lambda kb: kb[1].last_access):
-                own = self._records.get(bkey + b"\x00")
-                if own is not None:  # primary here (a record without shard 0 is shard 1's copy)
-                    size = SIZE_CLASSES[ShardRecord.unpack(own).size_class]
+            self._index.add_packed(names, packed)
+            blocks = sorted(((bkey, BlockRecord.unpack(raw)) for bkey, raw in held), key=lambda kb: kb[1].last_access)
+            own, shard_0 = self._index.lookup_names([bkey + b"\x00" for bkey, _ in blocks])
+            sizes = _CLASS_BYTES[shard_0["size_class"]].tolist()
+            for (bkey, block), primary, size in zip(blocks, own.tolist(), sizes, strict=True):
+                if primary:  # primary here (a record without shard 0 is shard 1's copy)
                     self.lru.insert(bkey, size, block.last_access, block.ttl_class, block.created)
         self.slabs.rebuild(used)
 
@@ -412,9 +410,8 @@ class ChunkEngine:
         """
         skeys = batch.shard_keys = batch.make_shard_keys(tenant)
         with self._lock:
-            if not batch.replace and not self._records.keys().isdisjoint(skeys):
-                stored = np.fromiter(map(self._records.__contains__, skeys), dtype=bool, count=batch.n)
-                batch.status[stored] = _EXISTS
+            if not batch.replace:
+                batch.status[self._index.contains(batch.name_rows)] = _EXISTS
             primaries = np.flatnonzero((batch.index == 0) & (batch.status == _OK)).tolist()
             self._charge([skeys[i] for i in primaries], _CLASS_BYTES[batch.size_class[primaries]].tolist())
         if self.primary_excess() > 0 and self.make_room is not None:
@@ -558,7 +555,7 @@ class ChunkEngine:
                     self._write_shards(txn, batch, write, now)
                     out[write] = _OK
                 if len(again):  # already committed at PUT time: still there?
-                    out[_rows([i for i in again.tolist() if batch.shard_keys[i] in self._records])] = _OK
+                    out[again[self._index.contains(batch.name_rows[again])]] = _OK
                 holders = np.flatnonzero((out == _OK) & holds_record(batch.index))
                 if len(holders):
                     self._write_block_records(txn, tenant, batch, holders, now, indexed)
@@ -580,27 +577,25 @@ class ChunkEngine:
     def _write_shards(self, txn: lmdb.Transaction, batch: WriteBatch, rows: np.ndarray, now: float) -> None:
         """Shard records of ``rows`` in one ``putmulti``, in slot order; a record another writer committed
         meanwhile (or an earlier row of this batch of the same name) wins and this row's slot is given back,
-        unless the batch replaces (repair: the old record goes and its slot is released)."""
-        records = self._records
-        names = batch.shard_keys if len(rows) == batch.n else [batch.shard_keys[i] for i in rows.tolist()]
+        unless the batch replaces (repair: the old record goes and its slot is released). The name index
+        changes only if the LMDB writes succeed."""
+        names = batch.name_rows[rows]
         if batch.replace:
-            old = [name for name in dict.fromkeys(names) if name in records]
-            if old:
-                self._free_records(txn, old, _places([records[name] for name in old]))
-        if len(set(names)) < len(names) or (not batch.replace and not records.keys().isdisjoint(names)):
-            seen: set[bytes] = set()
-            keep, lost = [], []
-            for j, name in enumerate(names):
-                (lost if name in seen or (name in records and not batch.replace) else keep).append(j)
-                seen.add(name)
-            self._give_back(batch, rows[_rows(lost)])
-            rows = rows[_rows(keep)]
-            names = [names[j] for j in keep]
-        for size_class, mine in by_class(batch.size_class, rows):
-            self.dead_slots.clear(txn, size_class, batch.slot[mine].astype(np.int64))
-        values, items = batch.slot_records(rows, now)
-        txn.cursor(db=self.slots_db).putmulti(items)  # a dead record in a reused slot is overwritten
-        records.update(zip(names, values, strict=True))
+            self._free_records(txn, names)
+        ttl = self._index.ttl_id(batch.ttl_class)
+        records, items = batch.slot_records(rows, now, ttl)
+        lost = self._index.insert(names, records)
+        try:
+            if lost.any():
+                self._give_back(batch, rows[lost])
+                rows = rows[~lost]
+                _, items = batch.slot_records(rows, now, ttl)
+            for size_class, mine in by_class(batch.size_class, rows):
+                self.dead_slots.clear(txn, size_class, batch.slot[mine].astype(np.int64))
+            txn.cursor(db=self.slots_db).putmulti(items)  # a dead record in a reused slot is overwritten
+        except BaseException:
+            self._index.remove(names[~lost])
+            raise
 
     def _write_block_records(
         self,
@@ -697,47 +692,43 @@ class ChunkEngine:
         index: np.ndarray | None = None,
     ) -> int:
         prefix = tenant_prefix(tenant)
-        records = self._records
+        tables: list[np.ndarray] = []  # shard names to look up, a table per key length
         if index is not None and len(set(map(len, keys))) == 1:  # one lookup per key, at the placement's index
-            names = _shard_lmdb_keys(prefix, b"".join(keys), len(keys[0]), index)
-            found = list(map(records.get, names))
+            names = name_table(prefix, b"".join(keys), len(keys[0]), index)
+            found = self._index.contains(names)
+            tables.append(names[found])
             # block records are kept only where shard 0 or 1 is (and wherever a shard is not where expected)
             holders = [prefix + keys[j] for j in np.flatnonzero(holds_record(index)).tolist()]
-            unsure = [prefix + keys[j] for j, raw in enumerate(found) if raw is None] if None in found else []
-            holders += unsure
+            unsure = [keys[j] for j in np.flatnonzero(~found).tolist()]
+            holders += [prefix + key for key in unsure]
         else:
-            names, found = [], []
-            unsure = holders = [prefix + key for key in keys]
-        if unsure:
-            more = [base + _INDEX_BYTES[i] for base in unsure for i in range(TOTAL_SHARDS)]  # any shard it has here
-            names += more
-            found += map(records.get, more)
+            unsure = list(keys)
+            holders = [prefix + key for key in keys]
+        for klen in sorted(set(map(len, unsure))):  # any shard such a key has here
+            same = [key for key in unsure if len(key) == klen]
+            every = np.tile(np.arange(TOTAL_SHARDS, dtype=np.uint8), len(same))
+            tables.append(name_table(prefix, b"".join(k for k in same for _ in range(TOTAL_SHARDS)), klen, every))
         if holders:
             self._delete_block_records(txn, holders, before)
-        hits = dict(zip(names, found, strict=True))  # one entry a shard, even when a key is listed twice
-        if None in found:
-            hits = {name: raw for name, raw in hits.items() if raw is not None}
-        if not hits:
-            return 0
-        held = list(hits)
-        place = _places(list(hits.values()))
-        if before is not None and not (place["created"] <= before).all():  # some written after the removal
-            rows = np.flatnonzero(place["created"] <= before)
-            place, held = place[rows], [held[j] for j in rows.tolist()]
-        self._free_records(txn, held, place)
-        return len(held)
+        removed = 0
+        for names in tables:
+            if before is not None:  # not shards written after the removal (a re-put since)
+                present, records = self._index.lookup(names)
+                names = names[present & (records["created"] <= before)]
+            removed += self._free_records(txn, names)
+        return removed
 
-    def _free_records(self, txn: lmdb.Transaction, names: list[bytes], place: np.ndarray) -> None:
-        """With the lock held, in ``txn``: the committed shards ``names`` (at ``place``, a ``_PLACE_DTYPE`` row each)
-        are deleted: out of the index, their records marked dead (left in LMDB until their slots are reused),
-        their slots released."""
-        records = self._records
-        for name in names:
-            del records[name]
-        classes, slots = place["size_class"].astype(np.int64), place["slot"].astype(np.int64)
+    def _free_records(self, txn: lmdb.Transaction, names: np.ndarray) -> int:
+        """With the lock held, in ``txn``: the committed shards among ``names`` (a name table) are deleted: out of
+        the index, their records marked dead (left in LMDB until their slots are reused), their slots released.
+        Returns how many there were (a name listed twice counts once)."""
+        found, records = self._index.remove(names)
+        records = records[found]
+        classes, slots = records["size_class"].astype(np.int64), records["slot"].astype(np.int64)
         for size_class, mine in by_class(classes, np.arange(len(slots))):
             self.dead_slots.mark(txn, size_class, slots[mine])
         self._release_slots(classes, slots)
+        return len(records)
 
     def _delete_block_records(self, txn: lmdb.Transaction, bkeys: list[bytes], before: float | None) -> None:
         """With the lock held: delete the block records ``bkeys`` that are here (and not created after ``before``),
@@ -782,15 +773,18 @@ class ChunkEngine:
             excess = self.primary_excess()
             if excess > 0:
                 excess += headroom
-            out = []
-            for entry in self.lru:
-                if excess <= 0:
-                    break
-                raw = self._records.get(entry.key + b"\x00")  # type: ignore[operator]
-                if raw is not None and _PLACE.unpack_from(raw) in self.slabs.pins:
-                    continue
-                out.append(entry.key)  # type: ignore[arg-type]
-                excess -= entry.size_bytes
+            out: list[bytes] = []
+            entries = iter(self.lru)
+            while excess > 0 and (chunk := list(itertools.islice(entries, _CANDIDATES_LOOKED_UP))):
+                found, records = self._index.lookup_names([entry.key + b"\x00" for entry in chunk])  # type: ignore[operator]
+                size_class, slot = records["size_class"].astype(np.int64), records["slot"].astype(np.int64)
+                pinned = found & self.slabs.pins.pinned(size_class, slot)
+                for entry, skip in zip(chunk, pinned.tolist(), strict=True):
+                    if excess <= 0:
+                        break
+                    if not skip:
+                        out.append(entry.key)  # type: ignore[arg-type]
+                        excess -= entry.size_bytes
         return out
 
     # -- GC support -----------------------------------------------------------------------------------
@@ -846,9 +840,12 @@ class ChunkEngine:
         now = self.clock()
         expired = []
         with self._lock:
-            records = list(self._records.items())
-        for name, raw in records:
-            if not _shard_alive(ShardRecord.unpack(raw), ttl_s, now):
+            tables = list(self._index.items())
+            classes = list(self._index.ttl_classes)
+        ttls = [ttl_s(name) for name in classes]  # created before this: expired (an unknown class: everything)
+        cutoff = np.asarray([math.inf if ttl is None else now - ttl for ttl in ttls] + [math.inf])
+        for names, records in tables:
+            for name in table_names(names[records["created"] < cutoff[records["ttl"]]]):
                 cut = name.index(b"/")
                 expired.append((name[:cut].decode(), name[cut + 1 : -1], name[-1]))
         return expired
@@ -859,12 +856,14 @@ class ChunkEngine:
         """Remove the committed shards ``items`` for which ``still(record)`` holds when looked at again under the
         lock (a shard written since the caller decided is left alone); returns how many."""
         with self._lock, self.env.begin(write=True) as txn:
-            names = dict.fromkeys(shard_key(tenant, key, index) for key, index in items)
-            found = [(name, raw) for name in names if (raw := self._records.get(name)) is not None]
-            found = [(name, raw) for name, raw in found if still is None or still(ShardRecord.unpack(raw))]
-            if found:
-                self._free_records(txn, [name for name, _ in found], _places([raw for _, raw in found]))
-        return len(found)
+            names = list(dict.fromkeys(shard_key(tenant, key, index) for key, index in items))
+            present, records = self._index.lookup_names(names)
+            chosen = [
+                name
+                for name, here, record in zip(names, present.tolist(), records, strict=True)
+                if here and (still is None or still(self._shard_record(record)))
+            ]
+            return sum(self._free_records(txn, table) for _, table in tables_by_width(chosen))
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -914,19 +913,20 @@ class ChunkEngine:
         n = len(index)
         klen = len(keys) // n if n else 16
         prefix = tenant_prefix(tenant)
-        lmdb_keys = _shard_lmdb_keys(prefix, keys, klen, index)
+        names = name_table(prefix, keys, klen, index)
         now = self.clock()
         # Look up and pin under the lock that deletes and slot reuse take: a slot found here cannot be
         # reused before it is unpinned, however long the checks and the send take.
         with self._lock:
-            present, held = self._lookup(lmdb_keys)
-            cutoffs = _ExpiryCutoffs(ttl_s, now)
-            reads = ShardReads(present, held, cutoffs, headers)
+            present, records = self._index.lookup(names)
+            reads = ShardReads(present, records, self._index.ttl_classes, _ExpiryCutoffs(ttl_s, now), headers)
             live: list[BlockEntry] = []  # blocks asked for their shard 0 here whose record is live, and their rows
             live_rows: list[int] = []
-            for row in np.flatnonzero(index == 0).tolist():  # asked of the primary: is the block live?
-                entry = self.lru.get(lmdb_keys[row][:-1])  # the block record's key: the shard's without its index
-                if entry is None or entry.created < cutoffs[entry.ttl_class]:
+            primary = np.flatnonzero(index == 0)
+            # asked of the primary: is the block live? (the block record's key: the shard's without its index)
+            for row, bkey in zip(primary.tolist(), table_names(names[primary, :-1]), strict=True):
+                entry = self.lru.get(bkey)
+                if entry is None or entry.created < reads.cutoffs[entry.ttl_class]:
                     reads.status[row] = Status.ABSENT
                 else:
                     live.append(entry)
@@ -942,14 +942,6 @@ class ChunkEngine:
                     self.slabs.unpin(*corrupt)
         return reads
 
-    def _lookup(self, names: list[bytes]) -> tuple[np.ndarray, list[bytes]]:
-        """With the lock held: which shard records (by name) are committed here, and those records in order."""
-        found = list(map(self._records.get, names))
-        if None not in found:
-            return np.ones(len(names), dtype=bool), found  # type: ignore[return-value]
-        present = np.fromiter((raw is not None for raw in found), dtype=bool, count=len(names))
-        return present, [raw for raw in found if raw is not None]
-
     def unpin(self, reads: ShardReads) -> None:
         """Release the pins ``read`` took."""
         with self._lock:
@@ -963,10 +955,16 @@ class ChunkEngine:
             return [(bkey, BlockRecord.unpack(raw)) for bkey, raw in self.block_table.records(txn)]
 
     def shard_records(self, tenant: str, key: bytes) -> Iterator[ShardRecord]:
-        base = tenant_prefix(tenant) + key
+        names = name_table(tenant_prefix(tenant), key * TOTAL_SHARDS, len(key), np.arange(TOTAL_SHARDS))
         with self._lock:
-            found = [self._records.get(base + _INDEX_BYTES[i]) for i in range(TOTAL_SHARDS)]
-        yield from (ShardRecord.unpack(raw) for raw in found if raw is not None)
+            present, records = self._index.lookup(names)
+            found = [self._shard_record(record) for record in records[present]]
+        yield from found
+
+    def _shard_record(self, record: np.void) -> ShardRecord:
+        """A ``RECORD`` row of the name index as a ``ShardRecord``."""
+        fields = [record[field].item() for field in _SHARD_FIELDS[:-1]]
+        return ShardRecord(*fields, record["header"].tobytes(), self._index.ttl_classes[int(record["ttl"])])
 
     def block_record(self, tenant: str, key: bytes) -> BlockRecord | None:
         with self.env.begin() as txn:
@@ -983,7 +981,7 @@ class ChunkEngine:
             txn.put(name.encode(), value)
 
     def counts(self) -> dict[str, int]:
-        return {"shards": len(self._records), "blocks": len(self.block_table)}
+        return {"shards": len(self._index), "blocks": len(self.block_table)}
 
     def sync(self) -> None:
         self.env.sync(True)
@@ -1000,24 +998,9 @@ _INDEX_BYTES = [bytes((i,)) for i in range(256)]  # the last byte of a shard's n
 _SLOT_KEY = struct.Struct(">HI")  # a shard record's LMDB key: size class, slot (big-endian: sorted by place)
 _SLOT_KEY_DTYPE = np.dtype([("class", ">u2"), ("slot", ">u4")])  # the same key, as a numpy row
 _PLACE = struct.Struct("<2xHI")  # size class and slot, read from a packed shard record
-# size class, slot and creation time, read from packed shard records as a table
-_PLACE_DTYPE = np.dtype(
-    {
-        "names": ["size_class", "slot", "created"],
-        "formats": ["<u2", "<u4", "<f8"],
-        "offsets": [2, 4, 24],
-        "itemsize": 32,
-    }
-)
 _NAME_LEN = struct.Struct("<H")
-
-
-def _places(records: list[bytes]) -> np.ndarray:
-    """Size class, slot and creation time of packed shard records, as a ``_PLACE_DTYPE`` table."""
-    out = np.empty(len(records), dtype=_PLACE_DTYPE)
-    for same, table in _by_length(records):
-        out[same] = np.ascontiguousarray(table[:, : _PLACE_DTYPE.itemsize]).view(_PLACE_DTYPE).ravel()
-    return out
+_SHARD_FIELDS = ("state", "index", "size_class", "slot", "length", "crc", "block_len", "created", "header")
+_CANDIDATES_LOOKED_UP = 256  # LRU entries whose shard 0 one lookup checks for pins (eviction_candidates)
 
 
 def _where(packed: bytes) -> bytes:
@@ -1055,75 +1038,37 @@ class _ExpiryCutoffs(dict[str, float]):
         return cutoff
 
 
-def _shard_alive(rec: ShardRecord, ttl_s: Callable[[str], float | None], now: float) -> bool:
-    ttl = ttl_s(rec.ttl_class)
-    return ttl is not None and now <= rec.created + ttl
-
-
-def _shard_lmdb_keys(prefix: bytes, keys: bytes, klen: int, index: np.ndarray) -> list[bytes]:
-    """prefix + key + index of every row: the LMDB keys of shard records, built as one array."""
-    n, width = len(index), len(prefix) + klen + 1
-    table = np.empty((n, width), dtype=np.uint8)
-    table[:, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-    table[:, len(prefix) : -1] = np.frombuffer(keys, dtype=np.uint8).reshape(n, klen)
-    table[:, -1] = index
-    return table.view(f"V{width}").ravel().tolist()  # void scalars come back as bytes, trailing zeros kept
-
-
-_FIXED = _shard_dtype(0)  # a shard record without its TTL class name
 _OK = int(Status.OK)  # a plain int: numpy probes an IntEnum operand for array protocols (~3 us a comparison)
 _EXISTS, _MISSING, _NO_SPACE = int(Status.EXISTS), int(Status.MISSING), int(Status.NO_SPACE)
 _EXTENT_SLOTS = np.asarray([SlabFiles.extent_slots(c) for c in range(len(SIZE_CLASSES))], dtype=np.int64)
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def _by_length(records: list[bytes]) -> Iterator[tuple[slice | np.ndarray, np.ndarray]]:
-    """Packed records grouped by length (one group in the usual case): (their positions, a slice for all of them;
-    their bytes as a table)."""
-    blob = np.frombuffer(b"".join(records), dtype=np.uint8)
-    widths = set(map(len, records))
-    if len(widths) == 1:
-        (width,) = widths
-        yield slice(None), blob.reshape(len(records), width)
-        return
-    lengths = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
-    starts = np.cumsum(lengths) - lengths
-    for width in sorted(widths):
-        same = np.flatnonzero(lengths == width)
-        yield same, blob[starts[same, None] + np.arange(width)]
-
-
 class ShardReads:
     """What ``ChunkEngine.read`` found, as columns over the rows asked (no Python object per shard: a 64 KiB-block
     read asks every node for about a thousand).
 
-    ``status`` per row (``Status`` values). For OK rows, the shard ``records`` (``_shard_dtype(0)``: ``length``,
+    ``status`` per row (``Status`` values). For OK rows, the shard ``records`` (``shard_index.RECORD``: ``length``,
     ``block_len``, ``crc``, ``header`` …) and ``ttl`` (an index into ``ttl_classes``); zero (``ttl`` 255) elsewhere.
     ``payload``: the OK shards' bytes in row order, a ``_native.Scatter`` over the slab mappings that keeps them
     mapped (None until pinned). ``pins``: the (size classes, slots) pinned for it, as two int64 arrays.
     """
 
-    def __init__(self, present: np.ndarray, held: list[bytes], cutoffs: _ExpiryCutoffs, headers: bytes | None) -> None:
-        """``held``: the packed records of the ``present`` rows, in row order."""
+    def __init__(
+        self,
+        present: np.ndarray,
+        records: np.ndarray,
+        ttl_classes: list[str],
+        cutoffs: _ExpiryCutoffs,
+        headers: bytes | None,
+    ) -> None:
+        """``records``: the name index's ``RECORD`` rows of the rows asked (zeros where not ``present``), their TTL
+        class an id into ``ttl_classes``."""
         n = len(present)
-        everyone = bool(present.all())  # the usual case: every row found (then rows are picked with slices)
-        rows = np.arange(n) if everyone else np.flatnonzero(present)
-        self.records = np.zeros(n, dtype=_FIXED)
-        self.ttl = np.full(n, 255, dtype=np.uint8)
-        self.ttl_classes: list[str] = []
-        raw = self.records.view(np.uint8).reshape(n, _FIXED.itemsize)  # filled as bytes: no per-field transfer
-        for same, table in _by_length(held):  # a TTL class name ends each record: one length per class
-            at = same if everyone else rows[same]
-            raw[at] = table[:, : _FIXED.itemsize]
-            tails = table[:, _FIXED.itemsize :]
-            if (tails == tails[0]).all():  # the usual case: one class of this name length
-                self.ttl[at] = len(self.ttl_classes)
-                self.ttl_classes.append(tails[0].tobytes().decode())
-                continue
-            for row, name in zip(rows[same].tolist(), (t.tobytes().decode() for t in tails), strict=True):
-                if name not in self.ttl_classes:
-                    self.ttl_classes.append(name)
-                self.ttl[row] = self.ttl_classes.index(name)
+        self.records = records
+        self.ttl_classes = list(ttl_classes)
+        self.ttl = np.where(present, records["ttl"], 255).astype(np.uint8)
+        self.cutoffs = cutoffs
         recs = self.records
         cutoff = np.asarray([cutoffs[name] for name in self.ttl_classes] + [math.inf])  # absent rows: the last
         expired = recs["created"] < cutoff[np.minimum(self.ttl, len(self.ttl_classes))]

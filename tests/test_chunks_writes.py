@@ -142,3 +142,22 @@ def test_a_read_of_shard_0_makes_the_block_most_recently_used_and_a_read_of_shar
     reads = engine.read("default", keys[1], np.ones(1, dtype=np.uint8), None, TTL, verify=False)
     engine.unpin(reads)  # shard 1 is not held here: nothing read, nothing touched
     assert [entry.key[-16:] for entry in engine.lru] == [keys[1], keys[2], keys[0]]
+
+
+def test_a_commit_whose_lmdb_write_fails_leaves_the_shards_unseen_and_can_be_committed_again(
+    engine: ChunkEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = [os.urandom(16) for _ in range(4)]
+    put_id, _ = staged(engine, keys, index=2)
+
+    def disk_full(*args: object) -> None:
+        raise lmdb.MapFullError("no room for the records")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.dead_slots, "clear", disk_full)
+        with pytest.raises(lmdb.MapFullError):
+            engine.commit("default", put_id)
+    assert engine.counts()["shards"] == 0  # the name index did not take names LMDB has no records for
+    assert [list(engine.shard_records("default", key)) for key in keys] == [[]] * 4
+    assert engine.commit("default", put_id) == bytes([Status.OK]) * 4  # still pending: the retry commits
+    assert [len(list(engine.shard_records("default", key))) for key in keys] == [1] * 4
