@@ -1068,15 +1068,14 @@ class ShardReads:
         self.records = records
         self.ttl_classes = list(ttl_classes)
         self.ttl = np.where(present, records["ttl"], 255).astype(np.uint8)
-        self.cutoffs = cutoffs
-        recs = self.records
+        self.cutoffs = cutoffs  # per TTL class, the creation time before which a shard has expired
         cutoff = np.asarray([cutoffs[name] for name in self.ttl_classes] + [math.inf])  # absent rows: the last
-        expired = recs["created"] < cutoff[np.minimum(self.ttl, len(self.ttl_classes))]
-        missing = ~present | (recs["state"] != COMMITTED) | expired
+        expired = records["created"] < cutoff[np.minimum(self.ttl, len(self.ttl_classes))]
+        missing = ~present | (records["state"] != COMMITTED) | expired
         self.status = np.full(n, _OK, dtype=np.uint8)
         if headers is not None:
             asked = np.frombuffer(headers, dtype=np.uint8).reshape(n, HEADER_BYTES)
-            self.status[(recs["header"] != asked).any(axis=1)] = Status.MISMATCH
+            self.status[(records["header"] != asked).any(axis=1)] = Status.MISMATCH
         if missing.any():
             self.status[missing] = Status.MISSING
         self.payload: _native.Scatter | None = None
