@@ -191,10 +191,11 @@ static int rows_match(IndexObject *self, Py_buffer *values, Py_ssize_t n, const 
     return 0;
 }
 
-/* lookup(keys, out) -> bytes: per row 1 (found: its value copied into that row of out) or 0 (row untouched). */
-static PyObject *index_lookup(IndexObject *self, PyObject *args) {
+/* lookup and remove: per row of keys 1 (present: its value copied into that row of out; with take, removed) or 0
+ * (the row of out untouched). */
+static PyObject *copy_out(IndexObject *self, PyObject *args, const char *format, int take) {
     Py_buffer keys, out;
-    if (!PyArg_ParseTuple(args, "y*w*:lookup", &keys, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, format, &keys, &out)) return NULL;
     PyObject *found = NULL;
     Py_ssize_t n = key_rows(self, &keys), slot_for;
     uint64_t *h = NULL;
@@ -207,7 +208,12 @@ static PyObject *index_lookup(IndexObject *self, PyObject *args) {
         prefetch_ahead(self, h, r, n);
         Py_ssize_t s = find(self, (const unsigned char *)keys.buf + (size_t)r * kw, h[r], &slot_for);
         hit[r] = s >= 0;
-        if (s >= 0) memcpy((unsigned char *)out.buf + (size_t)r * vw, value_at(self, (size_t)s), vw);
+        if (s < 0) continue;
+        memcpy((unsigned char *)out.buf + (size_t)r * vw, value_at(self, (size_t)s), vw);
+        if (take) {
+            set_tag(self, (size_t)s, DELETED);
+            self->used--;
+        }
     }
 done:
     PyMem_Free(h);
@@ -215,6 +221,10 @@ done:
     PyBuffer_Release(&out);
     return found;
 }
+
+static PyObject *index_lookup(IndexObject *self, PyObject *args) { return copy_out(self, args, "y*w*:lookup", 0); }
+
+static PyObject *index_remove(IndexObject *self, PyObject *args) { return copy_out(self, args, "y*w*:remove", 1); }
 
 /* contains(keys) -> bytes: per row 1 (present) or 0. */
 static PyObject *index_contains(IndexObject *self, PyObject *arg) {
@@ -270,34 +280,6 @@ done:
     PyBuffer_Release(&keys);
     PyBuffer_Release(&values);
     return present;
-}
-
-/* remove(keys, out) -> bytes: per row 1 (it was present: removed, its value copied into that row of out) or 0. */
-static PyObject *index_remove(IndexObject *self, PyObject *args) {
-    Py_buffer keys, out;
-    if (!PyArg_ParseTuple(args, "y*w*:remove", &keys, &out)) return NULL;
-    PyObject *found = NULL;
-    Py_ssize_t n = key_rows(self, &keys), slot_for;
-    uint64_t *h = NULL;
-    if (n < 0 || rows_match(self, &out, n, "out") < 0 || !(h = batch_hashes(self, keys.buf, n))) goto done;
-    found = PyBytes_FromStringAndSize(NULL, n);
-    if (!found) goto done;
-    char *hit = PyBytes_AS_STRING(found);
-    size_t kw = (size_t)self->key_width, vw = (size_t)self->value_width;
-    for (Py_ssize_t r = 0; r < n; r++) {
-        prefetch_ahead(self, h, r, n);
-        Py_ssize_t s = find(self, (const unsigned char *)keys.buf + (size_t)r * kw, h[r], &slot_for);
-        hit[r] = s >= 0;
-        if (s < 0) continue;
-        memcpy((unsigned char *)out.buf + (size_t)r * vw, value_at(self, (size_t)s), vw);
-        set_tag(self, (size_t)s, DELETED);
-        self->used--;
-    }
-done:
-    PyMem_Free(h);
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&out);
-    return found;
 }
 
 /* items() -> (keys, values): every live entry, keys as rows of key_width bytes, values in the same order. */

@@ -57,11 +57,7 @@ class ShardIndex:
 
     def lookup(self, names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per row of ``names`` (n × width uint8): whether it is here, and its ``RECORD`` (zeros where not)."""
-        out = np.zeros(len(names), dtype=RECORD)
-        table = self._tables.get(names.shape[1])
-        if table is None or not len(names):
-            return np.zeros(len(names), dtype=bool), out
-        return _mask(table.lookup(np.ascontiguousarray(names), out)), out
+        return self._records_of(names, take=False)
 
     def lookup_names(self, names: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """``lookup`` of names given as bytes, of any widths."""
@@ -88,11 +84,15 @@ class ShardIndex:
 
     def remove(self, names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Remove ``names``; per row whether it was here (a name listed twice: the first row), and the record it had."""
+        return self._records_of(names, take=True)
+
+    def _records_of(self, names: np.ndarray, take: bool) -> tuple[np.ndarray, np.ndarray]:
         out = np.zeros(len(names), dtype=RECORD)
         table = self._tables.get(names.shape[1])
         if table is None or not len(names):
             return np.zeros(len(names), dtype=bool), out
-        return _mask(table.remove(np.ascontiguousarray(names), out)), out
+        found = (table.remove if take else table.lookup)(np.ascontiguousarray(names), out)
+        return _mask(found), out
 
     def items(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every (names table, records), one pair per name width: a snapshot."""
