@@ -4,12 +4,13 @@
  * kvstore/shard_index.py). A node holds hundreds of thousands of them and a 64 KiB-block request brings a thousand
  * names, so every operation takes a whole table of keys (n rows of key_width bytes, as numpy builds them from
  * a request) and answers with a table: no Python object per key or per record. A dict of bytes to bytes keeps a
- * shard in four scattered objects; here a shard is one slot of a flat array (a 4-byte tag, its key, its value),
- * and a batch's slots are prefetched a few keys ahead, so the cache misses of a thousand lookups overlap
- * instead of following one another.
+ * shard in four scattered objects; here a shard is a 4-byte tag in one array and its key and value side by side
+ * in another, and a batch's slots are prefetched a few keys ahead, so the cache misses of a thousand lookups
+ * overlap instead of following one another.
  *
- * Open addressing with linear probing over a power-of-two table; each slot starts with a tag (0 empty, 1 deleted,
- * else 2 | the high bits of the key's hash, so most probes that miss compare no key bytes). The hash is seeded
+ * Open addressing with linear probing over a power-of-two table. Probes walk the tags (0 empty, 1 deleted, else
+ * 2 | the high bits of the key's hash), sixteen to a cache line, and compare key bytes only where a tag
+ * matches: a put's new names are misses, whose probes run past every deleted slot to an empty one. The hash is seeded
  * at random per table, so keys cannot be chosen to collide. The table grows (or drops its deleted slots) once
  * live and deleted slots fill three quarters of it, to at most half full after. Not thread-safe: the caller
  * serialises calls (the chunk engine holds its lock), and every call holds the GIL.
@@ -30,18 +31,16 @@
 typedef struct {
     PyObject_HEAD Py_ssize_t key_width, value_width;
     Py_ssize_t capacity, used, filled; /* slots: all, live, live or deleted */
-    size_t stride;                     /* bytes of a slot: tag, key, value, rounded up to 8 */
-    unsigned char *slots;
+    size_t stride;                     /* bytes of an entry: key, value */
+    uint32_t *tags;
+    unsigned char *entries;
     uint64_t seed;
 } IndexObject;
 
-static inline unsigned char *slot_at(const IndexObject *self, size_t i) { return self->slots + i * self->stride; }
-static inline uint32_t tag_at(const IndexObject *self, size_t i) { return *(uint32_t *)slot_at(self, i); }
-static inline void set_tag(IndexObject *self, size_t i, uint32_t tag) { *(uint32_t *)slot_at(self, i) = tag; }
-static inline unsigned char *key_at(const IndexObject *self, size_t i) { return slot_at(self, i) + 4; }
-static inline unsigned char *value_at(const IndexObject *self, size_t i) {
-    return slot_at(self, i) + 4 + self->key_width;
-}
+static inline uint32_t tag_at(const IndexObject *self, size_t i) { return self->tags[i]; }
+static inline void set_tag(IndexObject *self, size_t i, uint32_t tag) { self->tags[i] = tag; }
+static inline unsigned char *key_at(const IndexObject *self, size_t i) { return self->entries + i * self->stride; }
+static inline unsigned char *value_at(const IndexObject *self, size_t i) { return key_at(self, i) + self->key_width; }
 
 static uint64_t mix(uint64_t h) {
     h ^= h >> 33;
@@ -100,22 +99,27 @@ static uint64_t *batch_hashes(const IndexObject *self, const unsigned char *keys
     return h;
 }
 
-/* Before probing row r of a batch: fetch the home slot of row r + PREFETCH_AHEAD (both its cache lines). */
+/* Before probing row r of a batch: fetch the home slot of row r + PREFETCH_AHEAD (its tag, its entry's lines). */
 static inline void prefetch_ahead(const IndexObject *self, const uint64_t *h, Py_ssize_t r, Py_ssize_t n) {
     if (r + PREFETCH_AHEAD < n) {
-        const unsigned char *at = slot_at(self, (size_t)h[r + PREFETCH_AHEAD] & ((size_t)self->capacity - 1));
+        size_t home = (size_t)h[r + PREFETCH_AHEAD] & ((size_t)self->capacity - 1);
+        const unsigned char *at = key_at(self, home);
+        __builtin_prefetch(self->tags + home);
         __builtin_prefetch(at);
         __builtin_prefetch(at + self->stride - 1);
     }
 }
 
 static int allocate(IndexObject *self, Py_ssize_t capacity) {
-    unsigned char *slots = PyMem_Calloc((size_t)capacity, self->stride);
-    if (!slots) {
+    uint32_t *tags = PyMem_Calloc((size_t)capacity, sizeof(uint32_t));
+    unsigned char *entries = PyMem_Malloc((size_t)capacity * self->stride);
+    if (!tags || !entries) {
+        PyMem_Free(tags);
+        PyMem_Free(entries);
         PyErr_NoMemory();
         return -1;
     }
-    self->slots = slots;
+    self->tags = tags, self->entries = entries;
     self->capacity = capacity, self->filled = self->used = 0;
     return 0;
 }
@@ -130,10 +134,12 @@ static int rehash(IndexObject *self, Py_ssize_t capacity) {
         uint64_t h = key_hash(self, key_at(&old, (size_t)s));
         size_t i = (size_t)h & mask;
         while (tag_at(self, i) != EMPTY) i = (i + 1) & mask;
-        memcpy(slot_at(self, i), slot_at(&old, (size_t)s), self->stride);
+        set_tag(self, i, tag_at(&old, (size_t)s));
+        memcpy(key_at(self, i), key_at(&old, (size_t)s), self->stride);
     }
     self->used = self->filled = old.used;
-    PyMem_Free(old.slots);
+    PyMem_Free(old.tags);
+    PyMem_Free(old.entries);
     return 0;
 }
 
@@ -153,16 +159,17 @@ static int index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "key_width and value_width must be between 1 and 65535 bytes");
         return -1;
     }
-    if (self->slots) return 0; /* __init__ called again: keep the table */
+    if (self->tags) return 0; /* __init__ called again: keep the table */
     self->key_width = kw, self->value_width = vw;
-    self->stride = ((size_t)(4 + kw + vw) + 7) & ~(size_t)7;
+    self->stride = (size_t)(kw + vw);
     if (getrandom(&self->seed, sizeof self->seed, 0) != (ssize_t)sizeof self->seed)
         self->seed = (uint64_t)(uintptr_t)self ^ 0x2545f4914f6cdd1dULL;
     return allocate(self, MIN_CAPACITY);
 }
 
 static void index_dealloc(IndexObject *self) {
-    PyMem_Free(self->slots);
+    PyMem_Free(self->tags);
+    PyMem_Free(self->entries);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -170,7 +177,7 @@ static Py_ssize_t index_len(IndexObject *self) { return self->used; }
 
 /* keys as n rows of key_width bytes; n, or -1 with ValueError. */
 static Py_ssize_t key_rows(IndexObject *self, Py_buffer *keys) {
-    if (!self->slots) {
+    if (!self->tags) {
         PyErr_SetString(PyExc_RuntimeError, "ShardIndexTable used before __init__");
         return -1;
     }
