@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from kvtier.kvstore._shard_index import ShardIndexTable
 from kvtier.kvstore.chunks import ShardRecord
 from kvtier.kvstore.shard_index import RECORD, ShardIndex, name_table, table_names
 
@@ -108,3 +109,12 @@ def test_more_than_255_ttl_classes_are_refused() -> None:
     assert index.ttl_id("class-3") == 3
     with pytest.raises(ValueError, match="255"):
         index.ttl_id("one-too-many")
+
+
+def test_a_table_of_impossible_widths_or_used_before_it_is_made_is_refused() -> None:
+    with pytest.raises(ValueError, match="between 1 and 65535"):
+        ShardIndexTable(0, 49)
+    bare = ShardIndexTable.__new__(ShardIndexTable)
+    with pytest.raises(RuntimeError, match="before __init__"):
+        bare.contains(bytes(25))
+    assert len(bare) == 0
