@@ -197,13 +197,22 @@ def test_eviction_is_lru_and_takes_what_is_needed(cluster: LocalCluster) -> None
 
 
 def fill_every_primary(client: Client, capacity: int, size: int) -> tuple[list[bytes], list[bytes]]:
-    """Write twice what fits, so every primary is at its budget; returns the blocks still stored."""
+    """Write twice what fits, then on until every primary holds as many blocks as its budget has room for (keys
+    are random: twice what fits can leave one primary short, and a block for it then needs no eviction), so
+    that any new block must evict; returns the blocks still stored."""
     slot = SIZE_CLASSES[size_class_for(-(-size // 10))]
-    keys, data = blocks(2 * capacity // slot, size)
-    for start in range(0, len(keys), 12):
-        assert all(client.put(keys[start : start + 12], data[start : start + 12]))
-    live = client.exists(keys)
-    return [k for k, ok in zip(keys, live, strict=True) if ok], [d for d, ok in zip(data, live, strict=True) if ok]
+    room = capacity // 12 // slot  # blocks a primary's budget holds (one group of 12 nodes)
+    keys, data = new_keys, new_data = blocks(2 * capacity // slot, size)
+    while True:
+        for start in range(0, len(new_keys), 12):
+            assert all(client.put(new_keys[start : start + 12], new_data[start : start + 12]))
+        live = client.exists(keys)
+        keys = [k for k, ok in zip(keys, live, strict=True) if ok]
+        data = [d for d, ok in zip(data, live, strict=True) if ok]
+        if (np.bincount(client.placement.shard_nodes(keys)[:, 0], minlength=12) >= room).all():
+            return keys, data
+        new_keys, new_data = blocks(12, size)
+        keys, data = keys + new_keys, data + new_data
 
 
 def pin_every_shard(local: LocalCluster, keys: list[bytes]) -> list[socket.socket]:
