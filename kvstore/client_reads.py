@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.client_core import Buffer, _by_node
+from kvtier.kvstore.client_core import Buffer, _by_node, header_rows, key_rows
 from kvtier.kvstore.client_writes import Writes
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, shard_size
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER, Namespace, TokenInput
@@ -233,9 +233,10 @@ class Reads(Writes):
     ) -> None:
         wanted = np.broadcast_to(wanted, shard_nodes.shape)
         exchange = Exchange(self.pool)
+        key_table, header_table = key_rows(keys), header_rows(headers) if headers is not None else None  # once
         for node_id, entries in _by_node(shard_nodes, wanted):
             state.asked[entries[:, 0], entries[:, 1]] = True
-            meta = self._entry_meta(keys, entries, headers)
+            meta = self._entry_meta(key_table, entries, header_table)
             meta["client_crc"] = True  # the node sends stored crcs and does not read the bytes to check them
             exchange.request(
                 node_id,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.kvstore.client_core import _by_node
+from kvtier.kvstore.client_core import _by_node, key_rows
 from kvtier.kvstore.client_reads import Reads, ReadState
 from kvtier.kvstore.protocol import Op, Status
 from kvtier.kvstore.transport import Exchange
@@ -25,8 +25,9 @@ class Repairs(Reads):
         present = np.zeros(shard_nodes.shape, dtype=bool)
         exchange = Exchange(self.pool)
         asks = []
+        key_table = key_rows(keys)  # once, not per request
         for node_id, entries in _by_node(shard_nodes, np.ones(shard_nodes.shape, dtype=bool)):
-            meta = {**self._entry_meta(keys, entries, None), "probe": True}
+            meta = {**self._entry_meta(key_table, entries, None), "probe": True}
             asks.append((entries, exchange.request(node_id, Op.GET_SHARDS, meta)))
         exchange.run(self.config.client.op_timeout_s)
         for entries, pending in asks:
