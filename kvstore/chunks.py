@@ -62,13 +62,12 @@ import numpy as np
 
 from kvtier.kvstore import _native
 from kvtier.kvstore.block_table import BlockTable
-from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.dead_slots import DeadSlots
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
 from kvtier.kvstore.lru import BlockEntry, LruIndex
 from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.removals import Removal, RemovalLog
-from kvtier.kvstore.shard_index import RECORD, ShardIndex, name_table, table_names, tables_by_width
+from kvtier.kvstore.shard_index import RECORD, ShardIndex, every_shard, name_table, table_names, tables_by_width
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, by_class
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
@@ -180,8 +179,7 @@ class WriteBatch:
         self.size_class = np.searchsorted(_CLASS_BYTES, self.length)
         self.slot = np.zeros(n, dtype=np.int64)
         self.crc = np.zeros(n, dtype="<u4")
-        self.shard_keys: list[bytes] = []  # LMDB keys, set by ``reserve``
-        self.name_rows = np.zeros((n, 0), dtype=np.uint8)  # the same as a table, a row each
+        self.name_rows = np.zeros((n, 0), dtype=np.uint8)  # shard names (tenant/key/index), a row each: ``reserve``
         self.staged_at = 0.0
 
     def key(self, i: int) -> bytes:
@@ -194,10 +192,13 @@ class WriteBatch:
         """Whether any row is reserved (OK) or already stored (EXISTS): the batch has something to commit."""
         return bool(((self.status == _OK) | (self.status == _EXISTS)).any())
 
-    def make_shard_keys(self, tenant: str) -> list[bytes]:
-        """tenant/key/index of every row (the shard names), as bytes; ``name_rows`` keeps them as a table."""
+    def name_shards(self, tenant: str) -> None:
+        """Set ``name_rows``: tenant/key/index of every row, as one table."""
         self.name_rows = name_table(tenant_prefix(tenant), self.keys, self.klen, self.index)
-        return table_names(self.name_rows)
+
+    def shard_name(self, i: int) -> bytes:
+        """Row ``i``'s shard name (for a shard 0, its key in the primary budget's charges)."""
+        return self.name_rows[i].tobytes()
 
     def plan(self, fd_of: Callable[[int], int]) -> np.ndarray:
         """Where each shard's bytes go, as ``_native.recv_to_files`` takes it: (fd, offset, length, stride)
@@ -215,7 +216,7 @@ class WriteBatch:
         """The COMMITTED shard records of ``rows`` as the name index keeps them (``RECORD``, TTL class ``ttl_id``),
         in row order, and what ``slots`` gets for them: (LMDB key, ``_slot_value``) pairs in slot order (a put's
         records land in neighbouring B-tree pages). One table (name length, name, record) a call; after
-        ``make_shard_keys``."""
+        ``name_shards``."""
         cls = self.ttl_class.encode()
         width = self.name_rows.shape[1]
         table = np.zeros(len(rows), dtype=_slot_value_dtype(width, len(cls)))
@@ -253,10 +254,10 @@ class WriteBatch:
 
 @functools.cache
 def _shard_dtype(ttl_len: int) -> np.dtype:
-    """``_SHARD`` + the TTL class as a numpy record (packed, little-endian); made once per length."""
-    fields = ["state", "index", "size_class", "slot", "length", "crc", "block_len", "created", "header", "ttl"]
-    kinds = ["u1", "u1", "<u2", "<u4", "<u4", "<u4", "<u8", "<f8", (np.uint8, HEADER_BYTES), (np.uint8, ttl_len)]
-    return np.dtype({"names": fields, "formats": kinds})
+    """``_SHARD`` + the TTL class name as a numpy record (packed, little-endian): the name index's ``RECORD``
+    with the name in place of its id; made once per length."""
+    kinds = [RECORD.fields[field][0] for field in _SHARD_FIELDS]
+    return np.dtype({"names": [*_SHARD_FIELDS, "ttl"], "formats": [*kinds, (np.uint8, ttl_len)]})
 
 
 def holds_record(index: np.ndarray) -> np.ndarray:
@@ -408,12 +409,12 @@ class ChunkEngine:
         ``NO_SPACE``: nothing more could be evicted. Then, when the node itself has no room, the call waits
         (at most ``room_wait_s``) for removals under way to free it; what still does not fit is ``NO_SPACE``.
         """
-        skeys = batch.shard_keys = batch.make_shard_keys(tenant)
+        batch.name_shards(tenant)
         with self._lock:
             if not batch.replace:
                 batch.status[self._index.contains(batch.name_rows)] = _EXISTS
             primaries = np.flatnonzero((batch.index == 0) & (batch.status == _OK)).tolist()
-            self._charge([skeys[i] for i in primaries], _CLASS_BYTES[batch.size_class[primaries]].tolist())
+            self._charge(table_names(batch.name_rows[primaries]), _CLASS_BYTES[batch.size_class[primaries]].tolist())
         if self.primary_excess() > 0 and self.make_room is not None:
             self.make_room()
         with self._lock:
@@ -448,7 +449,7 @@ class ChunkEngine:
     def _refuse(self, batch: WriteBatch, i: int) -> int:
         """Mark row ``i`` NO_SPACE, giving back its primary charge; returns the bytes given back."""
         batch.status[i] = _NO_SPACE
-        return self._uncharge(batch.shard_keys[i]) if batch.index[i] == 0 else 0
+        return self._uncharge(batch.shard_name(i)) if batch.index[i] == 0 else 0
 
     def _charge(self, skeys: list[bytes], sizes: list[int]) -> None:
         """Charge shard 0s (by shard key) to the primary budget; one charged already is charged anew."""
@@ -522,7 +523,7 @@ class ChunkEngine:
             self.used_bytes -= SIZE_CLASSES[size_class]
             self.slabs.release_now(size_class, int(batch.slot[i]))
             if batch.index[i] == 0:
-                self._uncharge(batch.shard_keys[i])
+                self._uncharge(batch.shard_name(i))
         batch.status[rows] = _MISSING
         self._room.notify_all()
 
@@ -705,9 +706,7 @@ class ChunkEngine:
             unsure = list(keys)
             holders = [prefix + key for key in keys]
         for klen in sorted(set(map(len, unsure))):  # any shard such a key has here
-            same = [key for key in unsure if len(key) == klen]
-            every = np.tile(np.arange(TOTAL_SHARDS, dtype=np.uint8), len(same))
-            tables.append(name_table(prefix, b"".join(k for k in same for _ in range(TOTAL_SHARDS)), klen, every))
+            tables.append(every_shard(prefix, [key for key in unsure if len(key) == klen]))
         if holders:
             self._delete_block_records(txn, holders, before)
         removed = 0
@@ -955,9 +954,8 @@ class ChunkEngine:
             return [(bkey, BlockRecord.unpack(raw)) for bkey, raw in self.block_table.records(txn)]
 
     def shard_records(self, tenant: str, key: bytes) -> Iterator[ShardRecord]:
-        names = name_table(tenant_prefix(tenant), key * TOTAL_SHARDS, len(key), np.arange(TOTAL_SHARDS))
         with self._lock:
-            present, records = self._index.lookup(names)
+            present, records = self._index.lookup(every_shard(tenant_prefix(tenant), [key]))
             found = [self._shard_record(record) for record in records[present]]
         yield from found
 
@@ -999,7 +997,7 @@ _SLOT_KEY = struct.Struct(">HI")  # a shard record's LMDB key: size class, slot 
 _SLOT_KEY_DTYPE = np.dtype([("class", ">u2"), ("slot", ">u4")])  # the same key, as a numpy row
 _PLACE = struct.Struct("<2xHI")  # size class and slot, read from a packed shard record
 _NAME_LEN = struct.Struct("<H")
-_SHARD_FIELDS = ("state", "index", "size_class", "slot", "length", "crc", "block_len", "created", "header")
+_SHARD_FIELDS = RECORD.names[:-1]  # a shard record's fields, the TTL class aside
 _CANDIDATES_LOOKED_UP = 256  # LRU entries whose shard 0 one lookup checks for pins (eviction_candidates)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvtier.kvstore._shard_index import ShardIndexTable
+from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES
 
 MAX_TTL_CLASSES = 255  # ids 0-254; 255 marks "no record" in read replies
@@ -120,6 +121,12 @@ def name_table(prefix: bytes, keys: bytes, klen: int, index: np.ndarray) -> np.n
     table[:, p:-1] = np.frombuffer(keys, dtype=np.uint8).reshape(n, klen)
     table[:, -1] = index
     return table
+
+
+def every_shard(prefix: bytes, keys: Sequence[bytes]) -> np.ndarray:
+    """The names of all 12 shards of each of ``keys`` (one or more, all of one length), key after key, as one table."""
+    indices = np.tile(np.arange(TOTAL_SHARDS, dtype=np.uint8), len(keys))
+    return name_table(prefix, b"".join(key * TOTAL_SHARDS for key in keys), len(keys[0]), indices)
 
 
 def table_names(table: np.ndarray) -> list[bytes]:
