@@ -1,22 +1,48 @@
 # kvtier: `make demo` runs a local 12-node cluster end to end; `make test` runs the test suite.
-# Both create .venv and install everything on a fresh machine.
+# Both create .venv and install what they need on a fresh machine (the demo: kvtier and torch; the tests: their tools too).
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+ENGINES := $(VENV)/.engines-installed
+DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: test demo bench lint clean
+.PHONY: test demo bench lint clean system-tools
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard csrc/*.c kernels/*.c)  # the C extensions are built by the install
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# the multi-host tests run etcd members and hosts as network namespaces (iproute2, nftables); installed when
+# missing and apt-get is there (CI runs as root on Debian), quietly; already present: nothing is run
+SYSTEM_TOOLS := etcd:etcd-server nft:nftables ip:iproute2 tc:iproute2
+
+system-tools:
+	@missing="$$(for t in $(SYSTEM_TOOLS); do command -v $${t%%:*} >/dev/null || echo $${t#*:}; done | sort -u)"; \
+	if [ -n "$$missing" ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing $$missing"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; }; \
+	fi
+
+# the engines the adapters plug into (tests/test_adapter_*.py), CPU-only: see requirements-engines.txt
+$(ENGINES): $(STAMP) requirements-engines.txt requirements-adapters.txt
+	$(PY) -m pip install -q --no-deps -r requirements-engines.txt
+	$(PY) -m pip install -q -r requirements-adapters.txt
+	touch $(ENGINES)
+
+test: $(STAMP) $(ENGINES) system-tools
 	$(PY) -m pytest -q
 
-demo: $(STAMP)
+# the demo needs kvtier and the engine's extra (torch, safetensors), not the test tools
+$(DEMO_STAMP): pyproject.toml $(wildcard csrc/*.c kernels/*.c)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[engine]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) -m kvtier.tools.demo
 
 bench: $(STAMP)

@@ -14,9 +14,10 @@ Two situations, each on its own new cluster, per block size:
 Every round: one client (the writer) ``put``s one batch of fresh random 16-byte keys; a second client (the
 reader, which never wrote them) reads the batch with ``get_into`` into preallocated caller buffers, then
 with ``get`` (kvtier allocates the blocks); every read is checked. Next to each round, in the same run, one
-raw loopback TCP stream moves the same number of bytes (blocking ``sendall`` from a preallocated buffer in
-another process, ``recv_into`` a preallocated buffer here): the ceiling any Python client on this machine
-could reach. Round 0 warms connections and is not counted; results are medians over rounds of each round's
+raw Unix stream moves the same number of bytes (blocking ``sendall`` from a preallocated buffer in another
+process, ``recv_into`` a preallocated buffer here): the ceiling any Python client on this machine could reach
+over the transport a client uses to the nodes of its own machine (their Unix sockets); a raw loopback TCP stream
+is reported beside it. Round 0 warms connections and is not counted; results are medians over rounds of each round's
 ratio to its raw stream (the load of a shared machine drifts between rounds), with the CPU seconds per GB moved
 that this process and the node processes spent (on two idle cores, throughput is about 2 / that). The put
 is also given over all rounds together (total bytes / total time, and its ratio to the median raw stream): at
@@ -106,7 +107,7 @@ def put_fresh(writer: Client, batch: Batch) -> tuple[list[bytes], int]:
 def bench_round(writer: Client, reader: Client, batch: Batch, meter: CpuMeter) -> dict[str, float]:
     """One timed round: put of fresh keys, then ``get_into`` and ``get`` of them by the other client, and the raw
     stream; GB/s, ratio to the raw stream of this round, and CPU seconds per GB of each."""
-    raw = raw_stream_gbps(batch.nbytes)
+    raw, raw_tcp = raw_stream_gbps(batch.nbytes, unix=True), raw_stream_gbps(batch.nbytes)
     (keys, refused), put_s, put_cpu = _timed(meter, lambda: put_fresh(writer, batch))  # type: ignore[misc]
     found, get_into_s, get_into_cpu = _timed(meter, lambda: reader.get_into(keys, batch.buffers))
     stored = [i for i, hit in enumerate(found) if hit]  # type: ignore[attr-defined]
@@ -119,7 +120,7 @@ def bench_round(writer: Client, reader: Client, batch: Batch, meter: CpuMeter) -
         raise RuntimeError("get returned wrong bytes")
     put_gb = (batch.n - refused) * batch.block_size / 1e9
     read_gb = len(stored) * batch.block_size / 1e9  # a refused block is not read: its miss is not counted as speed
-    out = {"raw": raw, "refused": refused}
+    out = {"raw": raw, "raw_tcp": raw_tcp, "refused": refused}
     for op, gb, wall, cpu in (
         ("put", put_gb, put_s, put_cpu),
         ("get_into", read_gb, get_into_s, get_into_cpu),
@@ -180,6 +181,7 @@ def bench_size(
         "blocks_per_call": batch.n,
         "node_capacity": node_capacity,
         "raw_stream_gbps": med["raw"],
+        "raw_tcp_stream_gbps": med["raw_tcp"],
         **{f"{k}_gbps": med[k] for k in OPS},
         **{f"{k}_ratio": med[f"{k}_ratio"] for k in OPS},  # median of the rounds' ratios: load drifts between rounds
         **{f"{k}_cpu_s_per_gb": med[f"{k}_cpu_s_per_gb"] for k in OPS},
@@ -250,15 +252,17 @@ def main() -> int:
     if free_at_start > COLD_MEMORY_WARNING and not filled:
         print("warning: much memory is free; on a VM that returns free pages to its host, fresh puts measure")
         print("         first-touch host faults (see --fill-page-cache)")
-    print("ratios to the raw stream (median of rounds); CPU s/GB: client + nodes (raw stream: about 0.3-0.4);")
+    print("ratios to the raw Unix stream (median of rounds; the client reaches its machine's nodes by Unix sockets);")
+    print("CPU s/GB: client + nodes (raw stream: about 0.3-0.4)")
     print("all rounds: put over every round together, total bytes / total time (at capacity, the sustained rate)")
     print(
-        f"{'mode':>8} {'block':>7} {'raw GB/s':>8} {'put':>6} {'get_into':>8} {'get':>6}   "
+        f"{'mode':>8} {'block':>7} {'raw GB/s':>8} {'(TCP)':>6} {'put':>6} {'get_into':>8} {'get':>6}   "
         f"{'CPU s/GB: put':>13} {'get_into':>8} {'get':>5}   {'put, all rounds':>19}   {'refused':>7} {'usage':>5}"
     )
     for r in results["results"]:  # type: ignore[union-attr]
         print(
             f"{r['mode']:>8} {format_size(r['block_size']):>7} {r['raw_stream_gbps']:>8.2f} "
+            f"{r['raw_tcp_stream_gbps']:>6.2f} "
             f"{r['put_ratio']:>5.2f}x {r['get_into_ratio']:>7.2f}x {r['get_ratio']:>5.2f}x   "
             f"{r['put_cpu_s_per_gb']:>13.2f} {r['get_into_cpu_s_per_gb']:>8.2f} {r['get_cpu_s_per_gb']:>5.2f}   "
             f"{r['put_sustained_ratio']:>5.2f}x {r['put_sustained_cpu_s_per_gb']:>5.2f} s/GB   "

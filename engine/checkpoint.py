@@ -3,7 +3,8 @@ and name one by a digest of its bytes.
 
 ``make_checkpoint`` writes what ``save_pretrained`` would: a transformers 5.x ``config.json``
 (``rope_parameters``) and weights in safetensors shards of at most ``shard_bytes`` with an index, so
-transformers and this engine load the same directory.
+transformers and this engine load the same directory; and a trained tokenizer with its chat template and
+end-of-sequence tokens (``tokenizer_files``), so a server can take text.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 
 from kvtier.engine.config import FULL, SLIDING, ModelConfig, Shape, UnsupportedModelError
 from kvtier.engine.model import CausalLM
+from kvtier.engine.tokenizer_files import write_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -187,6 +189,7 @@ def make_checkpoint(
     if len(shards) > 1:
         index = {"metadata": {}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    write_tokenizer(out, p.vocab_size)
     return out
 
 

@@ -1,4 +1,6 @@
-"""``kvtier-engine``: write checkpoints, check or refresh the numeric baseline.
+"""``kvtier-engine``: write checkpoints, check or refresh the numeric baseline, run the P/D workers.
+
+``kvtier-engine serve`` (the OpenAI-compatible server) is added by ``kvtier.serving.cli``, the installed command.
 
 Errors a user can cause print one line (``kvtier-engine: ...``) and exit with status 2.
 """
@@ -7,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvtier.engine import baseline, worker
 from kvtier.engine.checkpoint import PRESETS, make_checkpoint
@@ -41,7 +44,17 @@ def _baseline(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="kvtier-engine", description=__doc__.splitlines()[0])
+    return parsers()[0]
+
+
+def parsers() -> tuple[argparse.ArgumentParser, Any]:
+    """The command's parser and its subparsers action (``add_parser``; ``choices``: each subcommand's parser by
+    name), for a layer above to add subcommands of its own."""
+    top = argparse.ArgumentParser(
+        prog="kvtier-engine",
+        description="kvtier's engine: checkpoints, the numeric baseline, and the prefill and decode workers "
+        "(P/D disaggregation through the store: `kvtier-engine prefill --help` has their protocol).",
+    )
     sub = top.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint in Hugging Face format")
@@ -61,14 +74,21 @@ def parser() -> argparse.ArgumentParser:
     bl.set_defaults(run=_baseline)
 
     for role, what in (("prefill", "compute prompts and store their KV"), ("decode", "generate from stored KV")):
-        w = sub.add_parser(role, help=f"P/D worker: {what} (JSON lines on stdin/stdout)")
+        w = sub.add_parser(
+            role,
+            help=f"P/D worker: {what} (JSON lines on stdin/stdout)",
+            description=f"P/D worker: {what}.",
+            epilog=worker.PROTOCOL,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         worker.add_arguments(w)
         w.set_defaults(run=lambda args, role=role: worker.serve(role, args))
-    return top
+    return top, sub
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, build: Callable[[], argparse.ArgumentParser] = parser) -> int:
+    """Run the command line ``argv``, parsed by ``build()``'s parser."""
+    args = build().parse_args(argv)
     try:
         args.run(args)
     except (ValueError, OSError) as e:  # UnsupportedModelError is a ValueError

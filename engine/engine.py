@@ -1,4 +1,7 @@
-"""The engine: prompts in, greedy tokens out, reusing whatever prefix KV the store holds.
+"""The engine: prompts in, tokens out (greedy, or sampled with a seed), reusing whatever prefix KV the store holds.
+
+``generate`` runs requests whole; ``start`` returns a :class:`Generation` that a worker advances a step at a time
+(prefill in chunks, then a token a step) and may abandon between steps.
 
 Prefill of one prompt, in order:
 
@@ -35,6 +38,7 @@ from kvtier.engine.model import CausalLM
 from kvtier.engine.paged_cache import PagedKVCache, block_layout
 from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.runner import Runner
+from kvtier.engine.sampling import GREEDY, Sampling, sample
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.sliding import STATE_INTERVAL, SlidingState, state_block_bytes
 from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
@@ -124,12 +128,12 @@ class Engine:
     ) -> Engine:
         """Load the checkpoint at ``path``.
 
-        ``store``: a cluster file to reuse and keep prefix KV in (as the tenant of ``token``, default the
-        cluster's); ``fetcher``: the Unix socket of this host's fetcher, to move blocks through its
-        shared-memory pool; ``directory``: ``HOST:PORT`` of the StateBlock directory, to share StateBlocks
-        with other processes and hosts (this engine then serves its own, as ``host_id``, from a pool of
-        ``state_pool_bytes``); otherwise ``state_blocks``, or a private in-process pool. ``close`` releases
-        what this made.
+        ``store``: a cluster file, or its token-free client file, to reuse and keep prefix KV in (as the tenant of
+        ``token``, default ``$KVTIER_TOKEN``, else the cluster file's own); ``fetcher``: the Unix socket of this
+        host's fetcher, to move blocks through its shared-memory pool; ``directory``: ``HOST:PORT`` of the
+        StateBlock directory, to share StateBlocks with other processes and hosts (this engine then serves its
+        own, as ``host_id``, from a pool of ``state_pool_bytes``); otherwise ``state_blocks``, or a private
+        in-process pool. ``close`` releases what this made.
         """
         model = load(path, device, dtype)
         engine = cls(model, model_id(path), None, state_blocks, block_tokens, cache_tokens, chunk_tokens)
@@ -140,7 +144,8 @@ class Engine:
         address = parse_addr(directory) if directory is not None else None  # bad input: one line, nothing opened
         blocks = BlockStore.open(store, engine.namespace, token)
         config = blocks.client.config
-        client = FetchClient(fetcher, token or config.token) if fetcher is not None else None
+        # (connected by FetcherPages, which starts the engine without it when it is not there yet)
+        client = FetchClient(fetcher, token or config.token, connect=False) if fetcher is not None else None
         engine.attach_store(blocks, client)
         if address is not None and engine.state_bytes:
             host_id = host_id or f"engine-{os.getpid()}"
@@ -165,6 +170,20 @@ class Engine:
         if isinstance(self.transfer, FetcherPages):
             self.transfer.client.close()
 
+    def stats(self) -> dict[str, int]:
+        """Counters of the tiers reuse depends on: per tier (``store``, ``fetcher``, ``directory``) whether it answers
+        now (``_up``), how often it stopped (``_outages``) and came back (``_recoveries``), and calls that found it
+        away (``_failed_calls``); ``fetcher_unstaged_blocks``: blocks moved by the store client because the fetcher
+        could not stage them."""
+        out: dict[str, int] = {}
+        if self.store is not None:
+            out |= self.store.availability.stats("store")
+        if isinstance(self.transfer, FetcherPages):
+            out |= self.transfer.stats()
+        if self._state_host is not None:
+            out |= self._state_host.directory_availability.stats("directory")
+        return out
+
     def __enter__(self) -> Engine:
         return self
 
@@ -178,9 +197,14 @@ class Engine:
         return forward_logits(self.model, self._tensor(tokens))
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, reuse: bool = True, resume: bool = False
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        reuse: bool = True,
+        resume: bool = False,
+        sampling: Sampling = GREEDY,
     ) -> list[Result]:
-        """Greedy continuations, one :class:`Result` per prompt (in order).
+        """Continuations (greedy unless ``sampling`` says otherwise), one :class:`Result` per prompt (in order).
 
         ``reuse=False`` neither reads nor writes the store. ``resume=True`` is the decode worker's mode
         (P/D): the prompt was prefilled elsewhere, so reuse every stored block up to the last block boundary
@@ -189,39 +213,46 @@ class Engine:
         """
         for p in prompts:
             self._tensor(p)
-        return [self._generate_one(list(p), max_new_tokens, reuse, resume) for p in prompts]
+        results = []
+        for p in prompts:
+            with self.start(p, max_new_tokens, sampling, reuse, resume) as g:
+                while not g.finish_reason:
+                    g.step()
+                results.append(g.result())
+        return results
+
+    def start(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        reuse: bool = True,
+        resume: bool = False,
+        first_token: int | None = None,
+    ) -> Generation:
+        """One request, to be advanced step by step (:meth:`Generation.step`) and closed; nothing runs yet.
+
+        ``first_token``: the answer's first token as a prefill worker chose it (P/D), used instead of sampling
+        one from this engine's logits. Raises PromptError for a prompt the model cannot take."""
+        self.check_prompt(prompt)
+        if max_new_tokens < 0:
+            raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        seq = Sequence(list(prompt), SlidingState(self.config, 0, self.dtype, self.device))
+        budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
+        return Generation(self, seq, budget, sampling, reuse, resume, first_token)
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """Raise PromptError (one line) if the model cannot take ``prompt``: empty, longer than its context, or
+        token ids outside its vocabulary."""
+        self._tensor(prompt)
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def _generate_one(self, prompt: list[int], max_new_tokens: int, reuse: bool, resume: bool) -> Result:
-        seq = Sequence(prompt, SlidingState(self.config, 0, self.dtype, self.device))
-        try:
-            first = self.prefill(seq, reuse, resume)
-            token = int(first.argmax())
-            budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
-            states: dict[int, torch.Tensor] = {}
-            save = self._saver(seq, states) if seq.publishing and self.config.sliding_layers else None
-            while len(seq.generated) < budget:
-                seq.generated.append(token)
-                if len(seq.generated) < budget:
-                    pos = len(seq.tokens) - 1
-                    at = [pos + 1] if (pos + 1) % STATE_INTERVAL == 0 else []
-                    token = int(self.runner.run(seq, pos, pos + 1, state_at=at, on_state=save).argmax())
-            if seq.publishing and len(seq.generated) > 1:  # the blocks decode completed (the last token has no KV yet)
-                computed = seq.tokens[:-1]
-                assert self.store is not None
-                keys = self.store.keys(computed)
-                self._publish(seq, computed, keys, len(prompt) // self.block_tokens, states)
-            return Result(seq.generated, seq.hit_tokens, seq.replayed, seq.ttft_s, first, seq.timings)
-        finally:
-            self.cache.release(seq.pages)
-
-    def prefill(self, seq: Sequence, reuse: bool = True, resume: bool = False) -> torch.Tensor:
-        """Fill ``seq``'s cache for its prompt (reusing stored KV when ``reuse``); returns the logits [vocab]
-        of its last position. ``seq.ttft_s`` counts up to the first token's logits, before publishing."""
+    def _begin_prefill(self, seq: Sequence, reuse: bool, resume: bool) -> tuple[list[bytes], int]:
+        """Look the prompt up, fetch what the hit rule reuses and rebuild the sliding state (the first part of
+        prefill); returns the prompt's keys (empty without reuse) and the blocks ``match`` found."""
         start = time.perf_counter()
-        prompt = seq.prompt
-        keys = self.store.keys(prompt) if self.store is not None and reuse else []
+        keys = self.store.keys(seq.prompt) if self.store is not None and reuse else []
         matched = self.store.match(keys) if keys else 0
         h, state = self._reuse(seq, keys, matched, resume)
         fetched = self._clock()
@@ -234,16 +265,8 @@ class Engine:
             seq.replayed = True
         seq.hit_tokens = h
         seq.publishing = bool(keys) and not seq.replayed and not resume
-        states: dict[int, torch.Tensor] = {}
-        state_at = self._state_positions(h, len(prompt)) if seq.publishing and self.config.sliding_layers else []
-        computing = self._clock()
-        logits = self.runner.run(seq, h, len(prompt), state_at=state_at, on_state=self._saver(seq, states))
-        seq.ttft_s = self._clock() - start
-        seq.timings = {"lookup_fetch_s": fetched - start, "replay_s": computing - fetched}
-        seq.timings["compute_s"] = seq.ttft_s - (computing - start)
-        if seq.publishing:
-            self._publish(seq, prompt, keys, max(matched, h // self.block_tokens), states)
-        return logits
+        seq.timings = {"lookup_fetch_s": fetched - start, "replay_s": self._clock() - fetched}
+        return keys, matched
 
     def _clock(self) -> float:
         """``time.perf_counter()`` once the device has done the work queued so far (GPU work is asynchronous)."""
@@ -318,3 +341,136 @@ class Engine:
         if int(t.min()) < 0 or int(t.max()) >= vocab:
             raise PromptError(f"token ids must be in 0…{vocab - 1}; got {int(t.min())}…{int(t.max())}")
         return t
+
+
+class Generation:
+    """One request in progress on an engine (made by :meth:`Engine.start`): its prompt's prefill in steps of
+    whole runner chunks, then one token a step. Several may be in progress on one engine at once (their pages
+    are their own); an engine runs one step at a time. ``close`` (or the ``with`` block) releases its pages,
+    whether it finished or was abandoned half way (an abort)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        seq: Sequence,
+        budget: int,
+        sampling: Sampling,
+        reuse: bool,
+        resume: bool,
+        first_token: int | None,
+    ) -> None:
+        self.engine, self.seq, self.budget, self.sampling = engine, seq, budget, sampling
+        self.reuse, self.resume, self.first_token = reuse, resume, first_token
+        self.computed: int | None = None  # prompt positions in the cache; None until the lookup ran
+        self.finish_reason: str | None = None  # "stop" (a stop token) or "length"; None while running
+        self.first_logits: torch.Tensor | None = None
+        self._keys: list[bytes] = []
+        self._matched = 0
+        self._states: dict[int, torch.Tensor] = {}  # StateBlocks this request computed, by position
+        self._state_at: list[int] = []
+        self._started = 0.0
+        self._closed = False
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt positions still to compute (the whole prompt before the lookup ran)."""
+        return len(self.seq.prompt) - (self.computed or 0)
+
+    @property
+    def cached(self) -> int:
+        """Positions whose KV the cache holds: the reused prefix plus what was computed since."""
+        return (self.computed or 0) + max(0, len(self.seq.generated) - 1)
+
+    def step(self, max_prefill_tokens: int | None = None) -> int | None:
+        """Advance by one step and return the token it produced, or None (a prefill step that did not reach the
+        prompt's end, or a request that produces no tokens).
+
+        While prefilling (the first step also looks up and fetches the reused prefix): computes up to
+        ``max_prefill_tokens`` more prompt positions (None: all), rounded down to the runner's chunk boundaries
+        but at least one chunk, so equal prefixes are always computed in equal pieces; the step that completes
+        the prompt publishes its blocks and yields the first token. Afterwards each step computes one token.
+        Sets ``finish_reason`` on the last token."""
+        assert not self.finish_reason and not self._closed, "step() on a finished or closed request"
+        engine, seq = self.engine, self.seq
+        if self.computed is None:
+            self._started = time.perf_counter()
+            self._keys, self._matched = engine._begin_prefill(seq, self.reuse, self.resume)
+            self.computed = seq.hit_tokens
+            if seq.publishing and engine.config.sliding_layers:
+                self._state_at = engine._state_positions(seq.hit_tokens, len(seq.prompt))
+        if self.computed < len(seq.prompt):
+            return self._prefill(max_prefill_tokens)
+        pos = len(seq.tokens) - 1
+        at = [pos + 1] if (pos + 1) % STATE_INTERVAL == 0 else []
+        save = engine._saver(seq, self._states) if seq.publishing and engine.config.sliding_layers else None
+        return self._emit(engine.runner.run(seq, pos, pos + 1, state_at=at, on_state=save))
+
+    def _prefill(self, max_tokens: int | None) -> int | None:
+        engine, seq, start = self.engine, self.seq, self.computed
+        assert start is not None
+        length, chunk = len(seq.prompt), engine.runner.chunk_tokens
+        end = length
+        if max_tokens is not None:
+            end = min(length, max(start // chunk + 1, (start + max_tokens) // chunk) * chunk)
+        computing = engine._clock()
+        states: dict[int, torch.Tensor] = {}
+        logits = engine.runner.run(seq, start, end, state_at=self._state_at, on_state=engine._saver(seq, states))
+        self._states.update(states)
+        self.computed = end
+        now = engine._clock()
+        seq.timings["compute_s"] = seq.timings.get("compute_s", 0.0) + now - computing
+        if end < length:
+            return None
+        seq.ttft_s = now - self._started
+        if seq.publishing:
+            first = max(self._matched, seq.hit_tokens // engine.block_tokens)
+            engine._publish(seq, seq.prompt, self._keys, first, self._states)
+        self._states = {}
+        self.first_logits = logits
+        if self.budget == 0:
+            self.finish_reason = "length"
+            return None
+        return self._emit(logits)
+
+    def _emit(self, logits: torch.Tensor) -> int:
+        seq = self.seq
+        index = len(seq.generated)
+        if index == 0 and self.first_token is not None:
+            token = self.first_token
+        else:
+            token = sample(logits, self.sampling, index)
+        seq.generated.append(token)
+        if token in self.sampling.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(seq.generated) >= self.budget:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            self._publish_decoded()
+        return token
+
+    def _publish_decoded(self) -> None:
+        """The blocks decode completed (the last token has no KV yet) and its StateBlocks, to the store."""
+        engine, seq = self.engine, self.seq
+        if seq.publishing and len(seq.generated) > 1:
+            computed = seq.tokens[:-1]
+            assert engine.store is not None
+            keys = engine.store.keys(computed)
+            engine._publish(seq, computed, keys, len(seq.prompt) // engine.block_tokens, self._states)
+
+    def result(self) -> Result:
+        """What the request did, once it finished."""
+        assert self.finish_reason and self.first_logits is not None
+        seq = self.seq
+        return Result(seq.generated, seq.hit_tokens, seq.replayed, seq.ttft_s, self.first_logits, seq.timings)
+
+    def close(self) -> None:
+        """Release the request's pages (idempotent). A request closed before it finished stores nothing more."""
+        if not self._closed:
+            self._closed = True
+            self.engine.cache.release(self.seq.pages)
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

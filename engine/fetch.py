@@ -7,17 +7,22 @@ Two ways, one interface (:class:`PageTransfer`):
 - :class:`FetcherPages`: through the host's ``kvtier-fetcher`` process. Blocks land in its shared-memory
   slots (a host-memory hit costs no store read at all) and are swapped into pages by
   ``kvtier.transfer.swapin`` (an indexed copy on the CPU, the gather kernel on a GPU); new blocks leave the
-  same way (swap-out into allocated slots, then the fetcher stores them).
+  same way (swap-out into the tenant's outbox slots, then the fetcher stores them).
 
 Both answer misses and failures as "fewer blocks": a fetch returns how many *leading* pages hold their block,
-a store how many blocks are stored. Nothing here raises because the store or the fetcher is away or broken
-(a failed swap is a miss: the engine recomputes). Through the fetcher, a block counts only if its slot still
-holds it (generation checked) after the swap-in has finished; one that does not is a miss from there on.
+a store how many blocks are stored. Nothing here raises because the store or the fetcher is away or broken.
+Through the fetcher, a block counts only if its slot still holds it (generation checked) after the swap-in has
+finished; one that does not is a miss from there on. While the fetcher is away (not started yet, restarting,
+dead), and for blocks it cannot stage (its pool full, or never able to take blocks this large), blocks go through
+the engine's own store client instead: reuse is kept, at the store's speed. The fetcher being away is logged once
+when it goes and once when it is back, a block it can never take once per reason (with the fix), all counted.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -27,10 +32,15 @@ import torch
 from kvtier.engine.paged_cache import PagedKVCache
 from kvtier.engine.store import BlockStore
 from kvtier.kvstore.keys import header_digests
-from kvtier.transfer.fetch_client import FetchClient, FetcherError
-from kvtier.transfer.swapin import CudaHostMapping, slot_tensor, swap_in, swap_out
+from kvtier.kvstore.transport import AuthError
+from kvtier.transfer.availability import Availability
+from kvtier.transfer.fetch_client import Blocks, FetchClient, FetcherError
+from kvtier.transfer.fetch_protocol import BlockStatus
+from kvtier.transfer.staging import Region
+from kvtier.transfer.swapin import CudaHostMapping, SwapError, slot_tensor, swap_in, swap_out
 
 log = logging.getLogger("kvtier.engine")
+UNAVAILABLE = (FetcherError, AuthError)  # the fetcher is away, or refuses this engine's token
 
 
 class PageTransfer(Protocol):
@@ -45,55 +55,74 @@ class PageTransfer(Protocol):
 
 
 class StorePages:
-    """On a CPU engine a page's memory is handed to the store as is. On a GPU, blocks pass through two pinned
-    host buffers (a quarter of the cache each, at most ``staging_bytes``; made with the engine), in turn: a
-    fetch is read in at least two groups, and while one group's copies to the device run the store decodes
-    the next into the other buffer, so a fetch costs about the store's ``get_into`` alone. Groups are as few
-    as the buffers allow: every store call has a fixed cost (on the H200, groups of 128 MiB fetched 2.4 GB at
-    3.1 GB/s where one ``get_into`` of it ran at 5.9)."""
+    """On a CPU engine a page's memory is handed to the store as is. On a GPU, blocks pass through one pinned host
+    buffer (half the cache, at most ``staging_bytes``; made at the first use): a fetch is one store read of as many
+    blocks as the buffer holds (the whole prefix, for any prompt up to half the cache), and each lane of that read
+    (``Client.get_into``) is copied to the device as soon as it has landed, while the other lanes are still being
+    read. So a fetch costs about the store's ``get_into`` plus one lane's copy. (Before: two buffers of a quarter
+    of the cache, each read and copied in turn; the 2.45 GB prefix of the 8 B checkpoint took three store calls and
+    299 ms where one ``get_into`` of it took 155.)"""
 
-    def __init__(self, store: BlockStore, cache: PagedKVCache, staging_bytes: int = 1 << 30) -> None:
+    def __init__(self, store: BlockStore, cache: PagedKVCache, staging_bytes: int = 4 << 30) -> None:
         self.store, self.cache = store, cache
         self.on_host = cache.pages.device.type == "cpu"
         pages = cache.pages.shape[0]
-        self.group = max(1, min(staging_bytes // cache.page_bytes, -(-pages // 4)))  # blocks a buffer holds
-        self._staging: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-        if not self.on_host:
-            for _ in range(2):
-                buf = torch.empty((self.group, cache.page_bytes), dtype=torch.uint8, pin_memory=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._staging.append((buf, event))
+        self.rows = max(1, min(staging_bytes // cache.page_bytes, -(-pages // 2)))  # blocks the buffer holds
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def _staging(self) -> torch.Tensor:
+        """The pinned buffer, made at the first use (an engine whose blocks go through the fetcher may never need
+        it)."""
+        if self._buffer is None:
+            self._buffer = torch.empty((self.rows, self.cache.page_bytes), dtype=torch.uint8, pin_memory=True)
+        return self._buffer
 
     def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
         if self.on_host:
             return self.store.get_into(keys, [_view(self.cache.block(p)) for p in pages], tokens)
-        if not keys:
-            return 0
         landed = 0
-        size = -(-len(keys) // max(2, -(-len(keys) // self.group)))  # blocks per group: at least two groups
-        for i, start in enumerate(range(0, len(keys), size)):
-            buf, copied = self._staging[i % 2]
-            copied.synchronize()  # this buffer's previous copies to the device are done
-            group = keys[start : start + size]
-            rows = buf[: len(group)]
-            got = self.store.get_into(group, [_view(r) for r in rows], tokens)
-            for row, page in zip(rows[:got], pages[start : start + got], strict=True):
-                self.cache.block(page).copy_(row, non_blocking=True)
-            copied.record()
+        for start in range(0, len(keys), self.rows):
+            group = keys[start : start + self.rows]
+            got = self._fetch_group(group, pages[start : start + len(group)], tokens)
             landed += got
             if got < len(group):
                 break
-        torch.cuda.current_stream().synchronize()
         return landed
+
+    def _fetch_group(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+        """One store read into the buffer on a thread of its own, this thread copying each lane to the device as
+        it lands; returns when the copies are done (the buffer is free again)."""
+        rows = self._staging[: len(keys)]
+        spans: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        got: list[int] = []
+
+        def read() -> None:
+            try:
+                views = [_view(r) for r in rows]
+                got.append(self.store.get_into(keys, views, tokens, on_landed=lambda lo, hi: spans.put((lo, hi))))
+            finally:
+                spans.put(None)
+
+        reader = threading.Thread(target=read, name="kvtier-fetch")
+        reader.start()
+        try:
+            while (span := spans.get()) is not None:
+                lo, hi = span  # a miss's page gets bytes too: pages past what landed are recomputed
+                for at, first, n in _runs(pages[lo:hi]):  # one copy per run of consecutive pages
+                    self.cache.block_run(first, n).copy_(rows[lo + at : lo + at + n], non_blocking=True)
+        finally:
+            reader.join()
+            torch.cuda.current_stream().synchronize()
+        return got[0] if got else 0
 
     def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
         if self.on_host:
             return self.store.put(keys, [_view(self.cache.block(p)) for p in pages], tokens)
         stored = 0
-        buf = self._staging[0][0]
-        for start in range(0, len(keys), self.group):
-            group = list(pages[start : start + self.group])
+        buf = self._staging
+        for start in range(0, len(keys), self.rows):
+            group = list(pages[start : start + self.rows])
             rows = buf[: len(group)]
             index = torch.tensor(group).to(self.cache.pages.device, non_blocking=True)
             rows.copy_(self.cache.pages.index_select(0, index).view(len(group), -1).view(torch.uint8))
@@ -102,10 +131,22 @@ class StorePages:
 
 
 class FetcherPages:
+    """Blocks through the host's fetcher (see the module docstring); through ``fallback``, the engine's own store
+    client, while the fetcher is away and for blocks it cannot stage."""
+
     def __init__(self, client: FetchClient, store: BlockStore, cache: PagedKVCache) -> None:
         self.client, self.store, self.cache = client, store, cache
-        self._slots: tuple[object, torch.Tensor] | None = None  # (the pool mapping it views, the slots tensor)
-        self._cuda: CudaHostMapping | None = None
+        self.fallback = StorePages(store, cache)
+        self.availability = Availability(
+            f"the fetcher at {client.socket_path}", "blocks go through the store client", log
+        )
+        self.unstaged = 0  # blocks the fetcher could not stage, read or stored through the store client instead
+        self._refusals: set[str] = set()  # reasons logged (once each)
+        self._rows: dict[int, tuple[Region, torch.Tensor, CudaHostMapping | None]] = {}  # by page bytes and kind
+        try:
+            client.connect()
+        except UNAVAILABLE as e:  # the engine starts anyway, and uses the fetcher once it is there
+            self.availability.failed(e)
 
     def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
         if not keys:
@@ -113,31 +154,77 @@ class FetcherPages:
         try:
             with self.client.fetch(keys, self.cache.page_bytes, headers=self._headers(keys, tokens)) as blocks:
                 n = blocks.leading(blocks.ok())  # the answers as arrays: no Python object per block
-                slots = blocks.slots[:n].astype(np.int32)  # int32 ids: what the GPU kernels read, copied as is
-                swap_in(self._slot_rows(), slots, self.cache.pages, np.asarray(pages[:n], dtype=np.int32))
-                if self.cache.pages.device.type != "cpu":
-                    torch.cuda.current_stream().synchronize()  # before the pins are released
-                return blocks.leading(blocks.valid()[:n])  # a slot reused meanwhile is a miss from there
-        except (FetcherError, ValueError) as e:  # ValueError: SwapError, or pages no size class holds
-            log.warning("fetcher failed, recomputing instead: %s", e)
-            return 0
+                if n:
+                    assert blocks.segment is not None
+                    slots = blocks.slots[:n].astype(np.int32)  # int32 ids: what the GPU kernels read, copied as is
+                    swap_in(self._slot_rows(blocks.segment), slots, self.cache.pages, np.asarray(pages[:n], np.int32))
+                    if self.cache.pages.device.type != "cpu":
+                        torch.cuda.current_stream().synchronize()  # before the pins are released
+                landed = blocks.leading(blocks.valid()[:n])  # a slot reused meanwhile is a miss from there
+                unstaged = self._unstaged(blocks, n) if landed == n else False
+        except UNAVAILABLE as e:
+            self.availability.failed(e)
+            return self.fallback.fetch(keys, pages, tokens)
+        except (SwapError, RuntimeError) as e:  # the slots cannot reach the pages here (CUDA refused to map them)
+            self._refused(f"{type(e).__name__}: {e}")
+            return self.fallback.fetch(keys, pages, tokens)
+        self.availability.answered()
+        if unstaged:  # the rest through the store client: a block the pool cannot take is no lost reuse
+            got = self.fallback.fetch(keys[n:], pages[n:], tokens)
+            self.unstaged += got
+            return n + got
+        return landed
 
     def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+        """Swap pages out into outbox slots and have the fetcher store them, as many at a time as the outbox gives
+        (it copies them into its cache, so the next request for them is a host hit); what it cannot take goes
+        through the store client."""
         if not keys:
             return 0
+        stored = done = 0
         try:
-            slots = self.client.alloc(len(keys), self.cache.page_bytes)
-            n = slots.leading(slots.ok())
-            ids = slots.slots[:n].astype(np.int32)
-            swap_out(self.cache.pages, np.asarray(pages[:n], dtype=np.int32), self._slot_rows(), ids)
-            if self.cache.pages.device.type != "cpu":
-                torch.cuda.current_stream().synchronize()
-            if n < len(slots):
-                self.client.release(slots[n:])
-            return sum(self.client.put(keys[:n], slots[:n], headers=self._headers(keys[:n], tokens)))
-        except (FetcherError, ValueError) as e:
-            log.warning("fetcher failed, blocks not stored: %s", e)
-            return 0
+            while done < len(keys):
+                slots = self.client.alloc(len(keys) - done, self.cache.page_bytes)
+                n = slots.leading(slots.ok())
+                if n == 0:
+                    self._unstaged(slots, 0)
+                    break
+                assert slots.segment is not None
+                ids = slots.slots[:n].astype(np.int32)
+                at = slice(done, done + n)
+                swap_out(self.cache.pages, np.asarray(pages[at], dtype=np.int32), self._slot_rows(slots.segment), ids)
+                if self.cache.pages.device.type != "cpu":
+                    torch.cuda.current_stream().synchronize()
+                stored += sum(self.client.put(keys[at], slots[:n], headers=self._headers(keys[at], tokens)))
+                done += n
+        except UNAVAILABLE as e:
+            self.availability.failed(e)
+        else:
+            self.availability.answered()
+        if done < len(keys):
+            rest = self.fallback.store_pages(keys[done:], pages[done : len(keys)], tokens)
+            self.unstaged += rest
+            stored += rest
+        return stored
+
+    def stats(self) -> dict[str, int]:
+        return {**self.availability.stats("fetcher"), "fetcher_unstaged_blocks": self.unstaged}
+
+    def _unstaged(self, blocks: Blocks, n: int) -> bool:
+        """Whether block ``n`` of ``blocks`` (the first not in a slot) is one the fetcher could not place (FULL or
+        ERROR, not a miss); a reason it gives is logged once (it says what to change)."""
+        if n >= len(blocks) or int(blocks.status[n]) not in (BlockStatus.FULL, BlockStatus.ERROR):
+            return False
+        why = blocks.errors.get(n, "")
+        if why:
+            self._refused(why)
+        return True
+
+    def _refused(self, why: str) -> None:
+        """Blocks cannot be staged for ``why``: said once (per reason), loudly."""
+        if why not in self._refusals:
+            self._refusals.add(why)
+            log.error("the fetcher cannot stage these blocks, they go through the store client: %s", why)
 
     def _headers(self, keys: Sequence[bytes], tokens: Sequence[int]) -> list[bytes]:
         """Header digests of ``keys``, any blocks of the chain over ``tokens`` (digests bind each block's parent,
@@ -147,20 +234,35 @@ class FetcherPages:
         digests = dict(zip(full, header_digests(self.store.namespace, arr, full), strict=True))
         return [digests[k] for k in keys]
 
-    def _slot_rows(self) -> torch.Tensor:
-        """The slots of the fetcher's size class for pages as ``uint8 [slots, stride]`` (as the device sees
-        them), remapped when the fetcher restarted with a new segment; ValueError if no class holds a page."""
-        _, pool = self.client.map_for(self.cache.page_bytes)  # the size class the pages' slots belong to
-        if self._slots is None or self._slots[0] is not pool:
-            rows = slot_tensor(pool.buffer, stride=pool.stride, slots=pool.slots, offset=pool.data_offset)
-            if self.cache.pages.device.type != "cpu":
-                if self._cuda is not None:
-                    self._cuda.close()
-                self._cuda = CudaHostMapping(rows, self.cache.pages.device)
-                rows = self._cuda.tensor
-            self._slots = (pool, rows)
-        return self._slots[1]
+    def _slot_rows(self, segment: Region) -> torch.Tensor:
+        """``segment``'s slots as ``uint8 [slots, stride]`` as the device sees them: a CPU view, or on a GPU the
+        segment registered with CUDA (read-only for a cache segment) when first seen. One registration is kept per
+        kind of segment (cache, outbox): a new segment of that kind (the fetcher restarted, or made a new one)
+        replaces the last."""
+        kind = int(segment.writable)
+        held = self._rows.get(kind)
+        if held is not None and held[0] is segment:
+            return held[1]
+        rows = slot_tensor(segment.buffer, stride=segment.stride, slots=segment.slots, offset=segment.data_offset)
+        mapping = None
+        if self.cache.pages.device.type != "cpu":
+            if held is not None and held[2] is not None:
+                held[2].close()
+            mapping = CudaHostMapping(rows, self.cache.pages.device, read_only=not segment.writable)
+            rows = mapping.tensor
+        self._rows[kind] = (segment, rows, mapping)
+        return rows
 
 
 def _view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
+
+
+def _runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``pages`` as runs of consecutive page numbers: (position in ``pages``, first page, length) each."""
+    p = np.asarray(pages, dtype=np.int64)
+    if not len(p):
+        return []
+    starts = np.flatnonzero(np.diff(p, prepend=p[0] - 2) != 1)
+    ends = [*starts[1:].tolist(), len(p)]
+    return [(a, int(p[a]), b - a) for a, b in zip(starts.tolist(), ends, strict=True)]

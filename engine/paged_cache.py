@@ -50,6 +50,10 @@ class PagedKVCache:
         return self.pages[0].numel() * self.pages.element_size()
 
     @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    @property
     def free_pages(self) -> int:
         return len(self._free)
 
@@ -80,3 +84,7 @@ class PagedKVCache:
     def block(self, page: int) -> torch.Tensor:
         """Page ``page`` as one flat byte tensor (a view: writing it writes the page)."""
         return self.pages[page].view(-1).view(torch.uint8)
+
+    def block_run(self, first: int, n: int) -> torch.Tensor:
+        """Pages ``first … first+n-1`` as ``uint8 [n, page_bytes]`` (a view: one copy fills them all)."""
+        return self.pages[first : first + n].view(n, -1).view(torch.uint8)

@@ -1,13 +1,15 @@
 """The engine's side of the store: one namespace, block reads into pages, block writes from pages.
 
 A store that is down or refuses us is never a failed request: every call here answers as a miss (``match``
-0, nothing fetched, nothing stored), logs one line per kind of failure, and the engine recomputes.
+0, nothing fetched, nothing stored) and the engine recomputes. It is never silent either: the first call that finds
+the store away logs one line, the first that finds it back another, and both are counted (``availability``, in
+the engine's ``stats``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +18,11 @@ from kvtier.kvstore.client import CapacityError, Client, connect
 from kvtier.kvstore.keys import Namespace, chain
 from kvtier.kvstore.protocol import ProtocolError
 from kvtier.kvstore.transport import AuthError
+from kvtier.transfer.availability import Availability
 
 log = logging.getLogger("kvtier.engine")
 
-STORE_ERRORS = (OSError, ProtocolError, AuthError, CapacityError)
+STORE_ERRORS = (OSError, ProtocolError, AuthError)  # the store is away, or refuses this engine
 
 
 class BlockStore:
@@ -29,7 +32,8 @@ class BlockStore:
         self.client = client
         self.namespace = namespace
         self.hash_algo = client.config.hash_algo
-        self._warned: set[str] = set()
+        self.availability = Availability("the store", "the engine recomputes what it cannot reach", log)
+        self._full_logged = False
 
     @classmethod
     def open(cls, cluster_file: str | Path, namespace: Namespace, token: str | None = None) -> BlockStore:
@@ -42,38 +46,58 @@ class BlockStore:
     def match(self, keys: Sequence[bytes]) -> int:
         """Leading keys stored (0 when the store cannot answer)."""
         try:
-            return self.client.match(keys)
+            live = self.client.liveness(keys)  # per key 1 held, 0 not, -1 unknown (its primary did not answer)
         except STORE_ERRORS as e:
-            self._warn("match", e)
+            self.availability.failed(e)
             return 0
+        misses = np.flatnonzero(live != 1)
+        hit = int(misses[0]) if len(misses) else len(keys)
+        if hit < len(keys) and live[hit] == -1:  # a miss only because the store could not answer
+            self.availability.failed(f"the node holding the record of block {hit} of the prompt did not answer")
+        else:
+            self.availability.answered()
+        return hit
 
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], tokens: Sequence[int]) -> int:
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[memoryview],
+        tokens: Sequence[int],
+        on_landed: Callable[[int, int], None] | None = None,
+    ) -> int:
         """Read blocks into ``buffers``; returns how many *leading* blocks landed (header-checked against
-        ``tokens``, so a collision is a miss)."""
+        ``tokens``, so a collision is a miss). ``on_landed(lo, hi)``: told as ranges of blocks are done, from the
+        threads that read them (``Client.get_into``)."""
         if not keys:
             return 0
         try:
-            got = self.client.get_into(keys, buffers, tokens=np.asarray(tokens, dtype=np.uint32))
+            got = self.client.get_into(keys, buffers, tokens=np.asarray(tokens, dtype=np.uint32), on_landed=on_landed)
         except STORE_ERRORS as e:
-            self._warn("get", e)
+            self.availability.failed(e)
             return 0
         misses = [i for i, ok in enumerate(got) if not ok]
-        return misses[0] if misses else len(keys)
+        landed = misses[0] if misses else len(keys)
+        if landed:  # (nothing read may be misses, or nodes away: only ``match`` tells them apart)
+            self.availability.answered()
+        return landed
 
     def put(self, keys: Sequence[bytes], buffers: Sequence[memoryview], tokens: Sequence[int]) -> int:
         """Store blocks (``tokens``: the prompt the keys were chained from); returns how many are stored."""
         if not keys:
             return 0
         try:
-            return sum(self.client.put(keys, buffers, tokens=np.asarray(tokens, dtype=np.uint32)))
+            stored = sum(self.client.put(keys, buffers, tokens=np.asarray(tokens, dtype=np.uint32)))
         except STORE_ERRORS as e:
-            self._warn("put", e)
-            return sum(e.stored) if isinstance(e, CapacityError) else 0
+            self.availability.failed(e)
+            return 0
+        except CapacityError as e:  # the store answers, but is full of blocks it cannot evict
+            if not self._full_logged:
+                self._full_logged = True
+                log.warning("the store is full, blocks are not stored (logged once): %s", e)
+            stored = sum(e.stored)
+        if stored:  # (nothing stored: nodes away, or the store full; ``match`` tells which)
+            self.availability.answered()
+        return stored
 
     def close(self) -> None:
         self.client.close()
-
-    def _warn(self, what: str, error: Exception) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning("store %s failed, recomputing instead: %s", what, error)

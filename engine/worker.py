@@ -1,19 +1,28 @@
-"""``kvtier-engine prefill`` and ``kvtier-engine decode``: prefill/decode workers (P/D disaggregation).
+"""``kvtier-engine prefill``, ``decode`` and ``worker``: engine workers (P/D disaggregation, or both halves in one).
 
-Each worker is its own process with its own model and paged cache; the two meet only through the store
-(block KV) and the StateBlock directory (sliding-window state, pulled from the host that holds it):
+Each worker is its own process with its own model and paged cache; a prefill and a decode worker meet only
+through the store (block KV) and the StateBlock directory (sliding-window state, pulled from the host that holds
+it):
 
-- **prefill** computes a prompt (reusing any stored prefix), stores its new full blocks, and saves StateBlocks
-  at every multiple of 128 plus one at the last block boundary before the final token (the handoff);
+- **prefill** computes a prompt (reusing any stored prefix), stores its new full blocks, saves StateBlocks at
+  every multiple of 128 plus one at the last block boundary before the final token (the handoff), and chooses
+  the answer's first token;
 - **decode** fetches the whole prompt's blocks and the handoff StateBlock, recomputes at most the last block,
-  and generates greedily. Its output equals a single-process run.
+  and generates (taking the prefill worker's first token when given it). Its output equals a single-process run;
+- **worker** (``role="both"``) does both in one process: the embedded server's engine.
 
-Protocol (stdin → stdout, one JSON object a line): the worker first prints
-``{"ready": true, "role": ..., "state_host": "HOST:PORT" | null}``, then answers each request
-``{"id": ..., "prompt": [token ids], "max_new_tokens": n}`` with one line:
-prefill ``{"id", "hit_tokens", "replayed", "ttft_s", "first_token"}``; decode ``{"id", "tokens", "hit_tokens",
-"recomputed_tokens", "replayed", "ttft_s"}``. A bad request is answered ``{"id", "error": "one line"}`` and the
-worker carries on. End of input ends the worker.
+The protocol (:data:`PROTOCOL`, also in ``kvtier-engine prefill --help`` and ``docs/engine.md``), stdin → stdout,
+one JSON object a line: the worker first prints
+``{"ready": true, "role": ..., "state_host": "HOST:PORT" | null}``, then takes requests
+``{"id", "prompt": [token ids], "max_new_tokens": n, "temperature"?, "top_p"?, "seed"?, "stop_token_ids"?,
+"first_token"? (decode), "stream"?}`` and ``{"abort": id}``. It works on every request it holds at once
+(:class:`WorkerLoop`), so answers come in the order requests finish, each naming its ``id``:
+
+- prefill: ``{"id", "hit_tokens", "replayed", "ttft_s", "first_token", "finish_reason"}``;
+- decode and both: ``{"id", "tokens", "finish_reason", "hit_tokens", "recomputed_tokens", "replayed",
+  "ttft_s"}``, preceded with ``"stream": true`` by one ``{"id", "token"}`` line per token as it is made;
+- an abort: ``{"id", "aborted": true}`` once its pages are released (nothing if the id is not running);
+- a bad request: ``{"id", "error": "one line"}``; the worker carries on. End of input ends the worker.
 """
 
 from __future__ import annotations
@@ -21,79 +30,308 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import select
 import subprocess
 import sys
-from typing import Any, TextIO
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, TextIO
 
 import torch
 
 from kvtier.engine.checkpoint import DTYPES
-from kvtier.engine.engine import Engine, PromptError
+from kvtier.engine.engine import Engine, Generation, PromptError
+from kvtier.engine.sampling import Sampling
+from kvtier.kvstore.cluster import read_token_file
+
+ROLES = ("prefill", "decode", "both")
+PROTOCOL = """\
+protocol: JSON lines, one object a line. The worker first prints
+  {"ready": true, "role": "prefill"|"decode"|"both", "state_host": "HOST:PORT"|null}
+then takes requests and aborts on stdin, and works on every request it holds at once:
+  {"id": ANY, "prompt": [token ids], "max_new_tokens": N, "temperature"?, "top_p"?, "seed"?,
+   "stop_token_ids"?, "first_token"? (decode), "stream"?}            {"abort": ID}
+answering each on stdout as it finishes, naming its id:
+  prefill        {"id", "hit_tokens", "replayed", "ttft_s", "first_token", "finish_reason"}
+  decode, both   {"id", "tokens", "finish_reason", "hit_tokens", "recomputed_tokens", "replayed", "ttft_s"}
+                 (with "stream": true, first one {"id", "token"} line per token as it is made)
+  an abort       {"id", "aborted": true} once its pages are released
+A request it cannot take is answered {"id", "error": "one line"} and the worker carries on; end of input ends it."""
+
+# (prompt tokens left, tokens already in the cache, seconds left in this step) -> most tokens to compute now
+ChunkPlanner = Callable[[int, int, float], int]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="Hugging Face model directory")
-    p.add_argument("--store", required=True, help="cluster file")
+    p.add_argument("--store", required=True, help="cluster file, or its client file cluster.public.toml")
+    p.add_argument(
+        "--token-file",
+        help="file holding the tenant token (mode 0600; default $KVTIER_TOKEN, else the cluster file's own token)",
+    )
     p.add_argument("--directory", help="HOST:PORT of the kvtier-directory (StateBlocks across processes)")
     p.add_argument("--fetcher", help="Unix socket of this host's kvtier-fetcher (default: the store client)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--state-pool-bytes", type=int, default=256 << 20, help="StateBlock pool size (default 256 MiB)")
+    p.add_argument("--cache-tokens", type=int, default=1 << 17, help="paged KV cache size in tokens (131072)")
 
 
-def serve(role: str, args: argparse.Namespace, requests: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
+def open_engine(role: str, args: argparse.Namespace) -> Engine:
+    """The engine a worker of ``role`` runs, from the arguments of :func:`add_arguments`."""
     torch.set_num_threads(args.threads)
-    with Engine.from_pretrained(
+    token = read_token_file(args.token_file) if args.token_file else None
+    engine = Engine.from_pretrained(
         args.checkpoint,
         args.device,
         DTYPES[args.dtype],
         store=args.store,
+        token=token,
         fetcher=args.fetcher,
         directory=args.directory,
         host_id=f"{role}-{os.getpid()}",
         state_pool_bytes=args.state_pool_bytes,
-    ) as engine:
-        engine.handoff = role == "prefill"
-        host = getattr(engine.state_blocks, "addr", None)  # a StateBlockHost serves at this address
-        _say(out, {"ready": True, "role": role, "state_host": f"{host[0]}:{host[1]}" if host else None})
-        for line in requests:
-            if line.strip():
-                _say(out, _answer(engine, role, line))
+        cache_tokens=args.cache_tokens,
+    )
+    engine.handoff = role == "prefill"
+    return engine
 
 
-def _answer(engine: Engine, role: str, line: str) -> dict[str, Any]:
-    rid = None
-    try:
-        request = json.loads(line)
-        rid = request.get("id")
-        prompt, new = request["prompt"], int(request.get("max_new_tokens", 16))
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-            raise PromptError("prompt must be a list of token ids")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return {"id": rid, "error": f"bad request: {e}"}
-    try:
-        if role == "prefill":
-            r = engine.generate([prompt], 1)[0]
-            return {
-                "id": rid,
-                "hit_tokens": r.hit_tokens,
-                "replayed": r.replayed,
-                "ttft_s": r.ttft_s,
-                "first_token": r.tokens[0],
-            }
-        r = engine.generate([prompt], new, resume=True)[0]
-    except PromptError as e:
-        return {"id": rid, "error": str(e)}
-    return {
-        "id": rid,
-        "tokens": r.tokens,
-        "hit_tokens": r.hit_tokens,
-        "recomputed_tokens": len(prompt) - r.hit_tokens,
-        "replayed": r.replayed,
-        "ttft_s": r.ttft_s,
-    }
+def remove_leftovers(role: str, pid: int, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink the shared memory a ``role`` worker of process ``pid`` left behind when it died without closing its
+    engine (its StateBlock pool, named after its host id ``ROLE-PID``); returns the names removed. For the
+    process that started the worker, once the worker has exited."""
+    removed = []
+    for path in shm_dir.glob(f"kvtier-state-{role}-{pid}-*"):
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
+def ready_line(engine: Engine, role: str) -> dict[str, Any]:
+    host = getattr(engine.state_blocks, "addr", None)  # a StateBlockHost serves at this address
+    return {"ready": True, "role": role, "state_host": f"{host[0]}:{host[1]}" if host else None}
+
+
+def serve(
+    role: str,
+    args: argparse.Namespace,
+    requests: TextIO = sys.stdin,
+    out: TextIO = sys.stdout,
+    plan_chunk: ChunkPlanner | None = None,
+    step_budget_s: float = 0.0,
+) -> None:
+    """Run a worker of ``role`` on JSON lines from ``requests`` until they end (the module doc's protocol)."""
+    with open_engine(role, args) as engine:
+        _say(out, ready_line(engine, role))
+        loop = WorkerLoop(engine, role, lambda event: _say(out, event), plan_chunk, step_budget_s)
+        reader = threading.Thread(target=_read_lines, args=(requests, loop), daemon=True)
+        reader.start()
+        loop.run()
+
+
+def _read_lines(requests: TextIO, loop: WorkerLoop) -> None:
+    for line in requests:
+        if line.strip():
+            loop.submit(line)
+    loop.submit(None)
+
+
+@dataclass
+class _Running:
+    rid: Any
+    generation: Generation
+    stream: bool
+    pages: int  # reserved for it: its prompt and every token it may generate
+
+
+@dataclass
+class _Waiting:
+    rid: Any
+    start: Callable[[], Generation]
+    stream: bool
+    pages: int
+
+
+def _prompt_left(r: _Running) -> int:
+    return r.generation.prompt_left
+
+
+class WorkerLoop:
+    """The scheduler of one engine: requests in (:meth:`submit`, from any thread), events out (``emit``, called
+    on the loop's thread, in the module doc's shapes).
+
+    Each iteration takes what was submitted, then runs one *step*: a token for every request that is decoding,
+    then prefill chunks of waiting prompts, the least prompt left first (a short prompt never waits for a long one
+    to finish; ties in arrival order), while the step's time budget lasts. With
+    ``plan_chunk`` each chunk is the most tokens it allows for the time left of ``step_budget_s`` (the first
+    chunk of a step at least one runner chunk, so every step progresses); without it a prompt is computed whole.
+    A request waits (in order) until the cache can hold its prompt and every token it may generate on top of what
+    the running requests may need, so none runs out of pages half way. An abort takes effect between steps (or
+    removes a waiting request). Not thread-safe except :meth:`submit` (and putting into ``inbox``, the
+    queue it reads, which a caller may make before the engine exists)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        role: str,
+        emit: Callable[[dict[str, Any]], None],
+        plan_chunk: ChunkPlanner | None = None,
+        step_budget_s: float = 0.0,
+        inbox: queue.Queue[str | dict[str, Any] | None] | None = None,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.engine, self.role, self.emit = engine, role, emit
+        self.plan_chunk, self.step_budget_s = plan_chunk, step_budget_s
+        self.inbox: queue.Queue[str | dict[str, Any] | None] = inbox if inbox is not None else queue.Queue()
+        self.running: dict[Any, _Running] = {}  # in arrival order
+        self.waiting: deque[_Waiting] = deque()  # for cache pages, in arrival order
+        self.reserved = 0  # pages the running requests may still need, in all
+        self._open = True
+
+    def submit(self, request: str | dict[str, Any] | None) -> None:
+        """A request (a JSON line or its object), an abort, or None: no more requests (the loop ends when the
+        requests it holds are done)."""
+        self.inbox.put(request)
+
+    def run(self) -> None:
+        try:
+            while self._open or self.running or self.waiting:
+                self._take(block=not self.running and not self.waiting)
+                self._start_waiting()
+                self._step()
+        finally:
+            for r in list(self.running.values()):
+                self._end(r)
+            self.waiting.clear()
+
+    def _take(self, block: bool) -> None:
+        while True:
+            try:
+                item = self.inbox.get(block=block and self._open)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                self._open = False
+                return
+            self._accept(item)
+
+    def _accept(self, item: str | dict[str, Any]) -> None:
+        rid = None
+        try:
+            request = json.loads(item) if isinstance(item, str) else item
+            if not isinstance(request, dict):
+                raise ValueError("a request is a JSON object")
+            if "abort" in request:
+                self._abort(request["abort"])
+                return
+            rid = request.get("id")
+            if rid in self.running or any(w.rid == rid for w in self.waiting):
+                raise ValueError(f"request id {rid!r} is already running")
+            prompt = request["prompt"]
+            if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+                raise ValueError("prompt must be a list of token ids")
+            sampling = Sampling(
+                float(request.get("temperature", 0.0)),
+                float(request.get("top_p", 1.0)),
+                int(request.get("seed", 0)),
+                frozenset(int(t) for t in request.get("stop_token_ids", ())),
+            )
+            new = 1 if self.role == "prefill" else int(request.get("max_new_tokens", 16))
+            if new < 0:
+                raise ValueError(f"max_new_tokens must be >= 0, got {new}")
+            first = request.get("first_token") if self.role == "decode" else None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            self.emit({"id": rid, "error": f"bad request: {e}"})
+            return
+        length = min(len(prompt) + new, self.engine.config.max_position_embeddings)
+        pages = -(-length // self.engine.block_tokens)
+        total = self.engine.cache.num_pages
+        if pages > total:
+            self.emit({"id": rid, "error": f"the request needs {length} tokens of KV; this worker's cache holds "
+                                           f"{total * self.engine.block_tokens} (--cache-tokens)"})  # fmt: skip
+            return
+        try:  # checked now; the engine starts it once its pages are free
+            self.engine.check_prompt(prompt)
+        except PromptError as e:
+            self.emit({"id": rid, "error": str(e)})
+            return
+        resume = self.role == "decode"
+        start = lambda: self.engine.start(prompt, new, sampling, resume=resume, first_token=first)  # noqa: E731
+        self.waiting.append(_Waiting(rid, start, bool(request.get("stream")) and self.role != "prefill", pages))
+
+    def _start_waiting(self) -> None:
+        """Start waiting requests in order while the cache can hold everything the running ones may need: a
+        request never runs out of pages half way."""
+        total = self.engine.cache.num_pages
+        while self.waiting and self.reserved + self.waiting[0].pages <= total:
+            w = self.waiting.popleft()
+            self.running[w.rid] = _Running(w.rid, w.start(), w.stream, w.pages)
+            self.reserved += w.pages
+
+    def _abort(self, rid: Any) -> None:
+        waiting = next((w for w in self.waiting if w.rid == rid), None)
+        if waiting is not None:
+            self.waiting.remove(waiting)
+            self.emit({"id": rid, "aborted": True})
+        elif rid in self.running:
+            self._end(self.running[rid])
+            self.emit({"id": rid, "aborted": True})
+
+    def _end(self, r: _Running) -> None:
+        del self.running[r.rid]
+        r.generation.close()
+        self.reserved -= r.pages
+
+    def _step(self) -> None:
+        began = time.perf_counter()
+        for r in [
+            r for r in self.running.values() if r.generation.computed is not None and not r.generation.prompt_left
+        ]:
+            self._advance(r, None)
+        first = True
+        for r in sorted((r for r in self.running.values() if r.generation.prompt_left), key=_prompt_left):
+            limit = None
+            if self.plan_chunk is not None:
+                left = self.step_budget_s - (time.perf_counter() - began)
+                g = r.generation
+                limit = self.plan_chunk(g.prompt_left, g.cached, left)
+                if limit <= 0 and not first:
+                    break
+            first = False
+            self._advance(r, limit)
+
+    def _advance(self, r: _Running, limit: int | None) -> None:
+        g = r.generation
+        try:
+            token = g.step(limit)
+        except Exception as e:  # a bug or a device failure: this request fails, the worker carries on
+            self._end(r)
+            self.emit({"id": r.rid, "error": f"{type(e).__name__}: {e}"})
+            return
+        if token is not None and r.stream:
+            self.emit({"id": r.rid, "token": token})
+        if g.finish_reason:
+            self._end(r)
+            self.emit(self._answer(r.rid, g))
+
+    def _answer(self, rid: Any, g: Generation) -> dict[str, Any]:
+        seq = g.seq
+        common = {"hit_tokens": seq.hit_tokens, "replayed": seq.replayed, "ttft_s": seq.ttft_s}
+        if self.role == "prefill":
+            first = seq.generated[0] if seq.generated else None
+            return {"id": rid, **common, "first_token": first, "finish_reason": g.finish_reason}
+        recomputed = len(seq.prompt) - seq.hit_tokens
+        answer = {"id": rid, "tokens": seq.generated, "finish_reason": g.finish_reason}
+        return {**answer, **common, "recomputed_tokens": recomputed}
 
 
 def _say(out: TextIO, obj: dict[str, Any]) -> None:
@@ -105,8 +343,9 @@ class WorkerProcess:
     """The driving side: a child that prints one ready line and then answers one JSON line per request
     (a ``kvtier-engine prefill|decode`` worker; ``kvtier-directory`` also fits for its ready line)."""
 
-    def __init__(self, argv: list[str], timeout_s: float = 300.0) -> None:
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, argv: list[str], timeout_s: float = 300.0, stderr: IO[bytes] | None = None) -> None:
+        """Start ``argv``; its stderr goes to ``stderr`` (a file), else to this process's."""
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
         self.ready: Any = None
         self.timeout_s = timeout_s  # for each answer (and the ready line)
 

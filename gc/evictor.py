@@ -21,10 +21,10 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from kvtier.gc.stats import GCStats
 from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.cluster import ClusterConfig
-from kvtier.kvstore.lru import BlockEntry
 from kvtier.kvstore.removals import Removal
 
 log = logging.getLogger("kvtier.gc")
@@ -39,27 +39,30 @@ class Evictor:
         self.client = Client(config)  # the cluster token: may act for any tenant; used under the lock only
         self.low_watermark = config.gc.low_watermark
         self._lock = threading.Lock()
-        self.evicted_on_demand = 0
+        self.stats = GCStats()  # the node's GC counters (its worker's too): on-demand evictions counted as they happen
         self.deletes_replayed = 0
 
-    def make_room(self) -> None:
-        """Evict this primary's least recently used unpinned blocks until it is within its budget (or nothing
-        evictable is left; the caller refuses what still does not fit), and down to the low watermark, as the
-        GC would: one removal (and its DELETE to the 12 nodes) then makes room for many writes, not one.
+    def make_room(self, writer: str, landed: bool) -> None:
+        """Evict this primary's unpinned blocks until it is within its budget (or nothing evictable is left; the
+        caller refuses what still does not fit), and down to the low watermark, as the GC would: one removal
+        (and its DELETE to the 12 nodes) then makes room for many writes, not one. Which blocks, by the
+        tenants' shares (``ChunkEngine.eviction_candidates``): before the write's payload has ``landed``, only
+        the ``writer``'s own, as far as it holds more than its share; after, others' beyond their shares too.
         Called by the chunk engine, without its lock, when a write's shard 0s take the primary over budget."""
         with self._lock:
             budget = self.engine.primary_budget_bytes
-            victims = self.engine.eviction_candidates(headroom=int(budget * (1 - self.low_watermark)))
+            headroom = int(budget * (1 - self.low_watermark))
+            victims = self.engine.eviction_candidates(writer, landed, headroom)
             if victims:
                 self._remove(victims)
-                self.evicted_on_demand += len(victims)
+                self.stats.evictions_on_demand += len(victims)
 
-    def remove(self, choose: Callable[[list[BlockEntry]], Sequence[bytes]]) -> int:
-        """Remove, whole (see the module docstring), the blocks ``choose`` picks from this primary's blocks
-        (least recently used first; it returns their keys). It looks at them under the removal lock, so a
-        removal on demand cannot take the same blocks meanwhile; returns how many were removed."""
+    def remove(self, choose: Callable[[], Sequence[bytes]]) -> int:
+        """Remove, whole (see the module docstring), the blocks ``choose`` picks (keys as in the LRU index). It
+        runs under the removal lock, so a removal on demand cannot take the same blocks meanwhile; returns how
+        many were removed."""
         with self._lock:
-            victims = choose(self.engine.lru_entries())
+            victims = choose()
             if victims:
                 self._remove(victims)
             return len(victims)

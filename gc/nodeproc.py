@@ -8,37 +8,83 @@ composes the two, so imports run one way (``gc`` → ``kvstore``).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import threading
 from collections.abc import Sequence
 
 from kvtier.gc.evictor import Evictor
+from kvtier.gc.fill import Filler
 from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import logs
+from kvtier.kvstore.chunks import MetadataError
+from kvtier.kvstore.cluster import ClusterConfig
+from kvtier.kvstore.cluster_map import MapFeed
+from kvtier.kvstore.local import NODE_ERROR_PREFIX
+from kvtier.kvstore.membership import Membership
 from kvtier.kvstore.node import open_node, serve
 
+log = logging.getLogger("kvtier.node")
 
-def run_node(config_path: str, node_id: int) -> None:
-    """Open the node, attach its GC worker, serve until SIGTERM/SIGINT."""
+
+def run_node(config_path: str, node_id: int, etcd: str | None = None) -> None:
+    """Open the node, attach its GC worker, serve until SIGTERM/SIGINT. With an etcd map: register (and keep the
+    lease alive), follow the map, leave when stopped (``kvstore.membership``)."""
     logs.configure(node=node_id)
-    node, server = open_node(config_path, node_id)
+    node, server = open_node(config_path, node_id, etcd)
     evictor = Evictor(node.engine, node.config, node_id)
-    worker = GCWorker(node.engine, node_id, node.config, lambda: node.ttl_classes, evictor=evictor)
+    worker = GCWorker(
+        node.engine,
+        node_id,
+        node.config,
+        lambda: node.ttl_classes,
+        evictor=evictor,
+        on_restored=node.metrics.redundancy_restored,
+    )
     node.gc = worker
     node.engine.on_high_watermark = worker.wake
     node.engine.make_room = evictor.make_room
-    serve(node, server, [worker.run])
+    feed = node.config.feed
+    if not isinstance(feed, MapFeed):  # a cluster file: the map never changes
+        serve(node, server, [worker.run, worker.repairer.run, worker.scrubber.run])
+        return
+    feed.listeners.append(node.adopt)
+    placed = node.config.nodes[node_id]
+
+    def leave_if_moved(config: ClusterConfig) -> None:  # `kvctl node replace` put this node elsewhere
+        now = config.nodes.get(node_id)
+        if now is None or (now.host, now.port, now.data_dir) != (placed.host, placed.port, placed.data_dir):
+            log.warning("the cluster map moved node %d away from %s:%d: stopping", node_id, placed.host, placed.port)
+            threading.Thread(target=server.stop, daemon=True).start()
+
+    feed.listeners.append(leave_if_moved)
+    membership = Membership(feed, node_id)
+    filler = Filler(feed, worker, node_id)
+    try:
+        serve(node, server, [worker.run, worker.repairer.run, worker.scrubber.run, filler.run])
+    finally:
+        membership.close()
+        feed.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvtier.gc.nodeproc", description="Run one storage node.")
     parser.add_argument("config", help="cluster file")
     parser.add_argument("node_id", type=int)
+    parser.add_argument("--etcd", default=None, help="etcd endpoints (instead of the cluster file's)")
     args = parser.parse_args(argv)
     try:
-        run_node(args.config, args.node_id)
+        run_node(args.config, args.node_id, args.etcd)
     except cluster_mod.ConfigError as exc:
-        sys.exit(f"kvstore node: {exc}")
+        sys.exit(f"{NODE_ERROR_PREFIX}{exc}")
+    except MetadataError as exc:
+        sys.exit(
+            f"{NODE_ERROR_PREFIX}node {args.node_id}: {exc}; move its data aside and start it empty with "
+            f"`kvstore reset-node {args.config} {args.node_id}` (repair then refills it)"
+        )
+    except OSError as exc:  # e.g. its metrics port in use: the cause in one line, not a traceback
+        sys.exit(f"{NODE_ERROR_PREFIX}node {args.node_id} cannot start: {exc}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Layout of a node's data dir::
 
     slabs/slab-<class bytes>.dat   slot n of a class lives at offset n * class bytes
-    meta/                          LMDB: shard records, block records (primary + shard-1 copy; block_table), settings
+    meta/                          LMDB: shard records, block records (at the holders of shards 0, 1 and 2;
+                                   block_table), removal intents, owed repairs (owed), settings
 
 Shard records are keyed in LMDB by where their bytes are (size class, slot; the value carries the name): a
 put's shards take adjacent slots, so its records fill a few neighbouring B-tree pages, and an eviction's
@@ -17,15 +18,17 @@ Contract (every method is safe to call from several threads):
   node writes the payload straight into the slots). A shard already COMMITTED under the same (tenant, key,
   index) is left as it is (``EXISTS``). A shard 0 (this node is the block's primary) is charged to the
   primary budget; over budget, ``make_room`` (the GC's evictor) evicts least-recently-used unpinned blocks
-  at once. ``NO_SPACE`` only when nothing more could be evicted, when the node stays full for
-  ``room_wait_s``, or when the disk is full. ``cancel`` gives the slots back.
+  of the writer's own tenant beyond its share at once (:mod:`~kvtier.kvstore.quotas`). ``NO_SPACE`` when
+  the node stays full for ``room_wait_s``, or when the disk is full. ``cancel`` gives the slots back.
 - ``stage``           keeps the received batch PENDING, in memory only, under the writer's put id: nothing
-  of it is in LMDB, so a crash before the COMMIT leaves its slots free, which is exactly right.
-  ``stale_puts`` lists batches whose writer never settled them (the GC settles them after
-  ``write_timeout_s``).
+  of it is in LMDB, so a crash before the COMMIT leaves its slots free, which is exactly right. The
+  payload has landed: room still missing is made from other tenants' blocks beyond their shares, and shard
+  0s still over the budget are ``NO_SPACE`` (nothing more could be evicted). ``stale_puts`` lists batches
+  whose writer never settled them (the GC settles them after ``write_timeout_s``).
 - ``commit``          settles a staged batch in one LMDB transaction: COMMITTED shard records (one
-  ``putmulti``) and, at the primary (and shard 1's holder), the block record that ``match`` and reads
-  consult; rows the writer gives up on are dropped. A block without a record is invisible.
+  ``putmulti``) and, at the holders of shards 0, 1 and 2, the block record that ``match`` and reads consult
+  (the primary's; any two lost nodes leave a copy); rows the writer gives up on are dropped. A block without
+  a record is invisible. A block committed short of shards is owed a repair by its primary (``owe``).
 - ``read``            returns committed, unexpired shards whose crc32c verifies, pinned until ``unpin``;
   anything else is an erasure (``MISSING``/``CORRUPT``/``MISMATCH``/``ABSENT``), never wrong bytes.
 - ``delete``          removes block records first, then shards; a freed slot is reused once no reader pins
@@ -33,6 +36,7 @@ Contract (every method is safe to call from several threads):
   (:mod:`~kvtier.kvstore.dead_slots`), until its slot's next record overwrites it. ``remove_blocks`` is the
   primary's side of an eviction: records, its shards and the removal's intent in one transaction
   (``removals``/``clear_removal`` track the rest; :mod:`~kvtier.kvstore.removals`).
+- ``scrub``           reads committed shards in slot order and checks their crc32c (the GC's scrubber).
 
 Every record is scoped by tenant: the tenant is a prefix of the LMDB key and comes from the connection's
 authentication, never from a request. Slots are allocated in memory (free lists rebuilt from LMDB at
@@ -53,7 +57,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,19 +66,32 @@ import numpy as np
 
 from kvtier.kvstore import _native
 from kvtier.kvstore.block_table import BlockTable
+from kvtier.kvstore.charges import Charges
 from kvtier.kvstore.dead_slots import DeadSlots
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
-from kvtier.kvstore.lru import BlockEntry, LruIndex
+from kvtier.kvstore.lru import BlockEntry, TenantLru
+from kvtier.kvstore.owed import Owed, OwedRepairs
+from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Status
+from kvtier.kvstore.quotas import TenantShares, plan_removals
 from kvtier.kvstore.removals import Removal, RemovalLog
 from kvtier.kvstore.shard_index import RECORD, ShardIndex, every_shard, name_table, table_names, tables_by_width
 from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, by_class
+from kvtier.kvstore.wire import RecordState
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
-# The primary (data shard 0) keeps the block record; the holder of shard 1 keeps a copy, so a wiped
-# primary's blocks can be found and its record rebuilt by repair.
-RECORD_HOLDERS = (0, 1)
 SETTLED_KEPT = 256  # settled puts whose COMMIT answer is kept, for a COMMIT resent after a lost connection
+# setting: while a new (or wiped) data dir has not yet asked its peers what it should hold, when it was made
+REBUILD = "rebuild_since"
+_TIME = struct.Struct("<d")
+
+
+class MetadataError(Exception):
+    """The node's LMDB cannot be read: corrupt, truncated, or not an LMDB file (``path`` names the file)."""
+
+    def __init__(self, path: Path, cause: Exception) -> None:
+        super().__init__(f"its metadata {path} is unreadable ({type(cause).__name__}: {cause})")
+        self.path = path
 
 
 # state, index, size class, slot, shard length, crc32c, block length, created, header digest; + ttl class
@@ -113,7 +130,7 @@ class ShardRecord(NamedTuple):
 
 
 class BlockRecord(NamedTuple):
-    """A block's record at its primary (and the copy at the holder of shard 1)."""
+    """A block's record at its primary (and the copies at the holders of shards 1 and 2)."""
 
     block_len: int
     created: float
@@ -173,13 +190,19 @@ class WriteBatch:
         self.replace = replace
         self.ns = ns.ljust(32, b"\0")
         holders = np.flatnonzero(holds_record(self.index)).tolist()
-        self.parents = dict(zip(holders, parents or [b""] * len(holders), strict=True))
+        self.parents = dict.fromkeys(holders, b"")
+        if parents is not None:  # a client from before records were kept on three nodes names shards 0 and 1
+            named = holders if len(parents) == len(holders) else np.flatnonzero(self.index < 2).tolist()
+            self.parents.update(zip(named, parents, strict=True))
         self.created = created
         self.status = np.zeros(n, dtype=np.uint8)  # Status.OK
         self.size_class = np.searchsorted(_CLASS_BYTES, self.length)
         self.slot = np.zeros(n, dtype=np.int64)
         self.crc = np.zeros(n, dtype="<u4")
         self.name_rows = np.zeros((n, 0), dtype=np.uint8)  # shard names (tenant/key/index), a row each: ``reserve``
+        self.tenant = ""  # whose shards they are: ``reserve``
+        self.charged = np.zeros(0, dtype=np.int64)  # rows of shard 0s charged to the primary budget: ``reserve``
+        self.charged_names: list[bytes] = []  # and their names
         self.staged_at = 0.0
 
     def key(self, i: int) -> bytes:
@@ -193,7 +216,8 @@ class WriteBatch:
         return bool(((self.status == _OK) | (self.status == _EXISTS)).any())
 
     def name_shards(self, tenant: str) -> None:
-        """Set ``name_rows``: tenant/key/index of every row, as one table."""
+        """Set ``tenant`` and ``name_rows``: tenant/key/index of every row, as one table."""
+        self.tenant = tenant
         self.name_rows = name_table(tenant_prefix(tenant), self.keys, self.klen, self.index)
 
     def shard_name(self, i: int) -> bytes:
@@ -230,7 +254,9 @@ class WriteBatch:
         rec["length"] = self.length[rows]
         rec["crc"] = self.crc[rows]
         rec["block_len"] = self.block_len[rows]
-        rec["created"] = now
+        # a repair rewrites a shard with its block's creation time: it expires with the block, and a removal's
+        # DELETE (``before`` its time) takes it
+        rec["created"] = self.created[rows] if self.created is not None else now
         rec["header"] = np.frombuffer(self.digests, dtype=np.uint8).reshape(self.n, HEADER_BYTES)[rows]
         rec["ttl"] = np.frombuffer(cls, dtype=np.uint8)
         records = np.empty(len(rows), dtype=RECORD)
@@ -261,12 +287,9 @@ def _shard_dtype(ttl_len: int) -> np.dtype:
 
 
 def holds_record(index: np.ndarray) -> np.ndarray:
-    """Per shard index, whether its holder keeps the block record (``RECORD_HOLDERS``: shards 0 and 1), by one
-    comparison (``np.isin`` costs ~25 us on a small array)."""
-    return index < len(RECORD_HOLDERS)
-
-
-assert tuple(range(len(RECORD_HOLDERS))) == RECORD_HOLDERS
+    """Per shard index, whether its holder keeps the block record (``RECORD_HOLDERS``: shards 0, 1 and 2), by
+    one comparison (``np.isin`` costs ~25 us on a small array)."""
+    return index < RECORD_HOLDERS
 
 
 @functools.cache
@@ -304,48 +327,69 @@ class ChunkEngine:
         high_watermark: float = 0.9,
         primary_budget_bytes: int | None = None,
         room_wait_s: float = 2.0,
+        quotas: Mapping[str, float] | None = None,
     ) -> None:
+        """Open (or create) the data dir. Raises ``MetadataError`` when its LMDB cannot be read (corrupt,
+        truncated, not LMDB): nothing is changed then."""
         self.data_dir = Path(data_dir)
         self.capacity_bytes = capacity_bytes
         # what the blocks this node is primary for may take on every node of its group (capacity / 12)
         self.primary_budget_bytes = capacity_bytes // 12 if primary_budget_bytes is None else primary_budget_bytes
+        self.shares = TenantShares(quotas or {})  # each tenant's share of that budget
         self.grace_s = grace_s
         self.room_wait_s = room_wait_s
         self.high_watermark = high_watermark
         self.on_high_watermark: Callable[[], None] | None = None  # wakes the GC worker
-        # evicts this primary's least recently used unpinned blocks until it is within its budget (the GC's
-        # evictor); called without the lock when a write takes the primary over its budget
-        self.make_room: Callable[[], None] | None = None
+        # makes room within this primary's budget by evicting unpinned blocks (the GC's evictor), called without
+        # the lock as make_room(writer tenant, payload landed): before a write's payload has arrived only the
+        # writer's own blocks may go, after it others' beyond their shares too (quotas)
+        self.make_room: Callable[[str, bool], None] | None = None
         self.clock = clock
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified whenever used bytes may have dropped
-        (self.data_dir / "meta").mkdir(parents=True, exist_ok=True)
+        meta = self.data_dir / "meta"
+        meta.mkdir(parents=True, exist_ok=True)
+        # a data dir without metadata is new (or was wiped): the blocks it should hold are rebuilt from its peers
+        self.fresh = not (meta / "data.mdb").exists()
+        try:
+            self._open(meta)
+        except lmdb.Error as exc:
+            raise MetadataError(meta / "data.mdb", exc) from None
+
+    def _open(self, meta: Path) -> None:
         # writemap: a transaction writes its pages in the map instead of copying them into malloc'd pages and
         # writing those at commit (half the cost of a put-sized batch of random keys); a killed process still
         # loses nothing, since the map's pages are the page cache's
         self.env = lmdb.open(
-            str(self.data_dir / "meta"),
+            str(meta),
             map_size=1 << 36,
-            max_dbs=16,  # 5 tables, and up to 3 of an older data dir while they are moved
+            max_dbs=16,  # 7 tables, and up to 3 of an older data dir while they are moved
             sync=False,
             metasync=False,
             lock=True,
             writemap=True,
         )
+        try:
+            self._load()
+        except lmdb.Error:
+            self.env.close()
+            raise
+
+    def _load(self) -> None:
+        """Open the tables and rebuild the in-memory state from them (reading every record: a corrupt page
+        shows up here, at open)."""
         # shard records keyed by where their bytes are (size class, slot), so that a put's records, which take
         # adjacent slots, go into a few neighbouring B-tree pages instead of one random page each; the name ->
         # record index lives in memory (``_index``, rebuilt from this table at open)
         self.slots_db = self.env.open_db(b"slots")
         self.settings_db = self.env.open_db(b"settings")
         freed_db = self.env.open_db(b"freed")  # marks of shard records left in place after a delete
-        self.slabs = SlabFiles(self.data_dir / "slabs")
         self.used_bytes = 0  # slots holding shards, reserved, or in their grace time after a delete
-        self.lru = LruIndex()  # block records this node is primary for, least recently used first
+        self.lru = TenantLru()  # block records this node is primary for, each tenant's least recently used first
         self._accessed: dict[bytes, float] = {}  # last-access times not yet written to LMDB
-        # shard 0s reserved or PENDING here (blocks this node will be primary for once committed), by shard key:
-        # charged to the primary budget from reservation on, so concurrent writers see each other
-        self._pending_primary: dict[bytes, int] = {}
-        self.pending_primary_bytes = 0
+        # shard 0s reserved or PENDING here (blocks this node will be primary for once committed): charged to the
+        # primary budget from reservation on (kvstore.charges)
+        self._charges = Charges()
         self._pending: dict[tuple[str, bytes], WriteBatch] = {}  # staged batches by (tenant, put id)
         self._settled: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()  # recent COMMIT answers
         # committed shard records by name (tenant/key/index): what ``slots`` holds
@@ -359,7 +403,8 @@ class ChunkEngine:
         with self.env.begin(write=True) as txn:
             self._move_named_records(txn)
             self.removal_log = RemovalLog(self.env, txn)  # removals whose DELETEs not every holder answered yet
-            self.block_table, held = BlockTable.open(self.env, txn)  # block records (primary, shard 1's copies)
+            self.owed = OwedRepairs(self.env, txn)  # blocks short of shards that this node repairs
+            self.block_table, held = BlockTable.open(self.env, txn)  # block records (primary, and the copies)
             self.dead_slots = DeadSlots(freed_db)
             dead = self.dead_slots.take_all(txn)
             for where, raw in txn.cursor(db=self.slots_db):
@@ -374,13 +419,16 @@ class ChunkEngine:
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
             for where in abandoned:
                 txn.delete(where, db=self.slots_db)
+            if self.fresh:
+                txn.put(REBUILD.encode(), _TIME.pack(self.clock()), db=self.settings_db)  # until rebuilt
             self._index.add_packed(names, packed)
             blocks = sorted(((bkey, BlockRecord.unpack(raw)) for bkey, raw in held), key=lambda kb: kb[1].last_access)
             own, shard_0 = self._index.lookup_names([bkey + b"\x00" for bkey, _ in blocks])
             sizes = _CLASS_BYTES[shard_0["size_class"]].tolist()
             for (bkey, block), primary, size in zip(blocks, own.tolist(), sizes, strict=True):
-                if primary:  # primary here (a record without shard 0 is shard 1's copy)
+                if primary:  # primary here (a record without shard 0 is a copy: shard 1's or 2's holder)
                     self.lru.insert(bkey, size, block.last_access, block.ttl_class, block.created)
+        self.slabs = SlabFiles(self.data_dir / "slabs")
         self.slabs.rebuild(used)
 
     def _move_named_records(self, txn: lmdb.Transaction) -> None:
@@ -404,26 +452,24 @@ class ChunkEngine:
         corrupt one) or ``NO_SPACE``.
 
         Making room (docs/design.md §6): a shard 0 makes this node the block's primary, so it is charged to
-        the primary budget at once; a charge that takes the budget over calls ``make_room`` (evicts this
-        primary's least recently used unpinned blocks, whole). Shard 0s still over the budget afterwards are
-        ``NO_SPACE``: nothing more could be evicted. Then, when the node itself has no room, the call waits
-        (at most ``room_wait_s``) for removals under way to free it; what still does not fit is ``NO_SPACE``.
+        the primary budget at once. The payload has not arrived yet, so a charge that takes the budget over
+        makes room (``make_room``) only from the writer's own least recently used blocks, and only as far as
+        the writer holds more than its share: a PUT header never followed by its payload evicts nothing of
+        another tenant. The rest of the room is made in ``stage``. Then, when the node itself has no room, the
+        call waits (at most ``room_wait_s``) for removals under way to free it; what still does not fit is
+        ``NO_SPACE``.
         """
         batch.name_shards(tenant)
         with self._lock:
             if not batch.replace:
                 batch.status[self._index.contains(batch.name_rows)] = _EXISTS
-            primaries = np.flatnonzero((batch.index == 0) & (batch.status == _OK)).tolist()
-            self._charge(table_names(batch.name_rows[primaries]), _CLASS_BYTES[batch.size_class[primaries]].tolist())
-        if self.primary_excess() > 0 and self.make_room is not None:
-            self.make_room()
+            batch.charged = np.flatnonzero((batch.index == 0) & (batch.status == _OK))
+            batch.charged_names = table_names(batch.name_rows[batch.charged])
+            sizes = _CLASS_BYTES[batch.size_class[batch.charged]].tolist()
+            self._charges.charge(tenant, batch.charged_names, sizes)
+        if self.primary_excess(tenant) > 0 and self.make_room is not None:
+            self.make_room(tenant, False)
         with self._lock:
-            excess = self.primary_excess()
-            if excess > 0 and primaries:  # over only if nothing more could be evicted (rows unchanged since)
-                for i in reversed(primaries):
-                    excess -= self._refuse(batch, i)
-                    if excess <= 0:
-                        break
             rows = batch.rows(_OK)
             sizes = _CLASS_BYTES[batch.size_class[rows]]
             needed = int(sizes.sum())
@@ -446,36 +492,38 @@ class ChunkEngine:
             if over_high and self.on_high_watermark is not None:
                 self.on_high_watermark()
 
-    def _refuse(self, batch: WriteBatch, i: int) -> int:
-        """Mark row ``i`` NO_SPACE, giving back its primary charge; returns the bytes given back."""
+    def _refuse(self, batch: WriteBatch, i: int) -> None:
+        """Mark row ``i`` NO_SPACE, giving back its primary charge."""
         batch.status[i] = _NO_SPACE
-        return self._uncharge(batch.shard_name(i)) if batch.index[i] == 0 else 0
+        if batch.index[i] == 0:
+            self._charges.uncharge(batch.tenant, [batch.shard_name(i)])
 
-    def _charge(self, skeys: list[bytes], sizes: list[int]) -> None:
-        """Charge shard 0s (by shard key) to the primary budget; one charged already is charged anew."""
-        pending = self._pending_primary
-        if not pending.keys().isdisjoint(skeys):
-            self._uncharge_many(skeys)
-        pending.update(zip(skeys, sizes, strict=True))
-        self.pending_primary_bytes += sum(sizes)
+    def tenant_usage(self, writer: str | None = None) -> dict[str, int]:
+        """With the lock held: bytes per tenant of the blocks this node is primary for, landed writes included,
+        and the ``writer``'s reserved ones (``kvstore.charges``)."""
+        usage = self.lru.usage()
+        for tenant, size in self._charges.landed_by_tenant().items():
+            usage[tenant] = usage.get(tenant, 0) + size
+        if writer is not None:
+            usage[writer] = usage.get(writer, 0) + self._charges.reserved(writer)
+        return usage
 
-    def _uncharge(self, skey: bytes) -> int:
-        size = self._pending_primary.pop(skey, 0)
-        self.pending_primary_bytes -= size
-        return size
-
-    def _uncharge_many(self, skeys: list[bytes]) -> None:
-        pop = self._pending_primary.pop
-        self.pending_primary_bytes -= sum(pop(skey, 0) for skey in skeys)
+    @property
+    def pending_primary_bytes(self) -> int:
+        """Charges of writes in flight to this primary, reserved or landed."""
+        return self._charges.total
 
     @property
     def primary_bytes(self) -> int:
-        """What the blocks this node is primary for take on each node: committed ones and pending writes."""
-        return self.lru.total_bytes + self.pending_primary_bytes
+        """What the blocks this node is primary for take on each node: committed ones, and pending writes whose
+        payload has arrived (what the watermarks look at)."""
+        return self.lru.total_bytes + self._charges.landed_bytes
 
-    def primary_excess(self) -> int:
-        """Bytes by which this primary's blocks exceed its budget (zero or less: within it)."""
-        return self.primary_bytes - self.primary_budget_bytes
+    def primary_excess(self, writer: str | None = None) -> int:
+        """Bytes by which this primary's blocks exceed its budget (zero or less: within it), as ``writer`` sees it:
+        with its own reserved writes, not others' whose payload has not arrived."""
+        own = self._charges.reserved(writer) if writer is not None else 0
+        return self.primary_bytes + own - self.primary_budget_bytes
 
     def _wait_for_room(self, needed: int) -> None:
         """With the lock held: wait until ``needed`` more bytes fit, at most ``room_wait_s`` (removals under way
@@ -501,9 +549,29 @@ class ChunkEngine:
         Pending writes live in memory only: a node that restarts before the COMMIT has simply not stored
         them (their slots were never recorded, so they are free), and the writer's COMMIT answers MISSING.
         A pending batch of the same ``put_id`` (a resent PUT) is replaced and its slots given back.
+
+        The payload is here, so a budget the reservation left over (it could make room only from the writer's
+        own blocks) now makes room from other tenants' blocks beyond their shares, then from the writer's
+        (``make_room``); shard 0s still over it are ``NO_SPACE`` (nothing more could be evicted: every slot
+        pinned by reads in flight or held by pending writes) and their slots are given back.
         """
         batch.staged_at = self.clock()
+        primaries = batch.charged[batch.status[batch.charged] == _OK]  # refused ones are uncharged already
         with self._lock:
+            self._charges.land(tenant, batch.charged_names)
+        if self.primary_excess(tenant) > 0 and self.make_room is not None:
+            self.make_room(tenant, True)
+        with self._lock:
+            excess = self.primary_excess(tenant)
+            if excess > 0:
+                refused = []
+                for i in reversed(primaries[batch.status[primaries] == _OK].tolist()):
+                    refused.append(i)
+                    excess -= self._charges.size_of(batch.shard_name(i))
+                    if excess <= 0:
+                        break
+                self._give_back(batch, np.asarray(refused, dtype=np.int64))
+                batch.status[refused] = _NO_SPACE
             old = self._pending.pop((tenant, put_id), None)
             if old is not None:
                 self._give_back(old, old.rows(_OK))
@@ -523,16 +591,21 @@ class ChunkEngine:
             self.used_bytes -= SIZE_CLASSES[size_class]
             self.slabs.release_now(size_class, int(batch.slot[i]))
             if batch.index[i] == 0:
-                self._uncharge(batch.shard_name(i))
+                self._charges.uncharge(batch.tenant, [batch.shard_name(i)])
         batch.status[rows] = _MISSING
         self._room.notify_all()
 
-    def commit(self, tenant: str, put_id: bytes, action: np.ndarray | None = None) -> bytes | None:
+    def commit(
+        self, tenant: str, put_id: bytes, action: np.ndarray | None = None, missing: np.ndarray | None = None
+    ) -> bytes | None:
         """Settle a staged batch: per row, ``COMMIT`` (the default for every row), ``DROP`` or ``KEEP``
         (still pending; the GC asks again later). Returns per row ``OK`` (committed: the shard record is
-        written, and at the primary and shard 1's holder the block record that makes the block visible) or
-        ``MISSING``; None when no batch ``put_id`` is pending. Raises ValueError, changing nothing, when
-        ``action`` does not have a row per shard of the batch.
+        written, and at the holders of shards 0, 1 and 2 the block record, the primary's making the block
+        visible) or ``MISSING``; None when no batch ``put_id`` is pending. Raises ValueError, changing nothing,
+        when ``action`` or ``missing`` does not have a row per shard of the batch.
+
+        ``missing`` (per row, a bit for each of the block's 12 shards that the writer could not store): the
+        primary owes the repair of a block it commits short of shards (``owed_repairs``).
 
         All records go in one LMDB transaction. A shard committed meanwhile under the same name by another
         writer is kept and this batch's copy given back; ``batch.replace`` (repair) replaces it instead.
@@ -545,8 +618,9 @@ class ChunkEngine:
                 return self._settled.get((tenant, put_id))
             if action is None:
                 action = np.full(batch.n, COMMIT, dtype=np.uint8)
-            elif len(action) != batch.n:
-                raise ValueError(f"the put holds {batch.n} shards here, the commit names {len(action)}")
+            for named in (action, missing):
+                if named is not None and len(named) != batch.n:
+                    raise ValueError(f"the put holds {batch.n} shards here, the commit names {len(named)}")
             status, committing = batch.status, action == COMMIT
             out = np.full(batch.n, _MISSING, dtype=np.uint8)
             write = np.flatnonzero((status == _OK) & committing)
@@ -560,9 +634,14 @@ class ChunkEngine:
                 holders = np.flatnonzero((out == _OK) & holds_record(batch.index))
                 if len(holders):
                     self._write_block_records(txn, tenant, batch, holders, now, indexed)
+                if missing is not None:
+                    short = np.flatnonzero((out == _OK) & (batch.index == 0) & (missing != 0))
+                    prefix = tenant_prefix(tenant)
+                    owed = [Owed(prefix + batch.key(i), now, int(missing[i])) for i in short.tolist()]
+                    self.owed.add(txn, owed)
             if indexed:  # shard 0s' pending charges move into the LRU index
-                self._uncharge_many([entry.key + b"\x00" for entry in indexed])  # type: ignore[operator]
-                self.lru.insert_entries(indexed)
+                self._charges.uncharge(tenant, [entry.key + b"\x00" for entry in indexed])  # type: ignore[operator]
+                self.lru.insert_entries(tenant, indexed)
             status[write] = _MISSING  # the records own these slots now
             pending = status == _OK  # rows left reserved: dropped or kept
             if pending.any():
@@ -607,12 +686,13 @@ class ChunkEngine:
         now: float,
         indexed: list[BlockEntry],
     ) -> None:
-        """Block records of ``rows`` (shard 0 or 1 held here); a re-put keeps the block's ``created``. Shard 0s
-        are added to ``indexed`` for the LRU index (inserted once the transaction has committed). The fixed part
-        of the records is packed as one table (per row in Python it cost ~13 us a row on a busy node)."""
-        prefix, keys, klen = tenant_prefix(tenant), batch.keys, batch.klen
+        """Block records of ``rows`` (shard 0, 1 or 2 held here); a re-put keeps the block's ``created``. Shard 0s
+        are added to ``indexed`` for the LRU index (inserted once the transaction has committed). The records are
+        packed as one table per parent length (per row in Python it cost ~13 us a row on a busy node, and
+        4 us a row alone before they were one table with their LMDB values: 0.86 against 0.4 ms for a 64 KiB
+        put's 255 records at a node)."""
         picked = rows.tolist()
-        bkeys = [prefix + keys[i * klen : (i + 1) * klen] for i in picked]
+        bkeys = table_names(batch.name_rows[rows, :-1])  # tenant/key
         old = {bkey: _BLOCK.unpack_from(raw)[1] for bkey, raw in self.block_table.get_many(txn, bkeys).items()}
         given = batch.created[rows].tolist() if batch.created is not None else [now] * len(picked)
         created = [old.get(bkey, c) for bkey, c in zip(bkeys, given, strict=True)] if old else given
@@ -624,9 +704,18 @@ class ChunkEngine:
         table["header"] = np.frombuffer(batch.digests, dtype=_BLOCK_DTYPE["header"])[rows]
         table["ns"] = np.frombuffer(batch.ns, dtype=_BLOCK_DTYPE["ns"])
         table["parent_len"] = list(map(len, parents))
-        cls = batch.ttl_class.encode()
-        fixed = table.view(f"V{_BLOCK.size}").tolist()  # void scalars come back as bytes, trailing zeros kept
-        self.block_table.put_many(txn, [(bkey, f + p + cls) for bkey, f, p in zip(bkeys, fixed, parents, strict=True)])
+        cls = np.frombuffer(batch.ttl_class.encode(), dtype=np.uint8)
+        fixed = table.view(np.uint8).reshape(len(picked), _BLOCK.size)
+        lengths = table["parent_len"]
+        for length in np.unique(lengths).tolist():  # one or two: a chain's first block has the ns as parent
+            same = np.flatnonzero(lengths == length)
+            values = np.empty((len(same), _BLOCK.size + length + len(cls)), dtype=np.uint8)
+            values[:, : _BLOCK.size] = fixed[same]
+            values[:, _BLOCK.size : _BLOCK.size + length] = np.frombuffer(
+                b"".join(parents[j] for j in same.tolist()), dtype=np.uint8
+            ).reshape(len(same), length)
+            values[:, _BLOCK.size + length :] = cls
+            self.block_table.put_rows(txn, batch.name_rows[rows[same], :-1], values)
         sizes = _CLASS_BYTES[batch.size_class[rows]].tolist()
         for j in np.flatnonzero(batch.index[rows] == 0).tolist():
             indexed.append(BlockEntry(bkeys[j], sizes[j], now, batch.ttl_class, float(created[j])))
@@ -676,7 +765,7 @@ class ChunkEngine:
     def delete(
         self, tenant: str, keys: Sequence[bytes], before: float | None = None, index: np.ndarray | None = None
     ) -> int:
-        """Remove the block records of ``keys`` (the primary's, or shard 1's copy), then their shards; returns
+        """Remove the block records of ``keys`` (the primary's, or a copy), then their shards; returns
         how many shards were removed. With ``before`` (an eviction's time), records and shards written later
         are left alone: a block stored again since it was evicted is not touched by the eviction's DELETE.
         ``index`` (per key, the shard this node holds by the placement) makes it one batched lookup; a key
@@ -708,7 +797,7 @@ class ChunkEngine:
         for klen in sorted(set(map(len, unsure))):  # any shard such a key has here
             tables.append(every_shard(prefix, [key for key in unsure if len(key) == klen]))
         if holders:
-            self._delete_block_records(txn, holders, before)
+            self._delete_block_records(txn, tenant, holders, before)
         removed = 0
         for names in tables:
             if before is not None:  # not shards written after the removal (a re-put since)
@@ -729,15 +818,17 @@ class ChunkEngine:
         self._release_slots(classes, slots)
         return len(records)
 
-    def _delete_block_records(self, txn: lmdb.Transaction, bkeys: list[bytes], before: float | None) -> None:
-        """With the lock held: delete the block records ``bkeys`` that are here (and not created after ``before``),
-        and their LRU entries."""
+    def _delete_block_records(
+        self, txn: lmdb.Transaction, tenant: str, bkeys: list[bytes], before: float | None
+    ) -> None:
+        """With the lock held: delete the block records ``bkeys`` of ``tenant`` that are here (and not created
+        after ``before``), and their LRU entries."""
         table = self.block_table
         if before is not None:  # not those created after the removal (a re-put since)
             stored = table.get_many(txn, bkeys)
             bkeys = [bkey for bkey, raw in stored.items() if _BLOCK.unpack_from(raw)[1] <= before]
         gone = table.delete_many(txn, bkeys)
-        self.lru.remove_many(gone)
+        self.lru.remove_many(tenant, gone)  # type: ignore[arg-type]
         for bkey in gone:
             self._accessed.pop(bkey, None)
 
@@ -762,39 +853,59 @@ class ChunkEngine:
         with self._lock, self.env.begin(write=True) as txn:
             self.removal_log.clear(txn, removal)
 
-    def eviction_candidates(self, headroom: int = 0) -> list[bytes]:
-        """This primary's least recently used blocks (keys as in the LRU index) whose removal brings it within
-        its budget, and ``headroom`` bytes below it, skipping blocks whose shard 0 a reply is sending (pinned):
-        their bytes could not be reused now anyway, and a block being read is not cold. Fewer than needed when
-        too many are pinned; none when within budget. Blocks of pending writes are not in the index and are
-        never candidates."""
+    def eviction_candidates(
+        self, writer: str | None = None, landed: bool = True, headroom: int = 0, needed: int | None = None
+    ) -> list[bytes]:
+        """Blocks this primary should remove (keys as in the LRU index) to free ``needed`` bytes of its budget
+        (default: what it is over by) and ``headroom`` more, chosen by the tenants' shares
+        (:mod:`~kvtier.kvstore.quotas`), each tenant's least recently used first, skipping blocks whose shard 0 a
+        reply is sending (pinned): their bytes could not be reused now anyway, and a block being read is not
+        cold. Fewer than needed when too many are pinned or protected by their shares; none when nothing is
+        needed. Blocks of pending writes are not in the index and are never candidates.
+
+        ``writer``: room for a write of that tenant. Before its payload has ``landed``, only its own blocks, and
+        only as far as it holds more than its share; after, other tenants' blocks beyond their shares first,
+        then its own. None (the GC keeping headroom): from whoever is furthest over their share.
+        """
         with self._lock:
-            excess = self.primary_excess()
-            if excess > 0:
-                excess += headroom
-            out: list[bytes] = []
-            entries = iter(self.lru)
-            while excess > 0 and (chunk := list(itertools.islice(entries, _CANDIDATES_LOOKED_UP))):
-                found, records = self._index.lookup_names([entry.key + b"\x00" for entry in chunk])  # type: ignore[operator]
-                size_class, slot = records["size_class"].astype(np.int64), records["slot"].astype(np.int64)
-                pinned = found & self.slabs.pins.pinned(size_class, slot)
-                for entry, skip in zip(chunk, pinned.tolist(), strict=True):
-                    if excess <= 0:
-                        break
-                    if not skip:
-                        out.append(entry.key)  # type: ignore[arg-type]
-                        excess -= entry.size_bytes
-        return out
+            budget = self.primary_budget_bytes
+            needed = self.primary_excess(writer) if needed is None else needed
+            if needed <= 0:
+                return []
+            needed += headroom
+            usage = self.tenant_usage(writer)
+            entitled = self.shares.entitled(budget, [*usage, *([writer] if writer is not None else [])])
+            if writer is None:
+                return plan_removals(needed, usage, entitled, self._unpinned, usage, beyond_share=False)
+            if not landed:
+                own = min(needed, usage.get(writer, 0) - entitled[writer] + headroom * entitled[writer] / budget)
+                return plan_removals(int(own), usage, entitled, self._unpinned, [writer], beyond_share=False)
+            others = [tenant for tenant in usage if tenant != writer]
+            victims = plan_removals(needed, usage, entitled, self._unpinned, others, beyond_share=True)
+            needed -= sum(self.lru.get(key).size_bytes for key in victims)  # type: ignore[union-attr]
+            return victims + plan_removals(needed, usage, entitled, self._unpinned, [writer], beyond_share=False)
+
+    def _unpinned(self, tenant: str) -> Iterator[tuple[bytes, int]]:
+        """With the lock held: (key, size) of the tenant's blocks, least recently used first, except those whose
+        shard 0 is pinned (looked up a chunk at a time)."""
+        entries = iter(self.lru.tenant(tenant))
+        while chunk := list(itertools.islice(entries, _CANDIDATES_LOOKED_UP)):
+            found, records = self._index.lookup_names([entry.key + b"\x00" for entry in chunk])  # type: ignore[operator]
+            size_class, slot = records["size_class"].astype(np.int64), records["slot"].astype(np.int64)
+            pinned = found & self.slabs.pins.pinned(size_class, slot)
+            for entry, skip in zip(chunk, pinned.tolist(), strict=True):
+                if not skip:
+                    yield entry.key, entry.size_bytes  # type: ignore[misc]
 
     # -- GC support -----------------------------------------------------------------------------------
 
-    def _touch(self, live: list[BlockEntry], ok: np.ndarray, now: float) -> None:
-        """With the lock held: the blocks of ``live`` whose shard 0 was read (``ok``, a bool each) were used at
-        ``now``: in the LRU index now, in LMDB at the next flush."""
+    def _touch(self, tenant: str, live: list[BlockEntry], ok: np.ndarray, now: float) -> None:
+        """With the lock held: the blocks of ``tenant`` in ``live`` whose shard 0 was read (``ok``, a bool each)
+        were used at ``now``: in the LRU index now, in LMDB at the next flush."""
         if not live:
             return
         used = live if ok.all() else list(itertools.compress(live, ok.tolist()))
-        self.lru.touch_entries(used, now)
+        self.lru.touch_entries(tenant, used, now)
         self._accessed.update(dict.fromkeys([entry.key for entry in used], now))  # type: ignore[misc]
 
     def flush_access(self) -> int:
@@ -931,15 +1042,30 @@ class ChunkEngine:
                     live.append(entry)
                     live_rows.append(row)
             reads.settle()
-            if not probe:
+            if probe:
+                reads.record_states = self._record_states(names, index)
+            else:
                 reads.pin(self.slabs)
-                self._touch(live, reads.status[live_rows] == _OK, now)
+                self._touch(tenant, live, reads.status[live_rows] == _OK, now)
         if verify and not probe and len(reads.pins[1]):
             corrupt = reads.check()
             if len(corrupt[1]):
                 with self._lock:
                     self.slabs.unpin(*corrupt)
         return reads
+
+    def _record_states(self, names: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """With the lock held: per row asked (a name table), for a shard 0, 1 or 2 (their holders keep the block
+        record), the record's ``RecordState`` here; ``NONE`` for other shards."""
+        out = np.full(len(index), RecordState.NONE, dtype=np.uint8)
+        rows = np.flatnonzero(holds_record(index))
+        removing = self.removal_log.removing
+        for row, bkey in zip(rows.tolist(), table_names(names[rows, :-1]), strict=True):
+            if bkey in self.block_table:
+                out[row] = RecordState.HELD
+            elif bkey in removing:
+                out[row] = RecordState.REMOVING
+        return out
 
     def unpin(self, reads: ShardReads) -> None:
         """Release the pins ``read`` took."""
@@ -949,9 +1075,92 @@ class ChunkEngine:
                 self._room.notify_all()  # a removed slot whose reply was in flight may be free now
 
     def records_held(self) -> list[tuple[bytes, BlockRecord]]:
-        """Every block record here (as primary or as shard 1's copy), keyed by tenant prefix + key."""
+        """Every block record here (as primary or as the copy at shard 1's or 2's holder), keyed by tenant prefix
+        + key."""
         with self.env.begin() as txn:
             return [(bkey, BlockRecord.unpack(raw)) for bkey, raw in self.block_table.records(txn)]
+
+    def block_records(self, bkeys: list[bytes]) -> dict[bytes, BlockRecord]:
+        """The block records of those ``bkeys`` (tenant prefix + key) held here."""
+        with self.env.begin() as txn:
+            return {bkey: BlockRecord.unpack(raw) for bkey, raw in self.block_table.get_many(txn, bkeys).items()}
+
+    def shard_tables(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every committed shard here, as (names table, ``RECORD`` rows) pairs, one per name width: a snapshot
+        (a copy of the whole index: for rare scans, e.g. a peer rebuilding after a wipe)."""
+        with self._lock:
+            return [(names.copy(), records.copy()) for names, records in self._index.items()]
+
+    # -- owed repairs (kvstore.owed) ------------------------------------------------------------------
+
+    def owe(self, items: Sequence[Owed]) -> int:
+        """Take on the repair of blocks (a block owed already keeps its entry); returns how many are new."""
+        with self._lock, self.env.begin(write=True) as txn:
+            return self.owed.add(txn, items)
+
+    def owed_repairs(self, limit: int) -> list[Owed]:
+        """Up to ``limit`` owed repairs, oldest first."""
+        with self.env.begin() as txn:
+            return self.owed.oldest(txn, limit)
+
+    def settle_owed(self, bkeys: Sequence[bytes]) -> dict[bytes, float]:
+        """The repairs of ``bkeys`` are done (or their blocks gone); returns since when each was owed."""
+        with self._lock, self.env.begin(write=True) as txn:
+            return self.owed.settle(txn, bkeys)
+
+    def owed_summary(self) -> tuple[int, float | None]:
+        """How many repairs are owed, and since when the oldest is (None: none)."""
+        with self.env.begin() as txn:
+            return self.owed.count(txn), self.owed.oldest_since(txn)
+
+    # -- scrubbing ------------------------------------------------------------------------------------
+
+    def scrub(self, after: bytes | None, max_bytes: int, ttl_s: Callable[[str], float | None]) -> ScrubStep:
+        """Check committed shards' bytes against their crc32c, in the order of their places (size class, slot:
+        the slab files read front to back), starting just after place ``after`` (None: the first), until about
+        ``max_bytes`` are checked. Each shard is looked up and pinned under the lock (its slot cannot be reused
+        while it is read) and read outside it. Returns where to go on from (None: the pass is complete), what was
+        checked, and the shards that failed as (tenant, key, index, created): erasures for repair to rewrite.
+        """
+        names: list[bytes] = []
+        places: list[tuple[int, int]] = []
+        position = after
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.slots_db)
+            more = cursor.set_range(after + b"\0") if after is not None else cursor.first()
+            total = 0
+            while more and total < max_bytes:
+                where = bytes(cursor.key())
+                name, raw = _unpack_slot_value(cursor.value())
+                names.append(name)
+                places.append(_SLOT_KEY.unpack(where))
+                total += ShardRecord.unpack(raw).length
+                position = where
+                more = cursor.next()
+        if not names:
+            return ScrubStep(None, 0, 0, [])
+        where_at = np.asarray(places, dtype=np.int64).reshape(-1, 2)
+        with self._lock:
+            present, records = self._index.lookup_names(names)
+            # a record still in LMDB after its shard was deleted (dead_slots), or one whose name has moved on
+            current = present & (records["size_class"] == where_at[:, 0]) & (records["slot"] == where_at[:, 1])
+            lengths = records["length"].astype(np.int64)  # ShardReads clears the rows it does not serve
+            created = records["created"].tolist()
+            reads = ShardReads(current, records, self._index.ttl_classes, _ExpiryCutoffs(ttl_s, self.clock()), None)
+            reads.settle()
+            reads.pin(self.slabs)
+        corrupt_pins = reads.check() if len(reads.pins[1]) else (_NONE, _NONE)
+        with self._lock:
+            self.slabs.unpin(*corrupt_pins)
+        self.unpin(reads)
+        corrupt = []
+        for row in np.flatnonzero(reads.status == Status.CORRUPT).tolist():
+            name = names[row]
+            cut = name.index(b"/")
+            corrupt.append((name[:cut].decode(), name[cut + 1 : -1], name[-1], created[row]))
+        checked = current & (reads.status != _MISSING)
+        scanned = int(lengths[checked].sum())
+        return ScrubStep(position if more else None, int(checked.sum()), scanned, corrupt)
 
     def shard_records(self, tenant: str, key: bytes) -> Iterator[ShardRecord]:
         with self._lock:
@@ -977,6 +1186,16 @@ class ChunkEngine:
     def set_setting(self, name: str, value: bytes) -> None:
         with self._lock, self.env.begin(db=self.settings_db, write=True) as txn:
             txn.put(name.encode(), value)
+
+    def rebuild_pending(self) -> float | None:
+        """When this data dir was made, while it has not yet been rebuilt from its peers (None: it has been, or
+        it predates rebuilds): blocks committed before then may have shards here that it never received."""
+        raw = self.setting(REBUILD)
+        return _TIME.unpack(raw)[0] if raw else None
+
+    def rebuilt(self) -> None:
+        """Every peer has told what this data dir should hold (``rebuild_pending`` is None from now on)."""
+        self.set_setting(REBUILD, b"")
 
     def counts(self) -> dict[str, int]:
         return {"shards": len(self._index), "blocks": len(self.block_table)}
@@ -1021,6 +1240,17 @@ def _slot_keys(classes: np.ndarray, slots: np.ndarray) -> list[bytes]:
 def _unpack_slot_value(raw: bytes) -> tuple[bytes, bytes]:
     (n,) = _NAME_LEN.unpack_from(raw)
     return bytes(raw[2 : 2 + n]), bytes(raw[2 + n :])
+
+
+class ScrubStep(NamedTuple):
+    """What one ``ChunkEngine.scrub`` call checked: where the next goes on from (None: the pass is complete), how
+    many shards and bytes were checked, and the shards whose bytes failed their crc32c (tenant, key, index, when
+    the shard was committed)."""
+
+    position: bytes | None
+    shards: int
+    bytes: int
+    corrupt: list[tuple[str, bytes, int, float]]
 
 
 class _ExpiryCutoffs(dict[str, float]):
@@ -1077,6 +1307,7 @@ class ShardReads:
         if missing.any():
             self.status[missing] = Status.MISSING
         self.payload: _native.Scatter | None = None
+        self.record_states: np.ndarray | None = None  # a probe's: per row, the block record's state here
         self.pins: tuple[np.ndarray, np.ndarray] = (_NONE, _NONE)
         self._plan = np.zeros((0, 2), dtype=np.int64)
         self._keep: list[memoryview] = []

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore import cluster_map
 from kvtier.kvstore.client_core import Buffer
 from kvtier.kvstore.client_lookups import Lookups
 from kvtier.kvstore.client_repair import Repairs
@@ -47,11 +48,14 @@ class Client(Lookups, Repairs):
 
 
 def connect(path: str | Path, token: str | None = None, namespace: Namespace | None = None) -> Client:
-    """A client for the cluster described by the cluster file at ``path`` (use it as a context manager).
+    """A client for the cluster described by the cluster file at ``path`` (use it as a context manager); a file that
+    names etcd gives the map there, followed as it changes.
 
-    ``token`` selects the tenant (default: the cluster token, tenant "default").
+    ``path`` may be the cluster file or its token-free client file (``cluster.public.toml``). ``token`` selects
+    the tenant (default: ``$KVTIER_TOKEN``, else the file's cluster token, tenant "default";
+    :func:`~kvtier.kvstore.cluster.load_client`).
     """
-    return Client(cluster_mod.load(path), token=token, namespace=namespace)
+    return Client(cluster_map.load_client(path, token), namespace=namespace)
 
 
 class AsyncClient:
@@ -125,4 +129,5 @@ class AsyncClient:
 
 
 async def connect_async(path: str | Path, token: str | None = None, namespace: Namespace | None = None) -> AsyncClient:
-    return AsyncClient(cluster_mod.load(path), token=token, namespace=namespace)
+    """:func:`connect` for asyncio code."""
+    return AsyncClient(cluster_map.load_client(path, token), namespace=namespace)

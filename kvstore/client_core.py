@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
 import numpy as np
@@ -35,16 +36,21 @@ class ClientCore:
         self.config = config
         self.namespace = namespace
         self.codec = codec or default_codec()
-        self.placement = Placement(config.groups)
-        addresses = {nid: (n.host, n.port) for nid, n in config.nodes.items()}
+        self._placement = Placement(config.groups)
         self.pool = ConnectionPool(
-            addresses,
+            {},
             token or config.token,
             config.limits,
             config.client.connect_timeout_s,
             config.client.retry_down_after_s,
         )
+        self.unreadable: frozenset[int] = frozenset()  # nodes reads go around (down, or being filled by repair)
+        self.previous: Placement | None = None  # the placement before a growth, while its blocks move
+        self._override: Placement | None = None
+        self._adopt(config)
         self._parity = bytearray()  # parity of the current put; a call's sends finish before it returns
+        self.lanes: list[ClientCore] = []  # clients of this one that read parts of a large read (client_reads)
+        self._lane_threads: ThreadPoolExecutor | None = None
         self.stats = {
             "header_mismatches": 0,
             "degraded_reads": 0,
@@ -52,7 +58,51 @@ class ClientCore:
             "hits": 0,
             "shards_repaired": 0,
             "corrupt_shards": 0,  # shards whose bytes failed the crc32c their node stored, caught by this client
+            "refused_unavailable": 0,  # blocks a put could not store: too few of their nodes up (or the primary down)
         }
+
+    @property
+    def placement(self) -> Placement:
+        """The placement of the newest cluster map this client has (every call takes it once, at its start, and
+        keeps it to the end). With an etcd map, a newer one is adopted here: one the map's watch delivered, or
+        one a node's reply named (its revision is newer than ours, so the map is read again)."""
+        if self._override is not None:
+            return self._override
+        feed = self.config.feed
+        if feed is not None:
+            if self.pool.seen_revision > self.config.revision:
+                feed.refresh(self.pool.seen_revision)
+            latest = feed.latest()
+            if latest.revision > self.config.revision:
+                self._adopt(latest)
+        return self._placement
+
+    def _adopt(self, config: cluster_mod.ClusterConfig) -> None:
+        """Act on ``config`` from now on: its placement, addresses and node states."""
+        self.config = config
+        self._placement = Placement(config.groups)
+        self.previous = Placement(config.previous_groups) if config.previous_groups else None
+        down = frozenset(nid for nid, n in config.nodes.items() if n.state != "up")
+        self.unreadable = down | {nid for nid, n in config.nodes.items() if n.filling}
+        local = {nid: str(n.local_socket) for nid, n in config.nodes.items() if n.local_socket is not None}
+        self.pool.update({nid: (n.host, n.port) for nid, n in config.nodes.items()}, down, local)
+
+    @contextlib.contextmanager
+    def placed_by(self, placement: Placement) -> Iterator[None]:
+        """Within the block, every call places blocks by ``placement`` (e.g. the groups before a growth)."""
+        previous, self._override = self._override, placement
+        try:
+            yield
+        finally:
+            self._override = previous
+
+    def moved(self, keys: Sequence[bytes], rows: np.ndarray) -> np.ndarray:
+        """Of ``keys[rows]``, the rows whose group a growth changed (so they may still be in the old group): empty
+        unless a growth is moving blocks, or while a call already places by another placement."""
+        if self.previous is None or self._override is not None or not len(rows):
+            return rows[:0]
+        picked = [keys[r] for r in rows.tolist()]
+        return rows[(self.previous.shard_nodes(picked) != self._placement.shard_nodes(picked)).any(axis=1)]
 
     @contextlib.contextmanager
     def acting_for(self, tenant: str) -> Iterator[None]:
@@ -64,6 +114,12 @@ class ClientCore:
             self.pool.act_as = previous
 
     def close(self) -> None:
+        if self._lane_threads is not None:
+            self._lane_threads.shutdown()
+            self._lane_threads = None
+        for lane in self.lanes:
+            lane.close()
+        self.lanes.clear()
         self.pool.close()
 
     def __enter__(self) -> Self:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.kvstore.client_core import ClientCore
+from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Op
 from kvtier.kvstore.transport import Exchange
 from kvtier.kvstore.wire import pack_keys
@@ -36,6 +37,15 @@ class Lookups(ClientCore):
         live = np.full(len(keys), -1, dtype=np.int8)
         if not keys:
             return live
+        self._ask_primaries(keys, live)
+        moved = self.moved(keys, np.flatnonzero(live == 0))  # a growth moving blocks: ask where they were before
+        if len(moved) and self.previous is not None:
+            with self.placed_by(self.previous):
+                again = self.liveness([keys[b] for b in moved.tolist()])
+            live[moved] = np.where(again == 1, 1, live[moved])
+        return live
+
+    def _ask_primaries(self, keys: Sequence[bytes], live: np.ndarray) -> None:
         primaries = self.placement.primaries(keys)
         blob, klen = pack_keys(keys)
         table = np.frombuffer(blob, dtype=np.uint8).reshape(len(keys), klen)
@@ -50,11 +60,10 @@ class Lookups(ClientCore):
             flags = self._flags(pending, "live", len(positions))
             if flags is not None:
                 live[positions] = flags.astype(bool)
-        return live
 
     def delete(self, keys: Sequence[bytes], before: float | None = None, primary_done: int | None = None) -> bool:
         """Remove blocks: all 12 nodes of each block's group drop its shards and records (the primary's and
-        shard 1's copy). Returns whether every one of those nodes answered.
+        the copies at shard 1's and 2's holders). Returns whether every one of those nodes answered.
 
         ``before`` (seconds since the epoch; the GC's evictions pass their time) spares records and shards
         written after it, so a block stored again meanwhile is not harmed. A node that is down keeps its
@@ -68,6 +77,11 @@ class Lookups(ClientCore):
         """
         if not keys:
             return True
+        moved = self.moved(keys, np.arange(len(keys)))
+        done = True
+        if len(moved) and self.previous is not None:  # a growth moving blocks: where they were before, too
+            with self.placed_by(self.previous):
+                done = self.delete([keys[b] for b in moved.tolist()], before, primary_done)
         shard_nodes = self.placement.shard_nodes(keys)
         blob, klen = pack_keys(keys)
         table = np.frombuffer(blob, dtype=np.uint8).reshape(len(keys), klen)
@@ -86,7 +100,17 @@ class Lookups(ClientCore):
                 meta["before"] = float(before)
             asks.append(exchange.request(node_id, Op.DELETE, meta))
         exchange.run(self.config.client.op_timeout_s)
-        return all(pending.ok for pending in asks)
+        return done and all(pending.ok for pending in asks)
+
+    def delete_on(self, node_id: int, keys: Sequence[bytes]) -> bool:
+        """Drop ``keys``' shards and records on one node, whichever shards of them it holds (a growth's move
+        deletes a block's old copies this way, node by node). Whether the node answered."""
+        blob, klen = pack_keys(keys)
+        exchange = Exchange(self.pool)
+        meta = {"keys": blob, "klen": klen, "idx": bytes([_ANY_SHARD]) * len(keys)}
+        pending = exchange.request(node_id, Op.DELETE, meta)
+        exchange.run(self.config.client.op_timeout_s)
+        return pending.ok
 
     def stat(self, key: bytes) -> dict[str, Any]:
         """Where a block's shards live and what its primary records (for operators)."""
@@ -95,16 +119,17 @@ class Lookups(ClientCore):
         asks = {nid: exchange.request(nid, Op.STAT, {"key": key}) for nid in sorted(set(nodes))}
         exchange.run(self.config.client.op_timeout_s)
         out: dict[str, Any] = {"key": key.hex(), "primary": nodes[0], "block": None, "shards": []}
+        records: dict[int, dict[str, Any] | None] = {}
         for nid, pending in asks.items():
             if not pending.ok:
                 out["shards"].append({"node": nid, "error": pending.error})
                 continue
             assert pending.frame is not None
             meta = pending.frame.meta
-            # the primary's record, else the copy kept by the holder of shard 1
-            if nid == nodes[0] or (nid == nodes[1] and out["block"] is None):
-                out["block"] = meta["block"] or out["block"]
+            records[nid] = meta["block"]
             out["shards"].extend({"node": nid, **s} for s in meta["shards"])
+        # the primary's record, else a copy kept by the holder of shard 1 or 2
+        out["block"] = next((records[n] for n in nodes[:RECORD_HOLDERS] if records.get(n)), None)
         return out
 
     def admin(self, action: str, node_ids: Sequence[int] | None = None, **meta: Any) -> dict[int, dict[str, Any]]:

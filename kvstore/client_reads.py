@@ -3,7 +3,10 @@ shards of live blocks rewritten before the call returns; see docs/design.md §5.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -11,6 +14,7 @@ import numpy as np
 from kvtier.kvstore import _native
 from kvtier.kvstore.client_core import Buffer, _by_node, header_rows, key_rows
 from kvtier.kvstore.client_writes import Writes
+from kvtier.kvstore.cluster import MAX_READ_LANES
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, shard_size
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER, Namespace, TokenInput
 from kvtier.kvstore.protocol import Frame, Op, Status
@@ -149,7 +153,7 @@ class Reads(Writes):
     ) -> list[bytearray | None]:
         """Read whole blocks; ``None`` for a miss. The returned buffers are the caller's to keep."""
         buffers: list[memoryview | None] = [None] * len(keys)
-        found = self._read(keys, buffers, True, self._headers(keys, tokens, namespace, headers)[0])
+        found = self._read_moving(keys, buffers, True, self._headers(keys, tokens, namespace, headers)[0])
         return [buf.obj if hit and buf is not None else None for hit, buf in zip(found, buffers, strict=True)]
 
     def get_into(
@@ -160,18 +164,109 @@ class Reads(Writes):
         tokens: TokenInput | None = None,
         namespace: Namespace | None = None,
         headers: Sequence[bytes] | None = None,
+        on_landed: Callable[[int, int], None] | None = None,
     ) -> list[bool]:
         """Read blocks into caller-owned writable buffers, each exactly the block's length.
 
         Returns per block whether it was read; a miss (including a stored block of another length) leaves
-        that buffer's contents unspecified.
+        that buffer's contents unspecified. ``on_landed(lo, hi)``: told as soon as blocks ``lo..hi-1`` are
+        done (read or missed; nothing writes into their buffers any more), before this returns: once for the
+        whole read, or once per lane, from the thread that read it (lanes run at once: it must be thread-safe).
+        A lane that raised is not told.
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         views: list[memoryview | None] = [memoryview(b).cast("B") for b in buffers]
         if any(v.readonly for v in views):  # type: ignore[union-attr]
             raise ValueError("get_into needs writable buffers")
-        return self._read(keys, views, False, self._headers(keys, tokens, namespace, headers)[0])
+        digests = self._headers(keys, tokens, namespace, headers)[0]
+        lengths = np.fromiter(map(len, views), dtype=np.int64, count=len(views))  # type: ignore[arg-type]
+        lanes = self._lane_count(int(lengths.sum()))
+        if lanes > 1:
+            return self._read_in_lanes(keys, views, digests, lengths, lanes, on_landed)
+        found = self._read_moving(keys, views, False, digests)
+        if on_landed is not None:
+            on_landed(0, len(keys))
+        return found
+
+    def _lane_count(self, total_bytes: int) -> int:
+        """How many lanes a read of ``total_bytes`` runs in: ``[client] read_lanes`` (0: one per two cores),
+        each carrying at least ``read_lane_min_bytes``."""
+        settings = self.config.client
+        lanes = settings.read_lanes or min(MAX_READ_LANES, max(1, (os.cpu_count() or 1) // 2))
+        return max(1, min(lanes, total_bytes // settings.read_lane_min_bytes))
+
+    def _read_in_lanes(
+        self,
+        keys: Sequence[bytes],
+        views: list[memoryview | None],
+        headers: list[bytes] | None,
+        lengths: np.ndarray,
+        lanes: int,
+        on_landed: Callable[[int, int], None] | None,
+    ) -> list[bool]:
+        """A ``get_into`` split into ``lanes`` runs of consecutive blocks of about equal bytes, read at once: the
+        first by this client on this thread, each other by a lane client (its own connections, so every node
+        serves each lane on a thread of its own) on a thread of this client's. The compiled receive releases the
+        GIL, so the lanes' copies and checksums run on as many cores. Returns when every lane is done, also when
+        one raised (no lane writes into the caller's buffers after this returns)."""
+        cuts = np.searchsorted(np.cumsum(lengths), np.arange(1, lanes) * (lengths.sum() / lanes)).tolist()
+        bounds = list(zip([0, *cuts], [*cuts, len(keys)], strict=True))
+        helpers, threads = self._lane_clients(lanes - 1)
+        running: list[Future[list[bool]]] = []
+
+        def lane(reads: Reads, lo: int, hi: int) -> list[bool]:
+            found = reads._read_moving(
+                keys[lo:hi], views[lo:hi], False, headers[lo:hi] if headers is not None else None
+            )
+            if on_landed is not None:
+                on_landed(lo, hi)
+            return found
+
+        try:
+            for helper, (lo, hi) in zip(helpers, bounds[1:], strict=True):
+                helper.pool.act_as = self.pool.act_as
+                running.append(threads.submit(lane, helper, lo, hi))
+            found = lane(self, *bounds[0])
+        finally:
+            results = [future.exception() or future.result() for future in running]  # waits for every lane
+            for helper in helpers:
+                for name, count in helper.stats.items():
+                    self.stats[name] += count
+                    helper.stats[name] = 0
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+            found += result
+        return found
+
+    def _lane_clients(self, count: int) -> tuple[list[Reads], ThreadPoolExecutor]:
+        """``count`` lane clients of this one (same cluster, token, namespace and codec) and the threads they run
+        on, made on first use and kept (their connections stay open) until ``close``."""
+        while len(self.lanes) < count:
+            lane = type(self)(self.config, token=self.pool.token, namespace=self.namespace, codec=self.codec)
+            self.lanes.append(lane)
+        if self._lane_threads is None:  # threads start as lanes first need them
+            self._lane_threads = ThreadPoolExecutor(MAX_READ_LANES - 1, thread_name_prefix="kvtier-read-lane")
+        return self.lanes[:count], self._lane_threads  # type: ignore[return-value]
+
+    def _read_moving(
+        self, keys: Sequence[bytes], buffers: list[memoryview | None], allocate: bool, headers: list[bytes] | None
+    ) -> list[bool]:
+        """``_read``, and while a growth moves blocks (docs/design.md §10), the misses its new groups took read
+        again from where they were before: a block is found in its old group until it has moved."""
+        found = self._read(keys, buffers, allocate, headers)
+        retry = self.moved(keys, np.flatnonzero(~np.asarray(found, dtype=bool)))
+        if len(retry) and self.previous is not None:
+            rows = retry.tolist()
+            again = [buffers[b] for b in rows]
+            with self.placed_by(self.previous):
+                hits = self._read(
+                    [keys[b] for b in rows], again, allocate, [headers[b] for b in rows] if headers else None
+                )
+            for b, hit, buf in zip(rows, hits, again, strict=True):
+                found[b], buffers[b] = hit, buf
+        return found
 
     def _read(
         self,
@@ -189,13 +284,25 @@ class Reads(Writes):
         shard_nodes = self.placement.shard_nodes(keys)
         if state is None:
             state = ReadState(len(keys), buffers, allocate, trust_primary=True)
-        fanout = self.config.client.read_fanout
-        self._read_round(keys, shard_nodes, headers, state, np.arange(TOTAL_SHARDS) < fanout, early=True)
-        # second round: blocks still short of 10 shards ask every holder not asked yet
+        settings = self.config.client
+        deadline = time.monotonic() + settings.op_timeout_s
+        first = np.broadcast_to(np.arange(TOTAL_SHARDS) < settings.read_fanout, shard_nodes.shape)
+        skip = np.isin(shard_nodes, list(self.unreadable)) if self.unreadable else None
+        if skip is not None and skip.any():  # nodes the map says are down or being filled: parity in their place
+            state.asked |= skip
+            first = ~skip & (np.cumsum(~skip, axis=1) <= settings.read_fanout)
+        exchange = Exchange(self.pool)
+        key_table, header_table = key_rows(keys), header_rows(headers) if headers is not None else None  # once
+        self._ask(exchange, key_table, header_table, shard_nodes, state, first)
+        hedge = settings.hedge_after_s if settings.hedge_after_s > 0 else settings.op_timeout_s
+        exchange.run(min(hedge, settings.op_timeout_s), until=state.decodable, keep=True)
+        # blocks still short of 10 shards (lost, or not arrived by the hedge time) ask every holder not asked yet
         short = (state.valid.sum(axis=1) < DATA_SHARDS) & ~state.absent & ~state.mismatch
         if short.any():
-            wanted = ~state.asked & short[:, None]
-            self._read_round(keys, shard_nodes, headers, state, wanted, early=False)
+            self._ask(exchange, key_table, header_table, shard_nodes, state, ~state.asked & short[:, None])
+        exchange.run(max(0.0, deadline - time.monotonic()), until=state.decodable)
+        self.stats["corrupt_shards"] += state.corrupt
+        state.corrupt = 0
         found = self._assemble(state)
         if repair and state.lost.any():
             self._repair_on_read(keys, shard_nodes, state, found)
@@ -214,26 +321,25 @@ class Reads(Writes):
                 by_class.setdefault(ttl_class, []).append((b, header))
         for ttl_class, stored in by_class.items():
             blocks = [b for b, _ in stored]
-            self.stats["shards_repaired"] += self.write_shards(
+            written = self.write_shards(
                 [keys[b] for b in blocks],
                 [state.buffers[b] for b in blocks],  # type: ignore[misc]
                 ttl_class,
                 lost[blocks],
                 [h for _, h in stored],
             )
+            self.stats["shards_repaired"] += int(written.sum())
 
-    def _read_round(
+    def _ask(
         self,
-        keys: Sequence[bytes],
+        exchange: Exchange,
+        key_table: np.ndarray,
+        header_table: np.ndarray | None,
         shard_nodes: np.ndarray,
-        headers: list[bytes] | None,
         state: ReadState,
         wanted: np.ndarray,
-        early: bool,
     ) -> None:
-        wanted = np.broadcast_to(wanted, shard_nodes.shape)
-        exchange = Exchange(self.pool)
-        key_table, header_table = key_rows(keys), header_rows(headers) if headers is not None else None  # once
+        """Queue one GET_SHARDS per node for the ``wanted`` shards (replies land by ``_sink``)."""
         for node_id, entries in _by_node(shard_nodes, wanted):
             state.asked[entries[:, 0], entries[:, 1]] = True
             meta = self._entry_meta(key_table, entries, header_table)
@@ -245,9 +351,6 @@ class Reads(Writes):
                 sink=lambda frame, e=entries: self._sink(frame, e, state),
                 on_reply=lambda frame, e=entries: state.arrived(frame, e),
             )
-        exchange.run(self.config.client.op_timeout_s, until=state.decodable if early else None)
-        self.stats["corrupt_shards"] += state.corrupt
-        state.corrupt = 0
 
     def _sink(self, frame: Frame, entries: np.ndarray, state: ReadState) -> ReceivePlan | None:
         """Where each OK shard of a GET reply goes, as a plan of (address, length, shard) pieces that the transport

@@ -1,28 +1,53 @@
-"""What the GC's repair asks of the cluster: which shards exist (metadata only), and whole blocks decoded from
-their shards even where the primary lost its record. Rewriting is ``write_shards`` (write path)."""
+"""What the GC's repair asks of the cluster: which shards and block records exist (metadata only), which blocks
+a peer holds shards of, and whole blocks decoded from their shards even where the primary lost its record.
+Rewriting is ``write_shards`` (write path)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from kvtier.kvstore.client_core import _by_node, key_rows
 from kvtier.kvstore.client_reads import Reads, ReadState
+from kvtier.kvstore.held_blocks import PAGE_BLOCKS
+from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Op, Status
 from kvtier.kvstore.transport import Exchange
 
+UNKNOWN = -1  # a record state the holder did not report: it is down, or did not answer
+
+
+class Survey(NamedTuple):
+    """What a probe found, per (block, shard): ``present`` (stored and committed), ``answered`` (its holder
+    replied at all: a shard not present where the holder answered is lost, one whose holder did not may come
+    back); and per block and holder of shard 0, 1, 2 the block record's ``wire.RecordState`` there
+    (``UNKNOWN``: no answer)."""
+
+    present: np.ndarray
+    answered: np.ndarray
+    records: np.ndarray
+
+
+class Decoded(NamedTuple):
+    """A block read for repair: its bytes, and the header digest and TTL class its shards carry."""
+
+    data: bytearray
+    header: bytes
+    ttl_class: str | None
+
 
 class Repairs(Reads):
-    """``probe`` and ``read_for_repair``."""
+    """``survey``, ``probe``, ``blocks_held`` and ``read_for_repair``."""
 
-    def probe(self, keys: Sequence[bytes]) -> np.ndarray:
-        """(n × 12) whether each shard of each block is stored, committed and (shard 0) recorded.
-
-        Metadata only; an unreachable node's shards read as absent.
-        """
+    def survey(self, keys: Sequence[bytes]) -> Survey:
+        """Ask the 12 holders of every block which of its shards they store and, at the holders of shards 0,
+        1 and 2, whether they keep its record. Metadata only, one request per node."""
         shard_nodes = self.placement.shard_nodes(keys)
         present = np.zeros(shard_nodes.shape, dtype=bool)
+        answered = np.zeros(shard_nodes.shape, dtype=bool)
+        records = np.full((len(keys), RECORD_HOLDERS), UNKNOWN, dtype=np.int8)
         exchange = Exchange(self.pool)
         asks = []
         key_table = key_rows(keys)  # once, not per request
@@ -32,19 +57,62 @@ class Repairs(Reads):
         exchange.run(self.config.client.op_timeout_s)
         for entries, pending in asks:
             statuses = self._flags(pending, "st", len(entries))
-            if statuses is not None:
-                ok = entries[statuses == Status.OK]
-                present[ok[:, 0], ok[:, 1]] = True
-        return present
+            if statuses is None:
+                continue
+            answered[entries[:, 0], entries[:, 1]] = True
+            ok = entries[statuses == Status.OK]
+            present[ok[:, 0], ok[:, 1]] = True
+            states = self._flags(pending, "rec", len(entries))
+            if states is not None:
+                holders = entries[:, 1] < RECORD_HOLDERS
+                at = entries[holders]
+                records[at[:, 0], at[:, 1]] = states[holders]
+        return Survey(present, answered, records)
 
-    def read_for_repair(self, keys: Sequence[bytes]) -> list[tuple[bytearray, bytes] | None]:
+    def probe(self, keys: Sequence[bytes]) -> np.ndarray:
+        """(n × 12) whether each shard of each block is stored, committed and (shard 0) recorded.
+
+        Metadata only; an unreachable node's shards read as absent.
+        """
+        return self.survey(keys).present
+
+    def blocks_held(
+        self, node_id: int, of_node: int, before: float | None = None
+    ) -> dict[str, dict[bytes, float]] | None:
+        """Every block ``node_id`` holds a shard of that has a shard at ``of_node`` (the blocks a node rebuilding
+        after its data was lost should hold), committed there ``before`` that time if given, per tenant: key →
+        the shard's commit time. Asked page by page (admin ``blocks_held``); None when the node did not answer
+        every page."""
+        found: dict[str, dict[bytes, float]] = {}
+        start: int | None = 0
+        while start is not None:
+            exchange = Exchange(self.pool)
+            meta = {"action": "blocks_held", "node": of_node, "start": start, "limit": PAGE_BLOCKS}
+            if before is not None:
+                meta["before"] = float(before)
+            pending = exchange.request(node_id, Op.ADMIN, meta)
+            exchange.run(self.config.client.op_timeout_s)
+            if not pending.ok or pending.frame is None:
+                return None
+            reply = pending.frame.meta
+            for group in reply["groups"]:
+                keys, klen, created = group["keys"], group["klen"], np.frombuffer(group["created"], dtype="<f8")
+                blocks = found.setdefault(group["tenant"], {})
+                for i, when in enumerate(created.tolist()):
+                    key = keys[i * klen : (i + 1) * klen]
+                    blocks[key] = min(when, blocks.get(key, when))
+            start = reply["next"]
+        return found
+
+    def read_for_repair(self, keys: Sequence[bytes]) -> list[Decoded | None]:
         """Whole blocks decoded from their shards, even where the primary lost its record, each with the
-        header digest its shards carry (a repair writes it back unchanged)."""
+        header digest and TTL class its shards carry (a repair writes them back unchanged); None where fewer
+        than 10 shards could be read."""
         buffers: list[memoryview | None] = [None] * len(keys)
         state = ReadState(len(keys), buffers, True, trust_primary=False)
         found = self._read(keys, buffers, True, None, state=state, repair=False)
-        headers = [header for _, header in state.stored_as(range(len(keys)))]
+        stored = state.stored_as(range(len(keys)))
         return [
-            (buf.obj, headers[b]) if hit and buf is not None else None
-            for b, (hit, buf) in enumerate(zip(found, buffers, strict=True))
+            Decoded(buf.obj, header, ttl_class) if hit and buf is not None else None
+            for hit, buf, (ttl_class, header) in zip(found, buffers, stored, strict=True)
         ]

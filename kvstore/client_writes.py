@@ -4,6 +4,7 @@ block's group, then COMMIT); see docs/design.md §4."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -14,8 +15,11 @@ from kvtier.kvstore import _native
 from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node, header_rows, key_rows
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec, addresses
 from kvtier.kvstore.keys import Namespace, TokenInput
+from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Op, Status
 from kvtier.kvstore.transport import Exchange, Pending
+
+log = logging.getLogger("kvtier.client")
 
 
 class CapacityError(Exception):
@@ -58,8 +62,11 @@ class Writes(ClientCore):
         views = [memoryview(b).cast("B") for b in blocks]
         shard_nodes = self.placement.shard_nodes(keys)
         write = np.ones(shard_nodes.shape, dtype=bool)
-        _, stored, no_space = self._store(keys, views, ttl_class, shard_nodes, write, headers, parents, ns_digest)
+        ok, stored, no_space = self._store(keys, views, ttl_class, shard_nodes, write, headers, parents, ns_digest)
         result = stored.tolist()
+        unavailable = ~stored & ~no_space
+        if unavailable.any():
+            self._refused(shard_nodes[unavailable], ok[unavailable])
         if (no_space & ~stored).any():
             refused = int((no_space & ~stored).sum())
             raise CapacityError(
@@ -69,6 +76,19 @@ class Writes(ClientCore):
                 result,
             )
         return result
+
+    def _refused(self, shard_nodes: np.ndarray, ok: np.ndarray) -> None:
+        """Blocks refused because too few of their nodes took shards: counted, and said once a call, with the
+        nodes that did not (down, unreachable, or draining)."""
+        self.stats["refused_unavailable"] += len(shard_nodes)
+        missing = sorted({int(n) for n in np.unique(shard_nodes[~ok])})
+        log.warning(
+            "%d blocks not stored: fewer than %d of their nodes took shards, or their primary did not "
+            "(nodes %s down, unreachable or draining)",
+            len(shard_nodes),
+            self.config.client.min_write_shards,
+            ", ".join(map(str, missing)) or "none",
+        )
 
     def _store(
         self,
@@ -88,8 +108,8 @@ class Writes(ClientCore):
         A block commits when its primary's shard and ``min_write_shards`` shards are durable, or, for a
         ``repair`` (which writes only missing or corrupt shards, replacing what is there), whenever its
         written shards are.
-        Returns the (n × 12) shards now durable, per block whether it committed (its primary recorded it),
-        and per block whether a node refused a shard for lack of space.
+        Returns the (n × 12) shards now durable (committed), per block whether it committed (its primary
+        recorded it), and per block whether a node refused a shard for lack of space.
         """
         stripes = self._stripes(views)
         block_lens = stripes.lens.astype("<u8")
@@ -114,7 +134,7 @@ class Writes(ClientCore):
             meta.update(put=put_id, cls=ttl_class, blen=block_lens[blocks].tobytes(), lens=shard_lens[blocks].tobytes())
             if parents:
                 meta["ns"] = ns_digest
-                meta["par"] = [parents[keys[b]] for b in blocks[indices <= 1].tolist()]
+                meta["par"] = [parents[keys[b]] for b in blocks[indices < RECORD_HOLDERS].tolist()]
             if created_at is not None:
                 meta["created"] = created_at[blocks].tobytes()
             if repair:
@@ -160,20 +180,27 @@ class Writes(ClientCore):
             committable = ok[:, 0] & (ok.sum(axis=1) >= self.config.client.min_write_shards)
 
         # phase 2: one small COMMIT per node naming the put: commit the shards of committable blocks, drop the
-        # others' (so they do not wait for GC); the primary's record makes a block visible
+        # others' (so they do not wait for GC); the primary's record makes a block visible. A block committed
+        # short of shards (a node down) is named to its primary with the shards it lacks: the primary owes
+        # their repair
+        lacking = write & ~ok
+        short = committable & lacking.any(axis=1) & (not repair)
+        missing = _bit_masks(lacking) * short if short.any() else None
         exchange = Exchange(self.pool)
         commits = []
         for node_id, entries in answered:
-            action = committable[entries[:, 0]].astype(np.uint8).tobytes()
-            commits.append((entries, exchange.request(node_id, Op.COMMIT, {"put": put_id, "act": action})))
+            meta = {"put": put_id, "act": committable[entries[:, 0]].astype(np.uint8).tobytes()}
+            if missing is not None and (to_primary := missing[entries[:, 0]] * (entries[:, 1] == 0)).any():
+                meta["miss"] = to_primary.astype("<u2").tobytes()
+            commits.append((entries, exchange.request(node_id, Op.COMMIT, meta)))
         exchange.run(self.config.client.op_timeout_s)
-        stored = np.zeros(len(keys), dtype=bool)
+        durable = np.zeros(shard_nodes.shape, dtype=bool)
         for entries, pending in commits:
             statuses = self._flags(pending, "st", len(entries))
             if statuses is not None:
-                primary = (entries[:, 1] == 0) & (statuses == Status.OK)
-                stored[entries[primary, 0]] = True
-        return ok, stored, no_space
+                committed = entries[statuses == Status.OK]
+                durable[committed[:, 0], committed[:, 1]] = True
+        return durable, durable[:, 0], no_space
 
     put_from = put  # buffers are sent as views either way; the second name matches get_into
 
@@ -187,12 +214,14 @@ class Writes(ClientCore):
         created: Sequence[float] | None = None,
     ) -> int:
         """Write only the shards ``which`` (n × 12) of whole ``blocks`` and commit them (repair), with the
-        blocks' stored header digests. A rewritten shard 0 or 1 re-creates the block record with
-        ``created``. Returns shards written."""
+        blocks' stored header digests. A rewritten shard 0, 1 or 2 re-creates the block record there with
+        ``created`` (and the rewritten shards carry it). Returns the (n × 12) shards committed."""
         views = [memoryview(b).cast("B") for b in blocks]
         shard_nodes = self.placement.shard_nodes(keys)
-        ok, _, _ = self._store(keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True)
-        return int((ok & which).sum())
+        durable, _, _ = self._store(
+            keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True
+        )
+        return durable & which
 
     def _stripes(self, views: Sequence[memoryview]) -> Stripes:
         """The shards of every block as (address, length) pieces, parity not computed yet (``Stripes.encode``).
@@ -254,6 +283,11 @@ class Stripes(NamedTuple):
             rest = table[short] + full[short, None]
             rest[:, DATA_SHARDS - 1] = self.zeros_at
             codec.encode_parity_at(rest, (sizes - full)[short])
+
+
+def _bit_masks(shards: np.ndarray) -> np.ndarray:
+    """Per row of an (n × 12) bool table, its true columns as the bits of a ``uint16``."""
+    return (shards.astype(np.uint16) << np.arange(TOTAL_SHARDS, dtype=np.uint16)).sum(axis=1, dtype=np.uint16)
 
 
 def _zeros(n: int) -> memoryview:

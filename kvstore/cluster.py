@@ -3,6 +3,16 @@
 Loading validates everything and raises :class:`ConfigError` with one line saying what to fix. Relative
 ``data_dir`` paths are taken from the cluster file's folder, so a cluster directory can be moved whole.
 
+**Secrets.** The cluster file holds every token: ``kvstore init`` writes it mode 0600, edits keep that mode, and
+every process refuses to read a file holding tokens that group or others may open (``chmod 600 PATH``, one line).
+Beside it, ``kvstore init`` writes the *client file* ``cluster.public.toml``: the same file with no tokens (no
+``[cluster] token``, no ``[tenants]``), which may be world-readable and is kept in step by every edit. Clients
+(engines, fetchers, kvbench, ``connect``) load either file with :func:`load_client` and present a tenant token from
+``--token-file PATH`` (:func:`read_token_file`, mode 0600 checked), ``$KVTIER_TOKEN``, or else the file's own
+cluster token; servers (nodes, the directory) load the cluster file with :func:`load`. Tokens are at least
+:data:`MIN_TOKEN_CHARS` characters (128 bits or more; :func:`new_token` makes one) and tenant names are ASCII
+(``[A-Za-z0-9_-]``).
+
 Example (what ``kvstore init`` writes, abridged)::
 
     [cluster]
@@ -20,6 +30,9 @@ Example (what ``kvstore init`` writes, abridged)::
 
     [tenants.teamb]             # more tenants, each with its own token
     token = "…"
+    quota = 0.25                # optional: its share of every primary's budget (tenants without one share the rest)
+
+    [limits]                    # frames and connections (``protocol.Limits``): hello_timeout_s = "5s", …
 
     [[nodes]]
     id = 0
@@ -27,6 +40,7 @@ Example (what ``kvstore init`` writes, abridged)::
     port = 7400
     data_dir = "node-0"
     capacity = "2GiB"
+    metrics_port = 7412         # /metrics and /health, on metrics_host (default 127.0.0.1: loopback only)
 
     [[groups]]                  # placement groups of exactly 12 node slots
     nodes = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
@@ -36,17 +50,19 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import random
+import re
 import secrets
 import socket
 import stat
 import tempfile
 import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import tomlkit
@@ -59,7 +75,13 @@ from kvtier.kvstore.protocol import Limits
 from kvtier.kvstore.units import format_duration, parse_duration, parse_size
 
 DEFAULT_TENANT = "default"
+TOKEN_ENV = "KVTIER_TOKEN"  # a client's tenant token, when not given on its command line
+MIN_TOKEN_CHARS = 32  # 128 bits of hex; new_token() gives 64 hex characters (256 bits)
+TOKEN_TENANT = "(token)"  # a client file's only tenant: the one its token names (no valid tenant name)
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TOKEN_CHARS = re.compile(r"[!-~]+")  # printable ASCII, no spaces: tokens travel in files, env and HELLO
 DEFAULT_TTL_CLASSES = {"agent": 3 * 86400.0, "chatbot": 7 * 86400.0}
+MAX_READ_LANES = 16
 
 
 _T = TypeVar("_T")
@@ -67,6 +89,10 @@ _T = TypeVar("_T")
 
 class ConfigError(ValueError):
     """The cluster file is missing, malformed or inconsistent; the message says what to fix."""
+
+
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a node at one of these runs on this machine
+MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with its NUL
 
 
 @dataclass(frozen=True)
@@ -77,6 +103,19 @@ class NodeConfig:
     data_dir: Path
     capacity_bytes: int
     metrics_port: int = 0  # 0: no HTTP metrics endpoint
+    host_id: str = ""  # the failure domain (host) it runs on, as the etcd map names it ("": a cluster file's node)
+    state: str = "up"  # membership, from the etcd map: "new" (never registered), "up" or "down"
+    filling: bool = False  # replaced or new, being filled by repair: written to, not read from
+    metrics_host: str = "127.0.0.1"  # where /metrics and /health listen: loopback unless the file says otherwise
+
+    @property
+    def local_socket(self) -> Path | None:
+        """The Unix socket a node on this machine listens on beside its TCP port (``node.sock`` in its data dir),
+        which clients on the same machine use instead: None for a node elsewhere, or where the path is too long for
+        a Unix socket. Only the data dir's owner can create it, so no other user can stand in for the node there."""
+        path = self.data_dir / "node.sock"
+        local = self.host in LOCAL_HOSTS and len(os.fsencode(path)) <= MAX_UNIX_PATH
+        return path if local else None
 
 
 @dataclass(frozen=True)
@@ -93,6 +132,9 @@ class GCConfig:
     # one faults, so at capacity a flush every second cost a node ~10 % of its CPU
     meta_sync_s: float = 5.0
     repair_bytes_per_s: float = 64.0 * (1 << 20)  # background repair never moves more than this
+    # every committed shard's crc32c is checked once per period, reading at most this fast (the scrubber)
+    scrub_period_s: float = 7 * 86400.0
+    scrub_bytes_per_s: float = 32.0 * (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -102,31 +144,65 @@ class ClientConfig:
     op_timeout_s: float = 10.0
     connect_timeout_s: float = 2.0
     retry_down_after_s: float = 1.0  # a node that refused a connection is not retried sooner
+    # a large get_into is split into lanes, each a thread with its own connections, so a host with more cores
+    # than the two here receives on several at once: 0 = one lane per two cores (one on a small host), at most 16
+    read_lanes: int = 0
+    read_lane_min_bytes: int = 32 << 20  # a lane carries at least this much, so small reads stay on one thread
+    # a read still short of 10 shards this long after it was sent asks the holders not asked yet (parity) as well,
+    # so a slow node or link costs at most this much (0: only once the first round has finished)
+    hedge_after_s: float = 1.0
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     name: str
-    token: str
+    token: str  # the token this process presents: the admin's (cluster file), a tenant's (load_client), "" for none
     hash_algo: str
     nodes: dict[int, NodeConfig]
     groups: list[list[int]]
-    tenants: dict[str, str]  # tenant name -> token; DEFAULT_TENANT has the cluster token
+    tenants: dict[str, str]  # tenant name -> token; DEFAULT_TENANT has the cluster token (empty: a client file)
     ttl_classes: dict[str, float]
+    quotas: dict[str, float] = field(default_factory=dict)  # tenant -> share of each primary's budget (0, 1]
     gc: GCConfig = field(default_factory=GCConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     limits: Limits = field(default_factory=Limits)
     path: Path | None = None
+    revision: int = 0  # the etcd map's revision this config is (0: a cluster file)
+    previous_groups: list[list[int]] = field(default_factory=list)  # the groups before a growth, while it moves
+    feed: MapFeed | None = field(default=None, compare=False, repr=False)  # keeps an etcd map current
 
     def tenant_for_token(self, token: str) -> str | None:
-        """The tenant a token authenticates, comparing against every tenant in constant time."""
+        """The tenant a token authenticates, comparing against every tenant in constant time (an etcd map holds
+        tokens' hashes, ``token_hash``, never the tokens)."""
         import hmac
 
         found = None
+        hashed = token_hash(token)
         for name, expected in self.tenants.items():
-            if hmac.compare_digest(expected.encode(), token.encode()):
+            presented = hashed if expected.startswith(TOKEN_HASH_PREFIX) else token
+            if hmac.compare_digest(expected.encode(), presented.encode()):
                 found = name
         return found
+
+
+class MapFeed(Protocol):
+    """Where a config from the etcd map gets its successors (``kvstore.cluster_map.MapFeed``)."""
+
+    def latest(self) -> ClusterConfig:
+        """The newest map this process has seen (cheap: no request)."""
+        ...
+
+    def refresh(self, revision: int) -> None:
+        """A node answered on ``revision``: read the map again soon if this process's is older (does not wait)."""
+        ...
+
+
+TOKEN_HASH_PREFIX = "sha256:"
+
+
+def token_hash(token: str) -> str:
+    """What the etcd map stores for a token: its SHA-256, hex, prefixed."""
+    return TOKEN_HASH_PREFIX + hashlib.sha256(token.encode()).hexdigest()
 
 
 # --- the file's schema (msgspec checks types, required and unknown keys; parse() checks what types cannot) ---
@@ -137,7 +213,7 @@ class _Table(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _ClusterTable(_Table):
-    token: str
+    token: str | None = None  # None: a client file (no secrets)
     name: str = "kvtier"
     hash: str = "xxh3_128"
 
@@ -149,6 +225,7 @@ class _NodeEntry(_Table):
     capacity: int | str
     host: str = "127.0.0.1"
     metrics_port: int = 0
+    metrics_host: str = NodeConfig.metrics_host
 
 
 class _GroupEntry(_Table):
@@ -157,6 +234,7 @@ class _GroupEntry(_Table):
 
 class _TenantTable(_Table):
     token: str
+    quota: float | None = None
 
 
 class _File(msgspec.Struct):  # other top-level tables are other programs' settings
@@ -182,47 +260,135 @@ def _convert(value: Any, kind: type[_T], where: str = "") -> _T:
 
 
 def _settings(kind: type[_T], table: dict[str, Any], section: str) -> _T:
-    """A settings dataclass from its table; ``*_s`` keys may be durations (``"30s"``)."""
+    """A settings dataclass from its table; ``*_s`` keys may be durations (``"30s"``), ``*_bytes`` keys sizes
+    (``"32MiB"``)."""
     unknown = set(table) - {f.name for f in fields(kind)}
     if unknown:
         raise ConfigError(f"[{section}] has unknown keys: {', '.join(sorted(unknown))}")
     values = {}
     for key, raw in table.items():
         try:
-            values[key] = parse_duration(raw) if key.endswith("_s") and isinstance(raw, str) else raw
+            if isinstance(raw, str) and key.endswith("_s"):
+                raw = parse_duration(raw)
+            elif isinstance(raw, str) and key.endswith("_bytes"):
+                raw = parse_size(raw)
+            values[key] = raw
         except ValueError as exc:
             raise ConfigError(f"{section}.{key}: {exc}") from None
     return _convert(values, kind, section)
 
 
-def _read(path: Path) -> str:
+def _read(path: Path) -> tuple[str, int]:
+    """The file's text and permission bits (of the file read, a symlink's target)."""
     try:
-        return path.read_text()
+        with open(path, encoding="utf-8") as f:
+            return f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode)
     except FileNotFoundError:
         raise ConfigError(f"cluster file {path} does not exist (create one with `kvstore init DIR`)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
 
 
+def check_private(path: Path, mode: int, what: str = "tokens") -> None:
+    """ConfigError (one line, naming the fix) when a file holding ``what`` may be opened by group or others."""
+    if mode & 0o077:
+        raise ConfigError(f"{path} holds {what} but group/others may open it (mode {mode:04o}): run `chmod 600 {path}`")
+
+
+def check_token(token: str, where: str) -> None:
+    """ConfigError unless ``token`` is long enough to be unguessable and travels safely (printable ASCII)."""
+    if len(token) < MIN_TOKEN_CHARS or not _TOKEN_CHARS.fullmatch(token):
+        raise ConfigError(
+            f"{where} must be at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces (128+ bits; "
+            "`kvctl tenant add NAME` or `python3 -c 'import secrets; print(secrets.token_hex(32))'` makes one)"
+        )
+
+
+def check_tenant_name(name: str) -> None:
+    """ConfigError unless ``name`` is 1 to 64 ASCII letters, digits, ``-`` and ``_`` (no look-alikes)."""
+    if not _TENANT_NAME.fullmatch(name):
+        raise ConfigError(f"tenant name {name!r} may only hold ASCII letters, digits, - and _ ([A-Za-z0-9_-], 1 to 64)")
+
+
+def new_token() -> str:
+    """A fresh token: 256 random bits from ``secrets``, as 64 hex characters."""
+    return secrets.token_hex(32)
+
+
 def load(path: str | Path) -> ClusterConfig:
-    """Read and validate a cluster file. Raises ConfigError (one line) on any problem."""
+    """Read and validate the cluster file (with its tokens: nodes, the directory, admin tools).
+
+    Raises ConfigError (one line) on any problem, when the file holds tokens and group or others may open it, or
+    when it is a client file (no tokens).
+    """
+    path = Path(path)
+    config = _load(path)
+    if not config.token:
+        raise ConfigError(
+            f"{path} holds no tokens (a client file): nodes and the directory need the cluster file itself"
+        )
+    return config
+
+
+def load_client(path: str | Path, token: str | None = None) -> ClusterConfig:
+    """The cluster (or client) file as a client uses it, with the token it presents in ``token``.
+
+    The token is ``token`` if given, else ``$KVTIER_TOKEN``, else the file's own ``[cluster] token`` (the admin).
+    From a client file (no tokens) the config's only tenant is :data:`TOKEN_TENANT`, authenticated by that token
+    (what a fetcher serving one tenant accepts). Raises ConfigError as :func:`load` does, and when a client file
+    comes with no token.
+    """
+    path = Path(path)
+    config = _load(path)
+    token = token or os.environ.get(TOKEN_ENV) or config.token
+    if not token:
+        raise ConfigError(
+            f"{path} holds no tokens (a client file): give a tenant token with --token-file PATH or ${TOKEN_ENV}"
+        )
+    if token == config.token:
+        return config
+    return replace(config, token=token, tenants=config.tenants or {TOKEN_TENANT: token})
+
+
+def read_token_file(path: str | Path) -> str:
+    """The token in a file of its own (``--token-file``: one line). Raises ConfigError (one line) when the file
+    is missing, empty, or may be opened by group or others."""
     path = Path(path)
     try:
-        doc = tomllib.loads(_read(path))
+        with open(path, encoding="utf-8") as f:
+            text, mode = f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read token file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    check_private(path, mode, "a token")
+    token = text.strip()
+    if not token or "\n" in token:
+        raise ConfigError(f"token file {path} must hold one token on one line")
+    return token
+
+
+def _load(path: Path) -> ClusterConfig:
+    text, mode = _read(path)
+    try:
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from None
     try:
-        return parse(doc, base_dir=path.parent.resolve(), path=path)
+        config = parse(doc, base_dir=path.parent.resolve(), path=path)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    if config.token:
+        check_private(path, mode)
+    return config
 
 
 def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> ClusterConfig:
     """Validate a decoded cluster file (``data_dir`` paths are relative to ``base_dir``). Raises ConfigError."""
     file = _convert(doc, _File)
     cluster = file.cluster
-    if len(cluster.token) < 16:
-        raise ConfigError("cluster.token must be at least 16 characters")
+    if cluster.token is not None:
+        check_token(cluster.token, "cluster.token")
+    elif file.tenants:
+        raise ConfigError("[tenants] without a [cluster] token: a client file holds no tokens at all")
     if cluster.hash not in HASH_ALGOS:
         raise ConfigError(f"cluster.hash must be one of {', '.join(HASH_ALGOS)}, got {cluster.hash!r}")
 
@@ -241,7 +407,9 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
         if capacity <= 0:
             raise ConfigError(f"node {entry.id}: capacity must be positive")
         data_dir = (base_dir / entry.data_dir).resolve()
-        nodes[entry.id] = NodeConfig(entry.id, entry.host, entry.port, data_dir, capacity, entry.metrics_port)
+        nodes[entry.id] = NodeConfig(
+            entry.id, entry.host, entry.port, data_dir, capacity, entry.metrics_port, entry.metrics_host
+        )
 
     groups = []
     for n, group in enumerate(file.groups):
@@ -254,18 +422,23 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
     if not groups:
         raise ConfigError(f"the cluster file has no [[groups]] (each is {TOTAL_SHARDS} node slots)")
 
-    tenants = {DEFAULT_TENANT: cluster.token}
+    tenants = {} if cluster.token is None else {DEFAULT_TENANT: cluster.token}
+    quotas: dict[str, float] = {}
     for name, table in file.tenants.items():
         tenant = _convert(table, _TenantTable, f"tenants.{name}")
         if name == DEFAULT_TENANT:
             raise ConfigError(f"tenant {DEFAULT_TENANT!r} is implicit (it uses the cluster token)")
-        if not name.replace("-", "").replace("_", "").isalnum():
-            raise ConfigError(f"tenant name {name!r} may only hold letters, digits, - and _")
-        if len(tenant.token) < 16:
-            raise ConfigError(f"tenants.{name}.token must be at least 16 characters")
+        check_tenant_name(name)
+        check_token(tenant.token, f"tenants.{name}.token")
         if tenant.token in tenants.values():
             raise ConfigError(f"tenants.{name}.token is already used by another tenant")
         tenants[name] = tenant.token
+        if tenant.quota is not None:
+            if not 0 < tenant.quota <= 1:
+                raise ConfigError(f"tenants.{name}.quota must be a share of the budget above 0 and at most 1")
+            quotas[name] = tenant.quota
+    if sum(quotas.values()) > 1 + 1e-9:
+        raise ConfigError(f"the tenants' quotas add up to {sum(quotas.values()):g}; together they may not pass 1")
 
     ttl_table = DEFAULT_TTL_CLASSES if file.ttl is None else file.ttl
     if not ttl_table:
@@ -282,26 +455,50 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
         raise ConfigError("[gc] watermarks need 0 < low_watermark < high_watermark <= 1")
     if not gc.meta_sync_s > 0 or not gc.access_flush_s > 0:
         raise ConfigError("[gc] meta_sync_s and access_flush_s must be positive")
+    if not gc.scrub_period_s > 0 or not gc.scrub_bytes_per_s > 0 or not gc.repair_bytes_per_s > 0:
+        raise ConfigError("[gc] scrub_period_s, scrub_bytes_per_s and repair_bytes_per_s must be positive")
     client = _settings(ClientConfig, file.client, "client")
     if not 10 <= client.read_fanout <= TOTAL_SHARDS:
         raise ConfigError(f"[client] read_fanout must be between 10 and {TOTAL_SHARDS}")
     if not 10 <= client.min_write_shards <= TOTAL_SHARDS:
         raise ConfigError(f"[client] min_write_shards must be between 10 and {TOTAL_SHARDS}")
-    limits = _settings(Limits, file.limits, "limits")
+    if not 0 <= client.read_lanes <= MAX_READ_LANES or client.read_lane_min_bytes < 1:
+        raise ConfigError(f"[client] read_lanes must be 0 (auto) to {MAX_READ_LANES}, read_lane_min_bytes positive")
+    limits = _limits(file.limits)
 
     return ClusterConfig(
         name=cluster.name,
-        token=cluster.token,
+        token=cluster.token or "",
         hash_algo=cluster.hash,
         nodes=nodes,
         groups=groups,
         tenants=tenants,
         ttl_classes=ttl_classes,
+        quotas=quotas,
         gc=gc,
         client=client,
         limits=limits,
         path=path,
     )
+
+
+def _limits(table: dict[str, Any]) -> Limits:
+    """``[limits]``, checked: every limit positive, the pre-auth share within the connection limit (the
+    defaults of the pre-auth limits shrink to fit a smaller ``max_connections`` the file sets)."""
+    limits = _settings(Limits, table, "limits")
+    for f in fields(Limits):
+        if not getattr(limits, f.name) > 0:
+            raise ConfigError(f"limits.{f.name} must be positive")
+    if "max_pre_auth_connections" not in table:
+        limits = replace(limits, max_pre_auth_connections=min(limits.max_pre_auth_connections, limits.max_connections))
+    if "max_pre_auth_per_peer" not in table:
+        per_peer = min(limits.max_pre_auth_per_peer, limits.max_pre_auth_connections)
+        limits = replace(limits, max_pre_auth_per_peer=per_peer)
+    if limits.max_pre_auth_connections > limits.max_connections:
+        raise ConfigError("limits.max_pre_auth_connections cannot exceed limits.max_connections")
+    if limits.max_pre_auth_per_peer > limits.max_pre_auth_connections:
+        raise ConfigError("limits.max_pre_auth_per_peer cannot exceed limits.max_pre_auth_connections")
+    return limits
 
 
 def _free_ports(count: int, host: str) -> list[int]:
@@ -346,7 +543,8 @@ def write_default(
     base_port: int | None = None,
     metrics: bool = True,
 ) -> Path:
-    """Write ``DIR/cluster.toml`` for ``nodes`` local nodes (a multiple of 12) and return its path.
+    """Write ``DIR/cluster.toml`` for ``nodes`` local nodes (a multiple of 12), mode 0600, and its client file
+    ``DIR/cluster.public.toml`` (no tokens, mode 0644); return the cluster file's path.
 
     Raises ConfigError when the file exists already (it is never overwritten). Ports are ``base_port`` onwards,
     or free ones the kernel hands out (on ``host``) when it is None.
@@ -360,7 +558,7 @@ def write_default(
     ports = _free_ports(count, host) if base_port is None else list(range(base_port, base_port + count))
     doc = tomlkit.document()
     doc.add(tomlkit.comment("kvtier cluster file (written by `kvstore init`)"))
-    doc["cluster"] = _table(name="local", token=secrets.token_hex(24), hash="xxh3_128")
+    doc["cluster"] = _table(name="local", token=new_token(), hash="xxh3_128")
     doc["ttl"] = _table(**{name: format_duration(s) for name, s in DEFAULT_TTL_CLASSES.items()})
     doc["gc"] = _table(high_watermark=GCConfig.high_watermark, low_watermark=GCConfig.low_watermark)
     node_tables = tomlkit.aot()
@@ -374,11 +572,41 @@ def write_default(
     for g in range(nodes // TOTAL_SHARDS):
         groups.append(_table(nodes=list(range(g * TOTAL_SHARDS, (g + 1) * TOTAL_SHARDS))))
     doc["groups"] = groups
+    text = tomlkit.dumps(doc)
     try:
-        with open(target, "x") as f:
-            f.write(tomlkit.dumps(doc))
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds every token
     except FileExistsError:
         raise ConfigError(f"{target} already exists; remove it or choose another directory") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    write_public(target, text)
+    return target
+
+
+def public_path(path: str | Path) -> Path:
+    """Where the client file of the cluster file at ``path`` lives: ``cluster.public.toml`` beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.public.toml")
+
+
+def write_public(path: str | Path, text: str | None = None, out: str | Path | None = None) -> Path:
+    """Write the client file of the cluster file at ``path`` (its text ``text``, read if None) to ``out`` (default
+    :func:`public_path`), mode 0644, atomically: the same cluster with no ``[cluster] token`` and no ``[tenants]``.
+    Raises ConfigError when the cluster file cannot be read or the client file written."""
+    path = Path(path)
+    if text is None:
+        text, mode = _read(path)
+        check_private(path, mode)
+    doc = tomllib.loads(text)
+    doc.get("cluster", {}).pop("token", None)
+    doc.pop("tenants", None)
+    header = f"# kvtier client file: {path.name} without its tokens (kept in step by `kvctl`); give clients a\n"
+    header += f"# tenant token with --token-file PATH or ${TOKEN_ENV}. Safe to share.\n"
+    target = public_path(path) if out is None else Path(out)
+    try:
+        _write_atomic(target, header + tomlkit.dumps(doc), mode=0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the client file {target}: {exc.strerror or exc}") from None
     return target
 
 
@@ -389,13 +617,17 @@ def edit(path: str | Path) -> Iterator[tomlkit.TOMLDocument]:
     Yields the file's document (tomlkit: a dict-like whose changed values keep their line and comment) under an
     exclusive lock on the file's folder, so that two editors never interleave. When the block ends normally the
     document must still load (else ConfigError, one line, and the file is unchanged); it then replaces the file
-    atomically (a temporary file in the same folder, fsynced, renamed over it, permissions kept). An exception in
-    the block leaves the file as it was. Raises ConfigError when the file cannot be read, parsed or replaced.
+    atomically (a temporary file in the same folder, fsynced, renamed over it, permissions kept), and the client
+    file beside it (:func:`public_path`), if there is one, is rewritten to match. An exception in the block leaves
+    the file as it was. Raises ConfigError when the file cannot be read, parsed or replaced, or when group or
+    others may open it (it holds the tokens).
     """
     path = Path(os.path.realpath(path))
     with _folder_lock(path.parent):
+        text, mode = _read(path)
+        check_private(path, mode)
         try:
-            doc = tomlkit.parse(_read(path))
+            doc = tomlkit.parse(text)
         except tomlkit.exceptions.ParseError as exc:
             raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from None
         yield doc
@@ -405,9 +637,11 @@ def edit(path: str | Path) -> Iterator[tomlkit.TOMLDocument]:
         except (tomllib.TOMLDecodeError, ValueError) as exc:
             raise ConfigError(f"the change would break {path} ({exc}); it was not made") from None
         try:
-            _write_atomic(path, text)
+            _write_atomic(path, text, mode)
         except OSError as exc:
             raise ConfigError(f"cannot rewrite {path}: {exc.strerror or exc}") from None
+        if public_path(path).exists():
+            write_public(path, text)
 
 
 @contextlib.contextmanager
@@ -423,8 +657,7 @@ def _folder_lock(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    mode = stat.S_IMODE(path.stat().st_mode)
+def _write_atomic(path: Path, text: str, mode: int) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

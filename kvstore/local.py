@@ -1,17 +1,24 @@
-"""Running the nodes of a cluster file on this machine, one process each (``kvstore serve``, tests, demo)."""
+"""Running the nodes of a cluster on this machine, one process each (``kvstore serve``, tests, demo): the loopback
+nodes of a cluster file, or the nodes the etcd map puts on this host (``host_id``); and resetting one whose data is
+lost (``kvstore reset-node``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore import cluster_map
+from kvtier.kvstore.cluster import LOCAL_HOSTS
 
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+NODE_ERROR_PREFIX = "kvstore node: "  # how a node process starts the one line it exits with (gc.nodeproc)
 
 
 class NodeStartError(RuntimeError):
@@ -21,14 +28,32 @@ class NodeStartError(RuntimeError):
 class LocalCluster:
     """Starts, stops, kills and restarts the local nodes of one cluster file."""
 
-    def __init__(self, config_path: str | Path, ready_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        config_path: str | Path,
+        ready_timeout_s: float = 30.0,
+        host_id: str | None = None,
+        etcd: str | None = None,
+    ) -> None:
+        """``host_id``: this host's name in the etcd map the cluster file names (its nodes are the local ones, and
+        the map is followed: ``config`` is the newest); ``etcd`` overrides the file's etcd endpoints."""
         self.config_path = Path(config_path)
-        self.config = cluster_mod.load(self.config_path)
+        self.host_id = host_id
+        self.etcd = etcd
+        self._config = cluster_map.load(self.config_path, etcd_endpoints=etcd, watch=host_id is not None)
+        if host_id is not None and self._config.feed is None:
+            raise cluster_mod.ConfigError(f"--host-id needs a cluster file that names etcd; {config_path} does not")
         self.ready_timeout_s = ready_timeout_s
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
+    def config(self) -> cluster_mod.ClusterConfig:
+        return self._config.feed.latest() if self._config.feed is not None else self._config
+
+    @property
     def local_ids(self) -> list[int]:
+        if self.host_id is not None:
+            return sorted(nid for nid, n in self.config.nodes.items() if n.host_id == self.host_id)
         return sorted(nid for nid, n in self.config.nodes.items() if n.host in LOCAL_HOSTS)
 
     def log_path(self, node_id: int) -> Path:
@@ -41,8 +66,9 @@ class LocalCluster:
             data_dir = self.config.nodes[nid].data_dir
             data_dir.mkdir(parents=True, exist_ok=True)
             with open(self.log_path(nid), "ab") as log:
+                override = ["--etcd", self.etcd] if self.etcd else []
                 self.procs[nid] = subprocess.Popen(
-                    [sys.executable, "-m", "kvtier.gc.nodeproc", str(self.config_path), str(nid)],
+                    [sys.executable, "-m", "kvtier.gc.nodeproc", str(self.config_path), str(nid), *override],
                     stdout=subprocess.PIPE,
                     stderr=log,
                     stdin=subprocess.DEVNULL,
@@ -58,8 +84,7 @@ class LocalCluster:
         buf = b""
         while b"ready" not in buf:
             if proc.poll() is not None:
-                tail = self.log_path(node_id).read_text(errors="replace").strip().splitlines()[-3:]
-                raise NodeStartError(f"node {node_id} exited with code {proc.returncode}: {' | '.join(tail)}")
+                raise NodeStartError(self._exit_reason(node_id, proc.returncode))
             if time.monotonic() > deadline:
                 raise NodeStartError(f"node {node_id} did not report ready in {self.ready_timeout_s:.0f}s")
             chunk = proc.stdout.read()
@@ -67,6 +92,16 @@ class LocalCluster:
                 buf += chunk
             else:
                 time.sleep(0.01)
+
+    def _exit_reason(self, node_id: int, code: int) -> str:
+        """One line on why a starting node exited: its own one-line error (``kvstore node: ...``, which names the
+        node), or the last line it logged (a traceback's exception) with the log's path."""
+        log = self.log_path(node_id)
+        lines = log.read_text(errors="replace").strip().splitlines()
+        last = lines[-1].strip() if lines else "nothing logged"
+        if last.startswith(NODE_ERROR_PREFIX):
+            return last.removeprefix(NODE_ERROR_PREFIX)
+        return f"node {node_id} exited with code {code}: {last} (log: {log})"
 
     def kill(self, node_id: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to a node and wait for it to exit (SIGKILL: no clean-up happens)."""
@@ -106,11 +141,47 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        if self._config.feed is not None:
+            self._config.feed.close()
 
 
-def serve(config_path: str | Path) -> int:
-    """``kvstore serve``: run every local node until SIGINT/SIGTERM; report nodes that exit on their own."""
-    cluster = LocalCluster(config_path)
+def reset_node(config_path: str | Path, node_id: int) -> Path:
+    """Move a stopped node's data dir aside (renamed ``<dir>.aside-<time>``, nothing deleted) and give it an
+    empty one: started again, the node rebuilds what it should hold from its peers (docs/design.md §6). For a
+    node whose metadata is corrupt or whose disk was replaced. Returns where the old data went.
+
+    Raises ConfigError (one line) for a node not in the file, one that is running (its port answers), or one
+    with no data dir.
+    """
+    config = cluster_mod.load(config_path)
+    node = config.nodes.get(node_id)
+    if node is None:
+        raise cluster_mod.ConfigError(f"node {node_id} is not in {config_path}")
+    with contextlib.suppress(OSError), socket.create_connection((node.host, node.port), timeout=1):
+        raise cluster_mod.ConfigError(
+            f"node {node_id} is running (it answers on {node.host}:{node.port}); stop it first"
+        )
+    if not node.data_dir.is_dir():
+        raise cluster_mod.ConfigError(f"node {node_id} has no data dir at {node.data_dir}")
+    aside = node.data_dir.with_name(f"{node.data_dir.name}.aside-{time.strftime('%Y%m%d-%H%M%S')}")
+    node.data_dir.rename(aside)
+    node.data_dir.mkdir()
+    return aside
+
+
+RESTART_BACKOFF_S = (1.0, 60.0)  # a node that exits is restarted after 1 s, doubling per failure up to 60 s
+STABLE_S = 60.0  # a node up this long is healthy again: its next exit is restarted after the shortest wait
+
+
+def serve(config_path: str | Path, host_id: str | None = None, etcd: str | None = None) -> int:
+    """``kvstore serve``: run every local node until SIGINT/SIGTERM, restarting any that exits on its own.
+
+    A node that exits (a crash, a kill, a fatal error) is reported with its exit code and log, then restarted after
+    a back-off: 1 s, doubling with each exit that follows a short run, up to 60 s; a node that stayed up
+    ``STABLE_S`` starts from 1 s again. Every exit and restart is one line on stdout. With ``host_id`` (an etcd map)
+    the map is followed: a node it moves to this host is started, one it moves away is stopped.
+    """
+    cluster = LocalCluster(config_path, host_id=host_id, etcd=etcd)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -126,14 +197,90 @@ def serve(config_path: str | Path) -> int:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 1
     ids = cluster.local_ids
-    print(f"all {len(ids)} nodes ready (cluster file {cluster.config_path}); Ctrl-C stops them", flush=True)
-    reported: set[int] = set()
+    where = f"host {host_id} of the etcd map" if host_id else f"cluster file {cluster.config_path}"
+    print(f"all {len(ids)} nodes ready ({where}); Ctrl-C stops them", flush=True)
+    if host_id and not ids:
+        print(f"the map puts no node on host {host_id!r} yet: waiting for `kvctl node replace` or `group add`")
+    supervisor = Supervisor(cluster)
     while not stopping:
-        for nid, proc in list(cluster.procs.items()):
-            if proc.poll() is not None and nid not in reported:
-                reported.add(nid)
-                print(f"node {nid} exited with code {proc.returncode} (log: {cluster.log_path(nid)})", flush=True)
+        supervisor.check()
+        if host_id is not None:
+            _follow(cluster, supervisor)
         time.sleep(0.2)
     cluster.stop()
     print("all nodes stopped", flush=True)
     return 0
+
+
+def _follow(cluster: LocalCluster, supervisor: Supervisor) -> None:
+    """Start the nodes the map newly puts on this host, stop those it moved elsewhere (the supervisor restarts
+    a node that fails to start, as any that exits)."""
+    wanted = set(cluster.local_ids)
+    for nid in sorted(set(cluster.procs) - wanted):
+        print(f"node {nid} moved to another host: stopping it here", flush=True)
+        supervisor.forget(nid)
+        cluster.kill(nid, signal.SIGTERM)
+    new = sorted(wanted - set(cluster.procs))
+    if new:
+        print(f"the map puts nodes {new} on this host: starting them", flush=True)
+        supervisor.started_now(new)
+        try:
+            cluster.start(new)
+        except NodeStartError as exc:
+            print(f"kvstore serve: {exc}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """Restarts the nodes of a :class:`LocalCluster` that exit, with back-off (see :func:`serve`)."""
+
+    def __init__(self, cluster: LocalCluster, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cluster = cluster
+        self.clock = clock
+        now = clock()
+        self.started = dict.fromkeys(cluster.procs, now)  # node -> when its process was started
+        self.backoff_s: dict[int, float] = {}  # node -> the wait before its next restart
+        self.restart_at: dict[int, float] = {}  # nodes down, waiting to be restarted -> when
+
+    def check(self) -> None:
+        """Notice nodes that exited and restart those whose wait is over; never raises for a node's failure."""
+        now = self.clock()
+        for nid, proc in list(self.cluster.procs.items()):
+            if proc.poll() is not None and nid not in self.restart_at:
+                self._exited(nid, proc.returncode, now)
+        for nid, when in list(self.restart_at.items()):
+            if now >= when:
+                self._restart(nid)
+
+    def forget(self, nid: int) -> None:
+        """``nid`` leaves this host (stopped on purpose): never restart it."""
+        for table in (self.started, self.backoff_s, self.restart_at):
+            table.pop(nid, None)
+
+    def started_now(self, nids: list[int]) -> None:
+        """``nids`` are being started (nodes new to this host)."""
+        now = self.clock()
+        self.started.update(dict.fromkeys(nids, now))
+
+    def _exited(self, nid: int, code: int, now: float) -> None:
+        short, longest = RESTART_BACKOFF_S
+        if now - self.started.get(nid, now) >= STABLE_S:
+            self.backoff_s[nid] = short
+        wait = self.backoff_s.get(nid, short)
+        self.backoff_s[nid] = min(longest, wait * 2)
+        self.restart_at[nid] = now + wait
+        log = self.cluster.log_path(nid)
+        print(f"node {nid} exited with code {code} (log: {log}); restarting it in {wait:g} s", flush=True)
+
+    def _restart(self, nid: int) -> None:
+        del self.restart_at[nid]
+        exited = self.cluster.procs.pop(nid)
+        exited.wait()
+        if exited.stdout is not None:
+            exited.stdout.close()
+        self.started[nid] = self.clock()
+        try:
+            self.cluster.start([nid])
+        except NodeStartError as exc:  # exited again (the next check schedules another try) or not ready yet
+            print(f"node {nid} did not restart: {exc}", flush=True)
+            return
+        print(f"node {nid} restarted (pid {self.cluster.procs[nid].pid})", flush=True)

@@ -128,3 +128,74 @@ class LruIndex:
     def lru_sizes(self) -> Iterator[tuple[Key, int]]:
         """``(key, size_bytes)`` pairs least recently used first: the ``lru_iter`` :func:`plan_eviction` takes."""
         return ((entry.key, entry.size_bytes) for entry in self._entries.values())
+
+
+class TenantLru:
+    """A primary's block records as one :class:`LruIndex` per tenant: each tenant's blocks in least-recently-used
+    order and its byte total, so eviction can take from one tenant without walking the others' blocks (per-tenant
+    quotas, docs/design.md §6). Lookups by block key (``tenant/`` + key) go to one dict over all of them.
+
+    Calls that change an index name the tenant (a put, a read, a delete are each of one tenant), so no key is
+    parsed on the data path; ``insert`` (at open) takes the tenant from the key. Iteration yields every entry,
+    tenant after tenant, each least recently used first.
+    """
+
+    __slots__ = ("_entries", "_tenants")
+
+    def __init__(self) -> None:
+        self._entries: dict[Key, BlockEntry] = {}
+        self._tenants: dict[str, LruIndex] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[BlockEntry]:
+        for index in list(self._tenants.values()):
+            yield from index
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(index.total_bytes for index in self._tenants.values())
+
+    def get(self, key: Key) -> BlockEntry | None:
+        return self._entries.get(key)
+
+    def tenant(self, tenant: str) -> LruIndex:
+        """The tenant's blocks (an empty index for a tenant with none); read it under the caller's lock."""
+        return self._tenants.get(tenant) or LruIndex()
+
+    def usage(self) -> dict[str, int]:
+        """Bytes per tenant holding blocks here."""
+        return {tenant: index.total_bytes for tenant, index in self._tenants.items() if len(index)}
+
+    def insert(self, key: bytes, size_bytes: int, now: float, ttl_class: str, created: float | None = None) -> None:
+        """``LruIndex.insert`` into the tenant the key names (``tenant/`` + key)."""
+        tenant = key[: key.index(b"/")].decode()
+        index = self._tenants.setdefault(tenant, LruIndex())
+        index.insert(key, size_bytes, now, ttl_class, created)
+        self._entries[key] = index.get(key)  # type: ignore[assignment]
+
+    def insert_entries(self, tenant: str, entries: list[BlockEntry]) -> None:
+        """``LruIndex.insert_entries`` of blocks of ``tenant``."""
+        index = self._tenants.setdefault(tenant, LruIndex())
+        index.insert_entries(entries)
+        self._entries.update((entry.key, index.get(entry.key)) for entry in entries)  # type: ignore[misc]
+
+    def touch_entries(self, tenant: str, entries: list[BlockEntry], now: float) -> None:
+        """``LruIndex.touch_entries`` of blocks of ``tenant`` (entries as ``get`` returned them)."""
+        self._tenants[tenant].touch_entries(entries, now)
+
+    def remove_many(self, tenant: str, keys: list[Key]) -> None:
+        """Drop blocks of ``tenant`` (those absent are ignored)."""
+        index = self._tenants.get(tenant)
+        if index is None:
+            return
+        index.remove_many(keys)
+        pop = self._entries.pop
+        for key in keys:
+            pop(key, None)
+        if not len(index):
+            del self._tenants[tenant]

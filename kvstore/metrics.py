@@ -10,16 +10,20 @@ use the totals, and a created timestamp per labelled child is memory and scrape 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
+
+from kvtier.kvstore.admission import Acceptor, Admission, Ticket, accept_forever
+from kvtier.kvstore.protocol import Limits
 
 __all__ = ["LATENCY_BUCKETS", "MetricsServer"]
 
@@ -32,31 +36,41 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 """Histogram bounds for request latencies, in seconds: 50 µs to 10 s in 1-2.5-5 steps (``+Inf`` is added)."""
 
+MAX_REQUEST_HEAD_BYTES = 8 << 10  # request line and headers; a scrape sends a few hundred bytes
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
 _Environ = dict[str, Any]
 _StartResponse = Callable[..., Any]
 
 
-class _Handler(WSGIRequestHandler):
-    timeout = 10.0  # a stalled client frees its thread after this long
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("metrics server: %s - " + format, self.address_string(), *args)
+class BadRequest(ValueError):
+    """Not an HTTP request this endpoint serves; the message is the status line to answer."""
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+def parse_request_head(head: bytes) -> _Environ:
+    """A WSGI environ (the keys the apps here read) from an HTTP request's head, up to its blank line.
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # The default prints a traceback to stderr; a dropped scrape connection is not worth that.
-        log.debug("metrics server: error handling a request from %s", client_address, exc_info=True)
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+    Raises :class:`BadRequest` for anything that is not an HTTP/1.x request line followed by headers.
+    """
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise BadRequest("400 Bad Request")
+    method, target, _version = parts
+    path, _, query = target.partition("?")
+    environ: _Environ = {"REQUEST_METHOD": method, "PATH_INFO": unquote(path), "QUERY_STRING": query}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise BadRequest("400 Bad Request")
+        environ["HTTP_" + name.strip().upper().replace("-", "_")] = value.strip()
+    return environ
 
 
 class MetricsServer:
-    """``GET /metrics`` and ``GET /health`` over HTTP, served from a daemon thread, one thread per request.
+    """``GET /metrics`` and ``GET /health`` over HTTP, served from a daemon thread, one thread per connection.
 
     - ``/metrics``: the registry in the Prometheus text format (prometheus_client's WSGI app: content
       negotiation, gzip when asked), status 200.
@@ -64,6 +78,12 @@ class MetricsServer:
       returns something that is not a dict: 500 with a JSON ``{"status": "error", "error": ...}``; the server keeps
       serving.
     - any other path: 404. Requests are logged at DEBUG only, never to stderr.
+
+    Peers cannot exhaust it (``limits``): at most ``metrics_max_connections`` connections at once (half of them
+    from one address), each answered 503 beyond that; a request must arrive whole within
+    ``metrics_request_timeout_s`` of the connect (a trickle is cut there), its head at most
+    ``MAX_REQUEST_HEAD_BYTES``; one request per connection; the accept loop survives running out of descriptors
+    (:mod:`kvtier.kvstore.admission`). It binds ``host``, by default loopback only: nothing authenticates a scrape.
 
     ``health`` defaults to ``lambda: {"status": "ok"}``. ``start()`` binds (``port=0`` picks a free port, read
     back from :attr:`port`; OSError when the port cannot be bound); ``stop()`` closes the socket and joins the
@@ -76,23 +96,34 @@ class MetricsServer:
         host: str = "127.0.0.1",
         port: int = 0,
         health: Callable[[], dict[str, Any]] | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.registry = registry
         self.host = host
         self._requested_port = port
         self.health: Callable[[], dict[str, Any]] = health or (lambda: {"status": "ok"})
         self._metrics_app = make_wsgi_app(registry)
+        limits = limits or Limits()
+        most = limits.metrics_max_connections
+        self.limits = dataclasses.replace(
+            limits,
+            max_connections=most,
+            max_pre_auth_connections=most,  # nothing authenticates: every connection counts as waiting for it
+            max_pre_auth_per_peer=max(1, most // 2),
+            hello_timeout_s=limits.metrics_request_timeout_s,
+        )
         self._lock = threading.Lock()
-        self._server: _Server | None = None
+        self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @property
     def port(self) -> int:
         """The bound port (the real one when constructed with port 0). RuntimeError before :meth:`start`."""
-        server = self._server
-        if server is None:
+        listener = self._listener
+        if listener is None:
             raise RuntimeError("MetricsServer is not running")
-        return server.server_address[1]
+        return listener.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -127,31 +158,90 @@ class MetricsServer:
     def start(self) -> MetricsServer:
         """Bind and start serving; returns ``self``."""
         with self._lock:
-            if self._server is not None:
+            if self._listener is not None:
                 return self
-            server_class = _Server6 if ":" in self.host else _Server
-            server = make_server(self.host, self._requested_port, self.app, server_class, _Handler)
-            thread = threading.Thread(
-                target=server.serve_forever, kwargs={"poll_interval": 0.25}, name="kvtier-metrics", daemon=True
-            )
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            listener = socket.create_server((self.host, self._requested_port), family=family)
+            listener.settimeout(0.25)  # how soon the accept loop notices stop()
+            self._stopping.clear()
+            thread = threading.Thread(target=self._serve, args=(listener,), name="kvtier-metrics", daemon=True)
             thread.start()
-            self._server, self._thread = server, thread
+            self._listener, self._thread = listener, thread
             return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, close the socket and join the serving thread (in-flight requests may finish)."""
         with self._lock:
-            server, thread = self._server, self._thread
-            self._server = self._thread = None
-        if server is None:
+            listener, thread = self._listener, self._thread
+            self._listener = self._thread = None
+        if listener is None:
             return
-        server.shutdown()
-        server.server_close()
+        self._stopping.set()
         if thread is not None:
             thread.join(timeout)
+        listener.close()
 
     def __enter__(self) -> MetricsServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def _serve(self, listener: socket.socket) -> None:
+        acceptor = Acceptor(listener, log)
+        try:
+            accept_forever(acceptor, Admission(self.limits), self._stopping, self._answer, lambda _reason: _BUSY)
+        finally:
+            acceptor.close()
+
+    def _answer(self, conn: socket.socket, ticket: Ticket) -> None:
+        """Read one request by the ticket's deadline and answer it."""
+        try:
+            try:
+                environ = parse_request_head(_read_head(conn, ticket))
+                status, headers, body = self._call(environ)
+            except BadRequest as exc:
+                status, headers, body = str(exc), [], b""
+            _send(conn, status, headers, body, self.limits.metrics_request_timeout_s)
+        except OSError as exc:  # timed out, or the peer went away
+            log.debug("metrics server: dropped a connection from %s: %s", ticket.peer, exc)
+        except Exception:
+            log.exception("metrics server: request failed")
+
+    def _call(self, environ: _Environ) -> tuple[str, list[tuple[str, str]], bytes]:
+        response: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+            response[:] = [status, headers]
+
+        body = b"".join(self.app(environ, start_response))
+        return response[0], response[1], body
+
+
+def _read_head(conn: socket.socket, ticket: Ticket) -> bytes:
+    """The request's head (up to and without its blank line), received by the ticket's deadline.
+
+    Raises TimeoutError past the deadline, ConnectionError if the peer closes first, BadRequest for a head over
+    ``MAX_REQUEST_HEAD_BYTES``."""
+    data = bytearray()
+    while (end := data.find(b"\r\n\r\n")) < 0:
+        if len(data) > MAX_REQUEST_HEAD_BYTES:
+            raise BadRequest("431 Request Header Fields Too Large")
+        conn.settimeout(ticket.recv_timeout_s())
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise ConnectionResetError("the peer closed before its request was complete")
+        data += chunk
+    return bytes(data[:end])
+
+
+def _send(conn: socket.socket, status: str, headers: list[tuple[str, str]], body: bytes, timeout_s: float) -> None:
+    """Send a whole response within ``timeout_s`` (a peer that reads slower is dropped) and close our side: one
+    request per connection."""
+    fields = [(k, v) for k, v in headers if k.lower() not in ("content-length", "connection")]
+    fields += [("Content-Length", str(len(body))), ("Connection", "close")]
+    head = f"HTTP/1.1 {status}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields) + "\r\n"
+    conn.settimeout(timeout_s)
+    conn.sendall(head.encode("latin-1") + body)
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)

@@ -9,17 +9,21 @@ the slab slots reserved for its shards (``receive_payload``); a GET reply is sen
 views of the slab mappings, the slots pinned until it is sent.
 (Measured in PERF.md, blocking sockets and ``asyncio.BufferedProtocol`` move bytes at the same speed.)
 
-Connection state machine:
+Connections are admitted as :mod:`kvtier.kvstore.admission` says (slots kept for authenticated ones,
+per-address limits, one deadline for the whole HELLO, an accept loop that survives running out of
+descriptors). Connection state machine:
 
-| state          | frame              | action                                                  | next          |
-|----------------|--------------------|---------------------------------------------------------|---------------|
-| NEW            | HELLO, token good  | reply with node id and tenant                           | AUTHENTICATED |
-| NEW            | HELLO, token bad   | ERROR(AUTH_FAILED), close                               | closed        |
-| NEW            | anything else      | ERROR(AUTH_REQUIRED), close                             | closed        |
-| NEW            | header over 64 KiB | ERROR(TOO_LARGE), close (nothing allocated)             | closed        |
-| AUTHENTICATED  | a request          | reply                                                   | AUTHENTICATED |
-| AUTHENTICATED  | admin op, no admin | ERROR(FORBIDDEN), connection stays open                 | AUTHENTICATED |
-| any            | malformed frame    | ERROR(BAD_FRAME/TOO_LARGE/BAD_REQUEST), close           | closed        |
+| state         | frame / event                | action                                        | next          |
+|---------------|------------------------------|-----------------------------------------------|---------------|
+| (accept)      | over a connection limit      | ERROR(BUSY), close                            | closed        |
+| NEW           | HELLO, token good            | reply with node id and tenant                 | AUTHENTICATED |
+| NEW           | HELLO, token bad             | ERROR(AUTH_FAILED), close; address charged    | closed        |
+| NEW           | anything else                | ERROR(AUTH_REQUIRED), close; address charged  | closed        |
+| NEW           | header over pre-auth limits  | ERROR(TOO_LARGE), close (nothing allocated)   | closed        |
+| NEW           | ``hello_timeout_s`` passed   | ERROR(AUTH_REQUIRED), close                   | closed        |
+| AUTHENTICATED | a request                    | reply                                         | AUTHENTICATED |
+| AUTHENTICATED | admin op or tenant, no admin | ERROR(FORBIDDEN) (a PUT's payload dropped)    | AUTHENTICATED |
+| any           | malformed frame              | ERROR(BAD_FRAME/TOO_LARGE/BAD_REQUEST), close | closed        |
 
 Other connections never notice a closed one.
 """
@@ -28,29 +32,44 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
+import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.kvstore import _native
+from kvtier.kvstore import _native, cluster_map
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.admission import (
+    Acceptor,
+    Admission,
+    LogLimiter,
+    Ticket,
+    accept_forever,
+    authenticate,
+    busy,
+    recv_hello,
+)
 from kvtier.kvstore.chunks import KEEP, ChunkEngine, WriteBatch, holds_record
 from kvtier.kvstore.codec import TOTAL_SHARDS
+from kvtier.kvstore.held_blocks import PAGE_BLOCKS, blocks_held
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
+from kvtier.kvstore.node_requests import NODE_REQUESTS
 from kvtier.kvstore.placement import Placement, primary_budget_bytes
 from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
     FrameReader,
-    Limits,
+    MetaBudget,
     Op,
     ProtocolError,
     Status,
@@ -70,8 +89,7 @@ from kvtier.kvstore.wire import (
 
 log = logging.getLogger("kvtier.node")
 
-PRE_AUTH_LIMITS = Limits(max_meta_bytes=64 << 10, max_payload_bytes=0, max_batch=16)
-PRE_AUTH_TIMEOUT_S = 10.0
+DRAIN_S = 0.5  # a connection closed with an ERROR is drained at most this long, so the peer reads the error
 RECV_PIECE_BYTES = 256 << 10  # a PUT payload is received, checksummed and written in pieces this size (in L2)
 
 
@@ -80,7 +98,9 @@ class GCService(Protocol):
 
     stats: Any  # ``failing``, ``last_error``, ``as_dict()``
 
-    def cycle(self, repair: bool = False) -> dict[str, float | int | str]: ...
+    def cycle(self, repair: bool = False, rebuild: bool = False) -> dict[str, float | int | str]: ...
+
+    def scrub(self) -> dict[str, int]: ...
 
     def evict_matching(self, ttl_class: str | None, older_than_s: float | None, dry_run: bool) -> dict[str, int]: ...
 
@@ -109,6 +129,7 @@ class Session:
         self.admin = admin
         self.scratch = bytearray()
         self.receiving: tuple[int, str, WriteBatch] | None = None  # (request id, tenant, shards) of a PUT
+        self.refused: ProtocolError | None = None  # why the PUT being received stores nothing (FORBIDDEN)
 
     def scratch_view(self, n: int) -> memoryview:
         """A reused buffer of ``n`` bytes that payloads pass through on their way to the slab files."""
@@ -129,6 +150,7 @@ class StorageNode:
         self.started = time.time()
         self.gc: GCService | None = None  # wired in by the process that composes the node (kvtier.gc.nodeproc)
         self.metrics = NodeMetrics(self)
+        self._scanning = threading.Lock()  # admin blocks_held: a copy of the shard index each
         # set by ``kvctl drain`` (kept across restarts): no new shards, so the node can be replaced
         self.draining = engine.setting("draining") == b"1"
         self.handlers: dict[int, Callable[[Session, Frame], Reply]] = {
@@ -157,19 +179,28 @@ class StorageNode:
         return self.ttl_classes.get(ttl_class)
 
     def authenticate(self, frame: Frame) -> Session:
-        if frame.opcode != Op.HELLO:
-            raise ProtocolError(ErrorCode.AUTH_REQUIRED, "the first frame must be HELLO with a token")
-        token = frame.meta.get("token")
-        tenant = self.config.tenant_for_token(token) if isinstance(token, str) else None
-        if tenant is None:
-            raise ProtocolError(ErrorCode.AUTH_FAILED, "authentication failed: unknown token")
+        """The session a connection's first frame opens; ProtocolError if it is not a HELLO with a known token."""
+        tenant = authenticate(frame, self.config.tenant_for_token)
         return Session(tenant, admin=tenant == cluster_mod.DEFAULT_TENANT)
 
     def handle(self, session: Session, frame: Frame) -> Reply:
         handler = self.handlers.get(frame.opcode)
         if handler is None:
             raise bad(f"unknown opcode {frame.opcode}")
-        return handler(session, frame)
+        reply = handler(session, frame)
+        if self.config.revision:  # the map this node acts on: a client on an older one reads the map again
+            reply.meta["rev"] = self.config.revision
+        return reply
+
+    def adopt(self, config: cluster_mod.ClusterConfig) -> None:
+        """Act on a newer cluster map (etcd): its placement, TTL table, tenants and this node's share of its group
+        (the primary budget). The node's own address and data dir stay what they were when it started."""
+        self.config = config
+        self.placement = Placement(config.groups)
+        self.ttl_classes = dict(config.ttl_classes)
+        if any(self.node_id in group for group in config.groups):
+            capacities = {nid: n.capacity_bytes for nid, n in config.nodes.items()}
+            self.engine.primary_budget_bytes = primary_budget_bytes(config.groups, capacities, self.node_id)
 
     @staticmethod
     def tenant(session: Session, meta: dict[str, Any]) -> str:
@@ -198,21 +229,29 @@ class StorageNode:
 
         The compiled loop (``_native.recv_to_files``) receives in pieces the size of a CPU cache, checksums
         each shard while it is hot and writes runs of adjacent slots whole; refused shards are received and
-        dropped. Raises what the socket raises (timeout, reset): the reservations are then given back by
-        ``abandon_payload``.
+        dropped. A PUT for another tenant without the admin token is received and dropped whole, and answered
+        FORBIDDEN by :meth:`put_shards` (the connection stays usable). Raises what the socket raises (timeout,
+        reset): the reservations are then given back by ``abandon_payload``.
         """
         if head.opcode != Op.PUT_SHARDS:
             raise bad(f"opcode {head.opcode} carries no payload")
         batch = self._write_batch(head.meta)
         if int(batch.length.sum()) != head.payload_len:
             raise bad("shard lengths do not add up to the payload")
-        tenant = self.tenant(session, head.meta)
-        if batch.ttl_class not in self.ttl_classes:
-            batch.status[:] = Status.BAD_CLASS
-        elif self.draining:
-            batch.status[:] = Status.DRAINING
+        try:
+            tenant = self.tenant(session, head.meta)
+        except ProtocolError as exc:
+            if exc.code != ErrorCode.FORBIDDEN:
+                raise
+            tenant, session.refused = session.tenant, exc
+            batch.status[:] = Status.MISSING  # nothing reserved: every shard is received and dropped
         else:
-            self.engine.reserve(tenant, batch)
+            if batch.ttl_class not in self.ttl_classes:
+                batch.status[:] = Status.BAD_CLASS
+            elif self.draining:
+                batch.status[:] = Status.DRAINING
+            else:
+                self.engine.reserve(tenant, batch)
         session.receiving = (head.request_id, tenant, batch)
         crcs = _native.recv_to_files(
             sock.fileno(),
@@ -234,15 +273,16 @@ class StorageNode:
             raise bad("field 'put' must be a put id of 1 to 32 bytes")
         ns = meta.get("ns", b"")
         parents = meta.get("par")
-        holders = int(np.count_nonzero(holds_record(idx)))
+        # one per shard 0, 1 or 2; a client from before records were kept on three nodes names shards 0 and 1
+        holders = (int(np.count_nonzero(holds_record(idx))), int(np.count_nonzero(idx < 2)))
         if not isinstance(ns, bytes) or len(ns) > 32:
             raise bad("field 'ns' must be a namespace digest of at most 32 bytes")
         if parents is not None and (
             not isinstance(parents, list)
-            or len(parents) != holders
+            or len(parents) not in holders
             or not all(isinstance(p, bytes) and len(p) <= 255 for p in parents)
         ):
-            raise bad("field 'par' must list one parent key (at most 255 bytes) per shard 0 or 1")
+            raise bad("field 'par' must list one parent key (at most 255 bytes) per shard 0, 1 or 2")
         return WriteBatch(
             keys,
             klen,
@@ -267,6 +307,9 @@ class StorageNode:
         """The PUT's shards are in their slots: they wait, PENDING (in memory), for the writer's COMMIT."""
         if session.receiving is None or session.receiving[0] != frame.request_id:
             raise bad("PUT_SHARDS without shards")
+        if session.refused is not None:
+            session.receiving, refused, session.refused = None, session.refused, None
+            raise refused
         _, tenant, batch = session.receiving
         if batch.holds_any():
             self.engine.stage(tenant, frame.meta["put"], batch)
@@ -276,13 +319,16 @@ class StorageNode:
     def commit(self, session: Session, frame: Frame) -> Reply:
         """Settle the PUT named ``put``: per shard of it, in its order, ``act`` says commit (1), drop (0) or
         keep pending (2). Answers per shard OK (committed) or MISSING (not stored here: refused, dropped, or
-        the node restarted since the PUT)."""
+        the node restarted since the PUT). ``miss`` (optional, ``<u2`` per shard): the shards of each block that
+        the writer could not store (a bit each), so that the block's primary owes their repair."""
         put_id = field(frame.meta, "put", bytes)
         action = field(frame.meta, "act", bytes)
         if len(action) > self.config.limits.max_batch or max(action, default=0) > KEEP:
             raise bad("field 'act' must hold one action (0 drop, 1 commit, 2 keep) per shard of the put")
+        missing = unpack_array(frame.meta, "miss", "<u2", len(action)) if "miss" in frame.meta else None
+        tenant = self.tenant(session, frame.meta)
         try:
-            statuses = self.engine.commit(self.tenant(session, frame.meta), put_id, np.frombuffer(action, np.uint8))
+            statuses = self.engine.commit(tenant, put_id, np.frombuffer(action, np.uint8), missing)
         except ValueError as exc:
             raise bad(str(exc)) from None
         return Reply({"st": statuses if statuses is not None else bytes([Status.MISSING]) * len(action)})
@@ -293,7 +339,9 @@ class StorageNode:
 
         ``client_crc``: the reader checks every shard itself as it arrives, so the node sends each one's stored
         crc32c (a ``crc`` column, ``<u4``) instead of reading the bytes to check them; otherwise a shard whose
-        bytes fail their crc is ``CORRUPT``. ``probe``: statuses only, no bytes, no check (for repair scans).
+        bytes fail their crc is ``CORRUPT``. ``probe``: statuses only, no bytes, no check (for repair scans), and
+        ``rec``: per shard 0, 1 or 2 asked, whether this node holds the block record (1), removed the block and
+        is still deleting its shards (2), or neither (0).
         """
         keys, _, idx, headers = self._shard_batch(frame.meta)
         tenant = self.tenant(session, frame.meta)
@@ -301,7 +349,7 @@ class StorageNode:
         reads = self.engine.read(tenant, keys, idx, headers, self.ttl_s, probe=probe, verify=not client_crc)
         status_bytes = reads.status.tobytes()
         if probe:
-            return Reply({"st": status_bytes})
+            return Reply({"st": status_bytes, "rec": reads.record_states.tobytes()})  # type: ignore[union-attr]
         self.metrics.lookups(status_bytes)
         records = reads.records
         meta = {
@@ -369,6 +417,7 @@ class StorageNode:
     def node_info(self, session: Session, frame: Frame) -> Reply:
         self._require_admin(session, "node info")
         gc = self.config.gc
+        owed, since = self.engine.owed_summary()  # blocks this node repairs, short of shards
         return Reply(
             {
                 "node_id": self.node_id,
@@ -387,6 +436,8 @@ class StorageNode:
                 "ttl": self.ttl_classes,
                 "classes": self.engine.blocks_by_class(),
                 "draining": self.draining,
+                "blocks_under_replicated": owed,
+                "oldest_owed_s": time.time() - since if since is not None else 0.0,
                 "gc": self.gc.stats.as_dict() if self.gc is not None else None,
                 **self.engine.counts(),
             }
@@ -396,10 +447,15 @@ class StorageNode:
         """Operator actions on this node.
 
         - ``ttl_set {classes}``: replace the TTL table (seconds per class); applies to stored blocks.
-        - ``gc {repair}``: run one GC cycle now (with a repair pass if ``repair``); returns GC stats.
+        - ``gc {repair, rebuild}``: run one GC cycle now (with a repair pass if ``repair``, and a rebuild from
+          every peer's shards if ``rebuild``); returns GC stats.
         - ``evict {ttl_class, older_than_s, dry_run}``: remove the blocks this node is primary for that are
           of that class and/or were created longer ago than that; returns how many matched/were removed.
         - ``drain {on}``: stop (or resume) taking new shards.
+        - ``scrub``: check every committed shard's crc32c now and repair those that fail; returns what it did.
+        - ``blocks_held {node, start, limit, before}``: a page of the blocks this node holds a shard of (committed
+          before ``before``, if given) that have a shard at ``node`` (what a node rebuilding after its data was
+          lost asks; ``kvstore.held_blocks``).
         """
         self._require_admin(session, "admin actions")
         action = field(frame.meta, "action", str)
@@ -428,98 +484,124 @@ class StorageNode:
             # one assignment, so a concurrent GC cycle sees the old table or the new one, never a mix
             self.ttl_classes = {k: float(v) for k, v in classes.items()}
             return Reply({"ttl": self.ttl_classes})
-        if action == "gc":
+        if action in ("gc", "scrub"):
             if self.gc is None:
                 raise bad("this node runs no GC worker")
-            return Reply(self.gc.cycle(repair=bool(frame.meta.get("repair"))))
+            if action == "scrub":
+                return Reply(self.gc.scrub())
+            return Reply(self.gc.cycle(bool(frame.meta.get("repair")), bool(frame.meta.get("rebuild"))))
+        if action == "blocks_held":
+            of_node, start = field(frame.meta, "node", int), field(frame.meta, "start", int)
+            limit = min(field(frame.meta, "limit", int), PAGE_BLOCKS)
+            before = frame.meta.get("before", math.inf)
+            if of_node not in self.config.nodes or not 0 <= start < 1 << 64 or limit < 1:
+                raise bad("blocks_held needs a node id of the cluster, a start in 0..2**64-1 and a positive limit")
+            if not isinstance(before, float | int) or isinstance(before, bool):
+                raise bad("field 'before' must be a time in seconds")
+            with self._scanning:  # one copy of the shard index at a time, however many peers ask
+                tables = self.engine.shard_tables()
+                return Reply(blocks_held(tables, self.placement, of_node, start, limit, before))
         raise bad(f"unknown admin action {action!r}")
 
 
-class NodeServer:
-    """Accepts connections and runs one thread per connection over a :class:`StorageNode`."""
+ACCEPT_WAKE_S = 0.2
 
-    def __init__(self, node: StorageNode, host: str, port: int) -> None:
+
+class NodeServer:
+    """Accepts connections and runs one thread per admitted connection over a :class:`StorageNode`."""
+
+    def __init__(self, node: StorageNode, host: str, port: int, unix_path: Path | None = None) -> None:
+        """Listen on ``host:port`` and, with ``unix_path``, on a Unix socket there too: clients on this machine
+        connect to that (half the kernel's work of loopback TCP per byte); both admit alike."""
         self.node = node
-        self.listener = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.listeners = [socket.create_server((host, port), reuse_port=False, backlog=128)]
+        self.unix_path = unix_path
+        if unix_path is not None:
+            self.listeners.append(_unix_listener(unix_path))
+        for listener in self.listeners:
+            # accept() returns this often: the kernel may hand SIGTERM to any thread, and Python runs its handler
+            # only on the main thread, between bytecodes; blocked in accept() forever, it never would (a node
+            # stopped and continued, then terminated, hung until SIGKILL)
+            listener.settimeout(ACCEPT_WAKE_S)
         self.stopping = threading.Event()
-        self.slots = threading.BoundedSemaphore(node.config.limits.max_connections)
+        limits = node.config.limits
+        self.acceptors = [Acceptor(listener, log) for listener in self.listeners]
+        self.admission = Admission(limits)
+        self.meta_budget = MetaBudget(limits.max_buffered_meta_bytes)
+        self.warnings = LogLimiter(log)
 
     def serve_forever(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                conn, _addr = self.listener.accept()
-            except OSError:
-                if self.stopping.is_set():
-                    return
-                raise
-            if not self.slots.acquire(blocking=False):
-                with contextlib.suppress(OSError):
-                    conn.sendall(encode_error(0, ErrorCode.BUSY, "too many connections to this node; retry later"))
-                conn.close()
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a vanished client host is noticed
-            threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+        """Accept until :meth:`stop` (the Unix socket on a thread of its own). Never raises for what peers or the
+        kernel's limits do (see :mod:`~kvtier.kvstore.admission`)."""
+        for acceptor in self.acceptors[1:]:
+            args = (acceptor, self.admission, self.stopping, self._serve_connection, busy)
+            threading.Thread(target=accept_forever, args=args, daemon=True).start()
+        accept_forever(self.acceptors[0], self.admission, self.stopping, self._serve_connection, busy)
 
     def stop(self) -> None:
         self.stopping.set()
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
+        for listener, acceptor in zip(self.listeners, self.acceptors, strict=True):
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+            acceptor.close()
+        if self.unix_path is not None:
+            self.unix_path.unlink(missing_ok=True)
 
-    def _serve_connection(self, conn: socket.socket) -> None:
-        try:
-            self._serve_connection_slot(conn)
-        finally:
-            self.slots.release()
-
-    def _serve_connection_slot(self, conn: socket.socket) -> None:
+    def _serve_connection(self, conn: socket.socket, ticket: Ticket) -> None:
         state = _Conversation()
-        with conn:
-            try:
-                self._converse(conn, state)
-            except ProtocolError as exc:
-                log.warning("closing connection: %s", exc)
-                _close_with_error(conn, state.request_id, exc.code, str(exc))
-            except (ConnectionError, TimeoutError):
-                pass
-            except Exception:
-                log.exception("internal error serving a connection")
-                _close_with_error(conn, state.request_id, ErrorCode.INTERNAL, "internal error; see the node log")
-            finally:
-                if state.session is not None:
-                    self.node.abandon_payload(state.session)
-
-    def _converse(self, conn: socket.socket, state: _Conversation) -> None:
-        """Serve the connection's frames in turn. Before HELLO every receive times out after
-        ``PRE_AUTH_TIMEOUT_S``; after it the socket blocks with ``SO_RCVTIMEO`` set to ``gc.write_timeout_s``
-        (set once: no timeout switch, no poll per receive), which ends the connection only mid-frame."""
-        reader = FrameReader(PRE_AUTH_LIMITS)
-        conn.settimeout(PRE_AUTH_TIMEOUT_S)
-        timeout_ms = _milliseconds(PRE_AUTH_TIMEOUT_S)
-        while True:
-            frame = self._next_frame(conn, reader, state)
-            if frame is None:
-                return
-            state.request_id = frame.request_id
+        reader = FrameReader(self.node.config.limits.pre_auth(), NODE_REQUESTS, self.meta_budget)
+        try:
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a vanished client host is noticed
+            self._converse(conn, ticket, state, reader)
+        except ProtocolError as exc:
             if state.session is None:
-                state.session = self.node.authenticate(frame)
-                reader.limits = self.node.config.limits
-                session = state.session
-                reply = Reply({"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin})
-                write_timeout_s = self.node.config.gc.write_timeout_s
-                conn.settimeout(None)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(write_timeout_s))
-                timeout_ms = _milliseconds(write_timeout_s)
+                self.warnings.warning("pre-auth", "closing a connection from %s before HELLO: %s", ticket.peer, exc)
+                time.sleep(self.admission.failed(ticket))  # (held back once the address's allowance is used up)
             else:
-                started = time.perf_counter()
-                try:
-                    reply = self.node.handle(state.session, frame)
-                except ProtocolError as exc:
-                    if exc.code != ErrorCode.FORBIDDEN:
-                        raise
-                    _native.send_all(conn.fileno(), timeout_ms, [encode_error(frame.request_id, exc.code, str(exc))])
-                    continue
+                self.warnings.warning("request", "closing a connection from %s: %s", ticket.peer, exc)
+            request_id = exc.request_id if exc.request_id is not None else state.request_id
+            _close_with_error(conn, request_id, exc.code, str(exc))
+        except (ConnectionError, TimeoutError):
+            pass
+        except Exception:
+            log.exception("internal error serving a connection")
+            _close_with_error(conn, state.request_id, ErrorCode.INTERNAL, "internal error; see the node log")
+        finally:
+            reader.close()
+            if state.session is not None:
+                self.node.abandon_payload(state.session)
+
+    def _converse(self, conn: socket.socket, ticket: Ticket, state: _Conversation, reader: FrameReader) -> None:
+        """Authenticate, then serve the connection's frames in turn. HELLO must arrive whole by the ticket's
+        deadline (``limits.hello_timeout_s`` after the connect); after it the socket blocks with ``SO_RCVTIMEO``
+        set to ``gc.write_timeout_s`` (set once: no timeout switch, no poll per receive), which ends the
+        connection only mid-frame."""
+        hello = recv_hello(conn, reader, ticket, self.admission)
+        if hello is None:
+            return
+        state.request_id = hello.request_id
+        state.session = session = self.node.authenticate(hello)
+        self.admission.authenticated(ticket)
+        reader.limits = self.node.config.limits
+        write_timeout_s = self.node.config.gc.write_timeout_s
+        conn.settimeout(None)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(write_timeout_s))
+        timeout_ms = _milliseconds(write_timeout_s)
+        reply = Reply({"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin})
+        _native.send_all(conn.fileno(), timeout_ms, [encode_head(Op.HELLO | Op.REPLY, hello.request_id, reply.meta)])
+        while (frame := self._next_frame(conn, reader, state)) is not None:
+            state.request_id = frame.request_id
+            started = time.perf_counter()
+            try:
+                reply = self.node.handle(session, frame)
+            except ProtocolError as exc:
+                if exc.code != ErrorCode.FORBIDDEN:
+                    raise
+                _native.send_all(conn.fileno(), timeout_ms, [encode_error(frame.request_id, exc.code, str(exc))])
+                continue
             payload_len = sum(len(p) for p in reply.payload)
             head = encode_head(frame.opcode | Op.REPLY, frame.request_id, reply.meta, payload_len)
             try:
@@ -527,9 +609,8 @@ class NodeServer:
             finally:
                 if reply.on_sent is not None:
                     reply.on_sent()
-            if frame.opcode != Op.HELLO:
-                elapsed = time.perf_counter() - started
-                self.node.metrics.request(frame.opcode, elapsed, frame.payload_len, payload_len)
+            elapsed = time.perf_counter() - started
+            self.node.metrics.request(frame.opcode, elapsed, frame.payload_len, payload_len)
 
     def _next_frame(self, conn: socket.socket, reader: FrameReader, state: _Conversation) -> Frame | None:
         def before_recv(reader: FrameReader) -> None:
@@ -555,6 +636,26 @@ class _Conversation:
         self.request_id = 0
 
 
+def _unix_listener(path: Path) -> socket.socket:
+    """A Unix stream socket listening at ``path``, replacing a socket a previous run left there (the node's own
+    data dir: nobody else can have put one there). Mode 0600 by the umask at bind: for processes of the node's
+    user, as its data dir is."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(path.lstat().st_mode):
+            path.unlink()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    previous = os.umask(0o177)
+    try:
+        listener.bind(os.fsencode(path))
+    except OSError:
+        listener.close()
+        raise
+    finally:
+        os.umask(previous)
+    listener.listen(128)
+    return listener
+
+
 def _milliseconds(seconds: float) -> int:
     """A timeout as the compiled socket loops take it."""
     return max(1, int(seconds * 1000))
@@ -567,26 +668,31 @@ def _timeval(seconds: float) -> bytes:
 
 
 def _close_with_error(conn: socket.socket, request_id: int, code: ErrorCode, message: str) -> None:
-    """Send an ERROR frame, then close gently: shut our side and drain briefly so the peer reads the
-    error instead of a reset caused by its own unread bytes."""
+    """Send an ERROR frame, then close gently: shut our side and drain briefly (at most ``DRAIN_S`` in all, so a
+    trickling peer cannot hold the thread) so the peer reads the error instead of a reset caused by its own
+    unread bytes."""
     with contextlib.suppress(OSError):
+        conn.settimeout(DRAIN_S)
         conn.sendall(encode_error(request_id, code, message))
         conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(0.2)
+        deadline = time.monotonic() + DRAIN_S
         drained = 0
-        while drained < 4 << 20:
+        while drained < 4 << 20 and (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
             chunk = conn.recv(1 << 16)
             if not chunk:
                 break
             drained += len(chunk)
 
 
-def open_node(config_path: str, node_id: int) -> tuple[StorageNode, NodeServer]:
-    """Load the cluster file, open the node's chunk engine and bind its listener (not serving yet).
+def open_node(config_path: str, node_id: int, etcd: str | None = None) -> tuple[StorageNode, NodeServer]:
+    """Load the cluster (its file, or the map in etcd the file names), open the node's chunk engine and bind its
+    listener (not serving yet). ``etcd`` overrides the endpoints the file names.
 
-    Raises ``ConfigError`` when ``node_id`` is not in the file.
+    Raises ``ConfigError`` (one line) when ``node_id`` is not in the cluster or its address cannot be bound (a port
+    in use: the line names the node, the address and the cause).
     """
-    config = cluster_mod.load(config_path)
+    config = cluster_map.load(config_path, etcd_endpoints=etcd)
     if node_id not in config.nodes:
         raise cluster_mod.ConfigError(f"node {node_id} is not in {config_path}")
     node_cfg = config.nodes[node_id]
@@ -596,11 +702,23 @@ def open_node(config_path: str, node_id: int) -> tuple[StorageNode, NodeServer]:
         node_cfg.capacity_bytes,
         grace_s=config.gc.grace_s,
         high_watermark=config.gc.high_watermark,
-        primary_budget_bytes=primary_budget_bytes(config.groups, capacities, node_id),
+        primary_budget_bytes=(
+            primary_budget_bytes(config.groups, capacities, node_id)
+            if any(node_id in group for group in config.groups)
+            else None  # a node no group uses yet (``kvctl group add`` will)
+        ),
         room_wait_s=config.gc.room_wait_s,
+        quotas=config.quotas,
     )
     node = StorageNode(config, node_id, engine)
-    return node, NodeServer(node, node_cfg.host, node_cfg.port)
+    try:
+        return node, NodeServer(node, node_cfg.host, node_cfg.port, node_cfg.local_socket)
+    except OSError as exc:
+        engine.close()
+        where, cause = f"{node_cfg.host}:{node_cfg.port}", os.strerror(exc.errno) if exc.errno else str(exc)
+        raise cluster_mod.ConfigError(
+            f"node {node_id} cannot listen on {where} (its port in {config_path}): {cause}"
+        ) from None
 
 
 def serve(node: StorageNode, server: NodeServer, workers: Sequence[Callable[[threading.Event], None]] = ()) -> None:
@@ -629,8 +747,10 @@ def serve(node: StorageNode, server: NodeServer, workers: Sequence[Callable[[thr
     threading.Thread(target=flush, daemon=True).start()
     for work in workers:
         threading.Thread(target=work, args=(server.stopping,), daemon=True).start()
+    node.metrics.connections(server.admission.stats)
     if node_cfg.metrics_port:
-        MetricsServer(node.metrics.registry, node_cfg.host, node_cfg.metrics_port, node.health).start()
+        limits = node.config.limits
+        MetricsServer(node.metrics.registry, node_cfg.metrics_host, node_cfg.metrics_port, node.health, limits).start()
 
     def on_signal(signum: int, _frame: object) -> None:
         threading.Thread(target=server.stop, daemon=True).start()

@@ -4,11 +4,18 @@ The metric names are an interface (dashboards use them): ``kvtier_node_requests_
 ``kvtier_node_request_seconds{op}`` (histogram), ``kvtier_node_bytes_total{direction}``,
 ``kvtier_node_shard_lookups_total{result}``, the gauges ``kvtier_node_used_bytes``, ``kvtier_node_freeing_bytes``,
 ``kvtier_node_capacity_bytes``, ``kvtier_node_high_watermark_bytes``, ``kvtier_node_low_watermark_bytes``,
-``kvtier_node_primary_blocks``, and ``kvtier_gc_<stat>`` for each GC worker counter.
+``kvtier_node_primary_blocks``, ``kvtier_node_blocks_under_replicated`` (blocks short of their 12 shards whose
+repair this node owes), ``kvtier_node_oldest_owed_repair_seconds``, the histogram
+``kvtier_node_redundancy_restored_seconds`` (from when a repair was owed to when the block had 12 shards again),
+``kvtier_gc_<stat>`` for each GC counter (repair and scrub included), and the connections its server admits
+(:mod:`kvtier.kvstore.admission`): ``kvtier_node_connections``, ``kvtier_node_pre_auth_connections``,
+``kvtier_node_connections_refused`` and ``kvtier_node_hello_timeouts`` (since start).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,8 +41,16 @@ _GC_STATS = (
     "zombies_promoted",
     "zombies_dropped",
     "shards_repaired",
+    "blocks_repaired",
+    "blocks_reclaimed",
     "repair_bytes",
+    "shards_scrubbed",
+    "scrub_bytes",
+    "scrub_corrupt",
+    "scrub_repaired",
+    "scrub_passes",
 )
+REDUNDANCY_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600, float("inf"))
 
 
 class NodeMetrics:
@@ -85,10 +100,37 @@ class NodeMetrics:
             gc_config.low_watermark * engine.capacity_bytes
         )
         gauge("kvtier_node_primary_blocks", "Blocks this node is primary for.").set_function(lambda: len(engine.lru))
+        gauge(
+            "kvtier_node_blocks_under_replicated", "Blocks below 12 shards whose repair this node owes."
+        ).set_function(lambda: engine.owed_summary()[0])
+
+        def oldest_owed() -> float:
+            since = engine.owed_summary()[1]
+            return time.time() - since if since is not None else 0.0
+
+        gauge(
+            "kvtier_node_oldest_owed_repair_seconds", "How long the oldest repair this node owes has waited."
+        ).set_function(oldest_owed)
+        self._restored = Histogram(
+            "kvtier_node_redundancy_restored_seconds",
+            "Time from a block found (or written) short of shards to it having 12 again.",
+            buckets=REDUNDANCY_BUCKETS,
+            registry=registry,
+        )
         for stat in _GC_STATS:
             gauge(f"kvtier_gc_{stat}", f"GC worker: {stat.replace('_', ' ')} since start.").set_function(
                 lambda stat=stat: getattr(node.gc.stats, stat) if node.gc is not None else 0
             )
+
+    def connections(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Expose the server's admission counts (``Admission.stats``), read at scrape time."""
+        for name, help_text in (
+            ("connections", "Connections open."),
+            ("pre_auth_connections", "Connections open that have not completed HELLO."),
+            ("connections_refused", "Connections turned away by a connection limit since start."),
+            ("hello_timeouts", "Connections closed for not completing HELLO in time, since start."),
+        ):
+            Gauge(f"kvtier_node_{name}", help_text, registry=self.registry).set_function(lambda n=name: stats()[n])
 
     def _op_children(self, opcode: int) -> tuple[Any, Any]:
         """The (request counter, latency histogram) children of an opcode, bound on first use."""
@@ -105,6 +147,10 @@ class NodeMetrics:
             self._bytes_in.inc(bytes_in)
         if bytes_out:
             self._bytes_out.inc(bytes_out)
+
+    def redundancy_restored(self, seconds: float) -> None:
+        """An owed repair is done: the block waited ``seconds`` for its 12th shard."""
+        self._restored.observe(seconds)
 
     def lookups(self, statuses: bytes) -> None:
         """Count a GET reply's per-shard statuses (one byte each) by result."""

@@ -1,10 +1,12 @@
 """Placement: which nodes hold which shards of a block, computed for whole batches at once.
 
-A block belongs to placement group ``h mod G`` (``h`` = the key's first 8 bytes, little-endian) and its
-shards rotate over the group's 12 slots by ``(h // G) mod 12``: shard ``i`` lives in slot
-``(i + rot) mod 12``. Parity shards and primaries (the holder of data shard 0, which also keeps the block
-record) therefore spread evenly over a group's nodes. Everything is numpy so that planning a 1,200-key
-batch costs microseconds, not a Python loop per key.
+A block belongs to placement group ``jump(h, G)`` (``h`` = the key's first 8 bytes, little-endian; ``jump`` is
+Lamping and Veach's jump consistent hash, so adding a group moves only the ``1/(G+1)`` of blocks the new group
+takes, and no block between old groups) and its shards rotate over the group's 12 slots by ``h mod 12``: shard
+``i`` lives in slot ``(i + rot) mod 12``. Parity shards and primaries (the holder of data shard 0, which also
+keeps the block record) therefore spread evenly over a group's nodes. The holders of shards 1 and 2 keep copies of
+the record (``RECORD_HOLDERS``). Everything is numpy so that planning a
+1,200-key batch costs microseconds, not a Python loop per key.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kvtier.kvstore.codec import TOTAL_SHARDS
+
+RECORD_HOLDERS = 3
+"""The holders of shards 0 (the primary), 1 and 2 keep the block record: any two lost nodes leave one, from which
+repair rebuilds the others (docs/design.md §3)."""
 
 
 class Placement:
@@ -34,10 +40,14 @@ class Placement:
         slots = (rotation[:, None] + np.arange(TOTAL_SHARDS)[None, :]) % TOTAL_SHARDS
         return self.groups[group[:, None], slots]
 
+    def in_groups_of(self, node_id: int, h: np.ndarray) -> np.ndarray:
+        """Per key prefix ``h`` (the first 8 bytes, ``<u8``) whether its block's group has ``node_id`` in a slot."""
+        holding = (self.groups == node_id).any(axis=1)
+        return holding[jump_hash(h, len(self.groups))]
+
     def _group_and_rotation(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         h = key_prefixes(keys)
-        groups = np.uint64(len(self.groups))
-        return (h % groups).astype(np.int64), ((h // groups) % np.uint64(TOTAL_SHARDS)).astype(np.int64)
+        return jump_hash(h, len(self.groups)), (h % np.uint64(TOTAL_SHARDS)).astype(np.int64)
 
     def primaries(self, keys: Sequence[bytes]) -> np.ndarray:
         """Node id of each key's primary (the holder of data shard 0 and the block record)."""
@@ -45,6 +55,27 @@ class Placement:
             return np.empty(0, dtype=np.int64)
         group, rotation = self._group_and_rotation(keys)
         return self.groups[group, rotation]
+
+
+_JUMP_MULTIPLIER = np.uint64(2862933555777941757)
+
+
+def jump_hash(h: np.ndarray, buckets: int) -> np.ndarray:
+    """Jump consistent hash (Lamping and Veach, 2014) of every uint64 in ``h`` into ``range(buckets)``: growing
+    ``buckets`` by one moves a key only into the new bucket. A few numpy passes (about ``ln(buckets) + 1``)."""
+    out = np.zeros(len(h), dtype=np.int64)
+    if buckets <= 1:
+        return out
+    key = h.astype(np.uint64, copy=True)
+    jump = np.zeros(len(h), dtype=np.int64)
+    active = np.arange(len(h))
+    while len(active):
+        out[active] = jump[active]
+        key[active] = key[active] * _JUMP_MULTIPLIER + np.uint64(1)
+        high = (key[active] >> np.uint64(33)).astype(np.float64) + 1.0
+        jump[active] = ((out[active] + 1).astype(np.float64) * (float(1 << 31) / high)).astype(np.int64)
+        active = active[jump[active] < buckets]
+    return out
 
 
 def key_prefixes(keys: Sequence[bytes]) -> np.ndarray:

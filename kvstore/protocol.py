@@ -13,7 +13,13 @@ A frame is a fixed 32-byte header, then ``meta_len`` bytes of msgpack metadata (
     20     8    payload_len  <= Limits.max_payload_bytes
     28     4    header_crc   crc32c of bytes 0..27
 
-All integers little-endian. Limits are checked on the header, before anything is allocated for the body.
+All integers little-endian. Limits are checked on the header, before anything is allocated for the body; the
+metadata buffer then grows as its bytes arrive (``META_STEP_BYTES`` first, doubling), so a header that announces
+megabytes and sends nothing costs nothing, and a server may cap what all its connections buffer at once
+(:class:`MetaBudget`). A server decodes each request's metadata against that opcode's typed schema
+(:class:`Schemas`): a field of the wrong type or an unknown field is refused as it is met, so decoding costs a
+small multiple of the frame's size whatever the bytes are (nested containers where a ``bin`` belongs are never
+built).
 
 :class:`FrameReader` never copies payloads: the I/O layer asks it where the next bytes go (``writable()``,
 a list of buffers for ``recv_into``/``recvmsg_into``), reports how many arrived (``advance``), and takes
@@ -23,20 +29,25 @@ point the payload at its own buffers (``sink``), e.g. straight into the destinat
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import struct
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
 import msgpack
+import msgspec
 
 MAGIC = b"KVT\x01"
 PROTOCOL_VERSION = 2  # 2: PUT_SHARDS names its put (`put`), COMMIT settles it by name (`act`); no ABORT
 HEADER = struct.Struct("<4sBBHQIQI")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
+META_STEP_BYTES = 64 << 10  # a metadata buffer starts this large (or at its frame's size) and doubles as bytes arrive
+_MSGPACK_MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # first bytes of a msgpack map
 
 
 class Op(enum.IntEnum):
@@ -81,21 +92,126 @@ class ErrorCode(enum.IntEnum):
 
 
 class ProtocolError(Exception):
-    """The peer sent something the protocol does not allow; the connection must be closed."""
+    """The peer sent something the protocol does not allow; the connection must be closed.
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    ``request_id``: the request it was about, when the frame's header had named one (the ERROR echoes it)."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.request_id = request_id
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Upper bounds enforced on every frame header before allocation."""
+    """The ``[limits]`` of the cluster file: upper bounds on frames (enforced on every header, before
+    allocation) and on what peers may hold of a server (:mod:`kvtier.kvstore.admission`). One place for their
+    defaults; every server of the cluster (nodes, directory, StateBlock servers, fetchers, metrics endpoints)
+    applies them."""
 
     max_meta_bytes: int = 8 << 20
     max_payload_bytes: int = 2 << 30
     max_batch: int = 65536
-    max_connections: int = 1024  # per node: each has a thread; more are refused with ERROR(BUSY)
+    max_connections: int = 1024  # per server: each has a thread; more are refused with ERROR(BUSY)
+    # before HELLO: at most this many connections at once (the rest of max_connections is kept for
+    # authenticated ones), this many from one address, HELLO complete within this long of the connect, and
+    # at most this much metadata in it (no payload at all)
+    max_pre_auth_connections: int = 256
+    max_pre_auth_per_peer: int = 16
+    hello_timeout_s: float = 5.0
+    max_pre_auth_meta_bytes: int = 4 << 10
+    # an address whose HELLOs failed this many times is refused for a while: the allowance refills over the window
+    max_auth_failures_per_peer: int = 20
+    auth_failure_window_s: float = 60.0
+    max_buffered_meta_bytes: int = 256 << 20  # metadata being received, all connections of a server together
+    # metrics endpoints (/metrics, /health): connections at once, and the time a request may take to arrive
+    metrics_max_connections: int = 16
+    metrics_request_timeout_s: float = 5.0
+
+    def pre_auth(self) -> Limits:
+        """The limits of a connection that has not authenticated yet: small metadata, no payload."""
+        return dataclasses.replace(self, max_meta_bytes=self.max_pre_auth_meta_bytes, max_payload_bytes=0, max_batch=16)
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=True):
+    """Base of the typed request metadata that servers declare per op (:class:`Schemas`): fields the op does not
+    have are refused. Declare each field ``T | Unset = UNSET`` and let the handler say which it needs."""
+
+
+Unset = msgspec.UnsetType
+UNSET = msgspec.UNSET
+
+
+class Hello(msgspec.Struct):
+    """HELLO's metadata, the same for every kvtier server. The token may arrive as anything (a wrong type is a
+    failed authentication, not a malformed frame); fields it does not know are skipped (newer clients), which is
+    cheap because pre-auth metadata is at most ``max_pre_auth_meta_bytes``."""
+
+    token: Any = msgspec.UNSET
+    client: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class MetaBudget:
+    """Bytes of metadata buffers that a server's connections hold at once (thread-safe).
+
+    :class:`FrameReader` takes from it as a buffer grows and gives back once the metadata is decoded (or
+    the reader is closed); a reader that cannot take raises ERROR(BUSY), which closes that connection.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.used_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used_bytes + n > self.limit_bytes:
+                return False
+            self.used_bytes += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used_bytes -= n
+
+
+class Schemas:
+    """The typed metadata of each request opcode a server takes, decoded by msgspec into the op's
+    ``msgspec.Struct`` and handed on as a dict of the fields present (fields default to ``msgspec.UNSET``).
+
+    Validation happens while decoding: a value of the wrong type, or a field the op does not have, is refused
+    where it is met (``BAD_REQUEST``), so no container is built that the op does not declare. Undecodable
+    bytes are ``BAD_FRAME``; an opcode without a schema is ``BAD_REQUEST``.
+    """
+
+    def __init__(self, structs: Mapping[int, type[msgspec.Struct]]) -> None:
+        self._decoders = {int(op): msgspec.msgpack.Decoder(kind) for op, kind in structs.items()}
+        self._fields = {int(op): kind.__struct_fields__ for op, kind in structs.items()}
+        self._names = {int(op): getattr(op, "name", str(op)) for op in structs}
+
+    def __or__(self, other: Schemas) -> Schemas:
+        merged = Schemas({})
+        for table in (self, other):
+            merged._decoders.update(table._decoders)
+            merged._fields.update(table._fields)
+            merged._names.update(table._names)
+        return merged
+
+    def decode(self, opcode: int, data: bytes | memoryview) -> dict[str, Any]:
+        decoder = self._decoders.get(opcode)
+        if decoder is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown opcode {opcode}")
+        if not len(data):
+            data = b"\x80"  # no metadata: an empty map, so required fields are still missed
+        elif data[0] not in _MSGPACK_MAPS:
+            raise ProtocolError(ErrorCode.BAD_FRAME, "metadata must be a map")
+        try:
+            value = decoder.decode(data)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"malformed {self._names[opcode]} request: {exc}") from None
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"malformed metadata: {exc}") from None
+        return {name: v for name in self._fields[opcode] if (v := getattr(value, name)) is not msgspec.UNSET}
 
 
 @dataclass
@@ -154,16 +270,27 @@ def parse_meta(data: bytes | memoryview, limits: Limits) -> dict[str, Any]:
 
 
 class FrameReader:
-    """Incremental frame parser over caller-driven receives (see the module docstring)."""
+    """Incremental frame parser over caller-driven receives (see the module docstring).
+
+    ``schemas``: decode each frame's metadata by its opcode's schema (servers); without, any msgpack map within
+    the limits (clients reading replies). ``budget``: charge metadata buffers to it; a reader with a budget must
+    be closed (:meth:`close`) when its connection ends.
+    """
 
     _HEADER, _META, _PAYLOAD = range(3)
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(
+        self, limits: Limits | None = None, schemas: Schemas | None = None, budget: MetaBudget | None = None
+    ) -> None:
         self.limits = limits or Limits()
+        self.schemas = schemas
+        self.budget = budget
         self._header = bytearray(HEADER_SIZE)
         self._state = self._HEADER
         self._filled = 0
         self._meta_buf = bytearray()
+        self._meta_len = 0
+        self._charged = 0  # bytes of the metadata buffer taken from ``budget``
         self._frame: Frame | None = None
         self._sink: list[memoryview] | None = None
         self._sink_index = 0
@@ -274,7 +401,11 @@ class FrameReader:
             take = min(n, len(buf) - self._filled)
             self._filled += take
             n -= take
-            if self._filled == len(buf):
+            if self._filled < len(buf):
+                continue
+            if buf is self._meta_buf and self._filled < self._meta_len:
+                self._grow_meta(min(self._meta_len, 2 * len(buf)))
+            else:
                 self._stage_done()
 
     def _advance_payload(self, n: int) -> int:
@@ -298,17 +429,53 @@ class FrameReader:
             self._finish_frame()
         return n
 
+    def _grow_meta(self, size: int) -> None:
+        """Make the metadata buffer ``size`` bytes, keeping what arrived (charged to the budget first)."""
+        if self.budget is not None:
+            if not self.budget.take(size - self._charged):
+                request_id = self._frame.request_id if self._frame is not None else None
+                raise ProtocolError(
+                    ErrorCode.BUSY, "the server is receiving too much request metadata at once; retry later", request_id
+                )
+            self._charged = size
+        grown = bytearray(size)
+        grown[: self._filled] = memoryview(self._meta_buf)[: self._filled]
+        self._meta_buf = grown
+
+    def _drop_meta(self) -> None:
+        self._meta_buf = bytearray()
+        if self.budget is not None and self._charged:
+            self.budget.give(self._charged)
+        self._charged = 0
+
+    def close(self) -> None:
+        """The connection is over: give back what its metadata buffer holds of the budget (idempotent)."""
+        self._drop_meta()
+
     def _stage_done(self) -> None:
         if self._state == self._HEADER:
             opcode, _flags, request_id, meta_len, payload_len = parse_header(self._header, self.limits)
             self._frame = Frame(opcode, request_id, {}, payload_len)
-            self._meta_buf = bytearray(meta_len)
+            self._meta_len = meta_len
             self._state, self._filled = self._META, 0
-            if meta_len == 0:
+            self._drop_meta()
+            if meta_len:
+                self._grow_meta(min(meta_len, META_STEP_BYTES))
+            else:
                 self._stage_done()
         elif self._state == self._META:
-            assert self._frame is not None
-            self._frame.meta = parse_meta(self._meta_buf, self.limits) if self._meta_buf else {}
+            frame = self._frame
+            assert frame is not None
+            try:
+                if self.schemas is not None:
+                    frame.meta = self.schemas.decode(frame.opcode, self._meta_buf)
+                else:
+                    frame.meta = parse_meta(self._meta_buf, self.limits) if self._meta_buf else {}
+            except ProtocolError as exc:
+                exc.request_id = frame.request_id
+                raise
+            finally:
+                self._drop_meta()
             self._state, self._filled = self._PAYLOAD, 0
             self._sink, self._sink_index = None, 0
             if not self._frame.payload_len:

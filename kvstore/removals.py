@@ -43,13 +43,17 @@ class RemovalLog:
 
     def __init__(self, env: lmdb.Environment, txn: lmdb.Transaction) -> None:
         self.db = env.open_db(b"removals", txn=txn)
+        self.removing: set[bytes] = set()  # the blocks (tenant/key) of every pending removal
         if txn.get(b"evicting") is not None:
             self._move_per_block_intents(env, txn)
+        for removal in self.pending(txn):
+            self.removing.update(_block_keys(removal))
 
     def add(self, txn: lmdb.Transaction, tenant: str, keys: list[bytes], when: float) -> Removal:
         """Record, in ``txn``, that ``keys`` of ``tenant`` were removed at ``when``."""
         removal = Removal(_TIME.pack(when) + os.urandom(8), tenant, when, keys)
         txn.put(removal.id, msgpack.packb([tenant, keys], use_bin_type=True), db=self.db)
+        self.removing.update(_block_keys(removal))
         return removal
 
     def pending(self, txn: lmdb.Transaction) -> list[Removal]:
@@ -63,6 +67,7 @@ class RemovalLog:
     def clear(self, txn: lmdb.Transaction, removal: Removal) -> None:
         """Every node answered ``removal``'s DELETE: forget it (a removal cleared already is ignored)."""
         txn.delete(removal.id, db=self.db)
+        self.removing.difference_update(_block_keys(removal))
 
     def _move_per_block_intents(self, env: lmdb.Environment, txn: lmdb.Transaction) -> None:
         old = env.open_db(b"evicting", txn=txn)
@@ -73,3 +78,8 @@ class RemovalLog:
         for (tenant, when), keys in grouped.items():
             self.add(txn, tenant, keys, when)
         txn.drop(old, delete=True)
+
+
+def _block_keys(removal: Removal) -> list[bytes]:
+    prefix = removal.tenant.encode() + b"/"
+    return [prefix + key for key in removal.keys]

@@ -11,7 +11,9 @@ with ``recvmsg_into`` straight into buffers the caller chooses once it has seen 
 Failure contract: a node that refuses the connection, resets it, closes it, or does not answer before the
 deadline is reported per request as ``Pending.error`` (``"down"``, ``"timeout"``, or the node's error
 message); the exchange never raises for it. The one exception is authentication: a node that rejects the
-token raises :class:`AuthError`, because retrying cannot help.
+token raises :class:`AuthError`, because retrying cannot help. A node that missed a deadline is, like one that
+refused a connection, not tried again for ``retry_down_after_s``: a hung node costs one deadline, not one per
+exchange.
 
 A reply the caller no longer wants (``run(until=...)`` returned early) is drained into a scratch buffer on
 the next use of that connection, so memory handed back to the caller is never written afterwards.
@@ -22,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import os
 import selectors
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -101,6 +105,7 @@ class Pending:
 class NodeConn:
     node_id: int
     address: tuple[str, int]
+    local: str | None = None  # the node's Unix socket on this machine (tried before ``address``)
     sock: socket.socket | None = None
     reader: FrameReader = field(default_factory=FrameReader)
     outgoing: list[Outgoing] = field(default_factory=list)
@@ -139,6 +144,28 @@ class ConnectionPool:
         self.conns = {nid: NodeConn(nid, addr) for nid, addr in addresses.items()}
         self.hello: dict[int, dict[str, Any]] = {}
         self.act_as: str | None = None  # admin only: every request acts for this tenant
+        self.unavailable: frozenset[int] = frozenset()  # nodes the cluster map says are down: never tried
+        self.seen_revision = 0  # the newest cluster map revision a node answered on (its replies' ``rev``)
+
+    def update(
+        self,
+        addresses: dict[int, tuple[str, int]],
+        unavailable: frozenset[int],
+        local: dict[int, str] | None = None,
+    ) -> None:
+        """Follow a new cluster map: nodes that moved are reconnected at their new address, new nodes added,
+        removed ones closed; ``unavailable`` nodes are reported down without being tried. ``local``: the Unix
+        sockets of nodes on this machine, connected to instead of their TCP address where they answer."""
+        local = local or {}
+        for nid in set(self.conns) - set(addresses):
+            self.conns.pop(nid).close("removed from the cluster map")
+        for nid, address in addresses.items():
+            conn = self.conns.get(nid)
+            if conn is None or conn.address != address or conn.local != local.get(nid):
+                if conn is not None:
+                    conn.close("moved")
+                self.conns[nid] = NodeConn(nid, address, local.get(nid))
+        self.unavailable = unavailable
 
     def get(self, node_id: int, retry_now: bool = False) -> NodeConn | None:
         """An open, authenticated connection, or None while the node is down.
@@ -150,13 +177,14 @@ class ConnectionPool:
         conn = self.conns[node_id]
         if conn.sock is not None:
             return conn
+        if node_id in self.unavailable:
+            return None
         if time.monotonic() < conn.down_until and not retry_now:
             return None
         try:
-            sock = socket.create_connection(conn.address, timeout=self.connect_timeout_s)
+            sock = self._open(conn)
         except OSError as exc:
             return self._down(conn, timed_out=isinstance(exc, TimeoutError))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             reply = _handshake(sock, self.token, self.limits, self.connect_timeout_s)
         except OSError as exc:
@@ -173,6 +201,32 @@ class ConnectionPool:
         conn.timeouts = 0
         self.hello[node_id] = reply
         return conn
+
+    def _open(self, conn: NodeConn) -> socket.socket:
+        """A socket connected to the node: its Unix socket on this machine when it answers there (an older node, or
+        one of another user, does not: TCP then), else TCP to its address."""
+        if conn.local is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.connect_timeout_s)
+                sock.connect(conn.local)
+                return sock
+            except OSError:
+                sock.close()
+        sock = socket.create_connection(conn.address, timeout=self.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def connect(self, node_ids: Iterable[int] | None = None) -> None:
+        """Open connections to nodes (default: all) that have none and are not backing off, all at once: returns
+        within ``connect_timeout_s`` however many nodes are slow to answer (``get`` connects one at a time).
+        Raises AuthError if a node rejects the token."""
+        now = time.monotonic()
+        ids = self.conns if node_ids is None else node_ids
+        todo = [nid for nid in ids if self.conns[nid].sock is None and now >= self.conns[nid].down_until]
+        if len(todo) > 1:
+            with ThreadPoolExecutor(len(todo), thread_name_prefix="kvtier-connect") as pool:
+                list(pool.map(self.get, todo))  # each thread opens a different node's connection
 
     def _down(self, conn: NodeConn, timed_out: bool) -> None:
         conn.timeouts = conn.timeouts + 1 if timed_out else 0
@@ -279,15 +333,21 @@ class Exchange:
             pending.sock = fresh.sock
 
     def run(
-        self, timeout_s: float, until: Callable[[], bool] | None = None, work: Callable[[], bool] | None = None
+        self,
+        timeout_s: float,
+        until: Callable[[], bool] | None = None,
+        work: Callable[[], bool] | None = None,
+        keep: bool = False,
     ) -> None:
         """Drive every queued request until all are done, ``until()`` holds, or ``timeout_s`` passes.
 
         ``work()`` is a step of the caller's own work (e.g. encoding what it ``extend``s requests with next), run
         whenever the sockets have taken everything queued; it returns False once nothing is left to do.
+        ``keep``: requests still unanswered stay in flight (the caller queues more and runs again); otherwise
+        they are given up (see ``_finish``).
         """
         try:
-            self._run(timeout_s, until, work)
+            self._run(timeout_s, until, work, keep)
         except BaseException:
             self.abandon()
             raise
@@ -315,7 +375,9 @@ class Exchange:
             if not pending.done:
                 self.pool.conns[pending.node_id].close("abandoned")
 
-    def _run(self, timeout_s: float, until: Callable[[], bool] | None, work: Callable[[], bool] | None) -> None:
+    def _run(
+        self, timeout_s: float, until: Callable[[], bool] | None, work: Callable[[], bool] | None, keep: bool
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         with selectors.DefaultSelector() as selector:
             registered: dict[int, tuple[socket.socket, int]] = {}
@@ -330,24 +392,24 @@ class Exchange:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not active:
                     break
-                if work is not None and not any(c.outgoing for c in active):
+                all_sent = not any(c.outgoing for c in active)
+                if work is not None and all_sent:
                     work = work if work() else None
+                    continue
+                if all_sent and self._receive_payloads(active, min(remaining, 1.0)):
                     continue
                 self._register(selector, registered, active)
                 for key, events in selector.select(min(remaining, 1.0)):
                     conn: NodeConn = key.data
                     if conn.sock is None:
                         continue
-                    try:
+                    with self._failures_of(conn):
                         if events & selectors.EVENT_WRITE:
                             self._send(conn)
                         if events & selectors.EVENT_READ:
                             self._receive(conn)
-                    except ProtocolError as exc:
-                        conn.close(f"bad reply: {exc}")
-                    except OSError:
-                        self._connection_lost(conn, "down")
-        self._finish(early)
+        if not keep:
+            self._finish(early)
 
     @staticmethod
     def _register(
@@ -383,6 +445,8 @@ class Exchange:
                 continue
             conn = self.pool.conns[pending.node_id]
             if not early or conn.outgoing:  # a request only partly sent cannot be resumed safely either
+                if not early:  # slow or hung: not retried before its back-off, by this call's next exchange either
+                    conn.down_until = max(conn.down_until, time.monotonic() + self.pool.retry_down_after_s)
                 conn.close("timeout")
                 continue
             pending.abandoned = True
@@ -407,28 +471,16 @@ class Exchange:
         del outgoing[:whole]
         conn.sent = sent
 
-    @staticmethod
-    def _receive(conn: NodeConn) -> None:
+    def _receive(self, conn: NodeConn) -> None:
+        """Receive what ``conn``'s socket holds now, frame by frame (headers and metadata into the reader's own
+        buffers, payloads where their request's sink says)."""
         assert conn.sock is not None
         reader = conn.reader
         while True:
-            head = reader.head
-            pending = conn.inflight.get(head.request_id) if head is not None else None
-            if head is not None and pending is not None and not pending.sunk:
-                pending.sunk = True
-                if pending.abandoned:
-                    reader.discard_payload(_SCRATCH)
-                elif pending.sink is not None and head.opcode != Op.ERROR:
-                    where = pending.sink(head)
-                    if isinstance(where, ReceivePlan):
-                        reader.sink_plan(where.plan)
-                        pending.crcs = where.crcs
-                    elif where is not None:
-                        reader.sink(where)
+            crcs = self._sink(conn)
             scatter = reader.scatter
             try:
                 if scatter is not None:  # compiled, checksumming as it lands: no Python object per shard
-                    crcs = pending.crcs if pending is not None else None
                     n = _native.recv_scatter(conn.sock.fileno(), *scatter, crcs)
                 else:
                     n = conn.sock.recvmsg_into(reader.writable()[:RECV_IOV])[0]
@@ -440,14 +492,85 @@ class Exchange:
                 raise
             if n == 0:
                 raise ConnectionResetError("node closed the connection")
-            reader.advance(n)
-            frame = reader.next_frame()
-            if frame is not None:
-                pending = conn.inflight.pop(frame.request_id, None)
-                if pending is None or pending.abandoned:
-                    continue
-                pending.frame = frame
-                if frame.opcode == Op.ERROR:
-                    pending.error = str(frame.meta.get("message", "error"))
-                elif pending.on_reply is not None:
-                    pending.on_reply(frame)
+            self._landed(conn, n)
+
+    def _receive_payloads(self, active: list[NodeConn], timeout_s: float) -> bool:
+        """While replies' payloads arrive: receive on every one of ``active`` at once in compiled code, until a
+        reply is whole, a socket without a payload under way (a header or metadata to parse) is readable, a
+        socket fails, or ``timeout_s``. Returns False, receiving nothing, when no payload is under way."""
+        items: list[tuple[int, Any, int, Any]] = []
+        for conn in active:
+            assert conn.sock is not None
+            crcs = self._sink(conn)
+            scatter = conn.reader.scatter
+            items.append(
+                (conn.sock.fileno(), *scatter, crcs) if scatter is not None else (conn.sock.fileno(), None, 0, None)
+            )
+        if all(plan is None for _, plan, _, _ in items):
+            return False
+        results = _native.recv_many(items, max(1, int(timeout_s * 1000)))
+        for conn, (n, err) in zip(active, results, strict=True):
+            if conn.sock is None:
+                continue
+            with self._failures_of(conn):
+                if n:
+                    self._landed(conn, n)
+                if err:
+                    raise (
+                        ConnectionResetError("node closed the connection")
+                        if err < 0
+                        else OSError(err, os.strerror(err))
+                    )
+                if conn.reader.scatter is None:  # a watched socket, or a payload completed: a header may follow
+                    self._receive(conn)
+        return True
+
+    @contextlib.contextmanager
+    def _failures_of(self, conn: NodeConn) -> Iterator[None]:
+        """Within the block: a bad reply closes ``conn``; a failed socket is lost (its requests resent once)."""
+        try:
+            yield
+        except ProtocolError as exc:
+            conn.close(f"bad reply: {exc}")
+        except OSError:
+            self._connection_lost(conn, "down")
+
+    def _sink(self, conn: NodeConn) -> Any:
+        """Once a reply's head has arrived: tell the reader where its payload goes (its request's sink), once.
+        Returns the crc32c array the payload's receive plan checks into, if any."""
+        reader = conn.reader
+        head = reader.head
+        pending = conn.inflight.get(head.request_id) if head is not None else None
+        if head is None or pending is None:
+            return None
+        if not pending.sunk:
+            pending.sunk = True
+            if pending.abandoned:
+                reader.discard_payload(_SCRATCH)
+            elif pending.sink is not None and head.opcode != Op.ERROR:
+                where = pending.sink(head)
+                if isinstance(where, ReceivePlan):
+                    reader.sink_plan(where.plan)
+                    pending.crcs = where.crcs
+                elif where is not None:
+                    reader.sink(where)
+        return pending.crcs
+
+    def _landed(self, conn: NodeConn, n: int) -> None:
+        """``n`` bytes landed where ``conn``'s reader said: advance it, and act on a frame they completed."""
+        reader = conn.reader
+        reader.advance(n)
+        frame = reader.next_frame()
+        if frame is None:
+            return
+        revision = frame.meta.get("rev")  # the node's map: a newer one than ours makes the client refresh
+        if isinstance(revision, int) and revision > self.pool.seen_revision:
+            self.pool.seen_revision = revision
+        pending = conn.inflight.pop(frame.request_id, None)
+        if pending is None or pending.abandoned:
+            return
+        pending.frame = frame
+        if frame.opcode == Op.ERROR:
+            pending.error = str(frame.meta.get("message", "error"))
+        elif pending.on_reply is not None:
+            pending.on_reply(frame)

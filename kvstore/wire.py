@@ -6,11 +6,12 @@ and decoding a 1,200-key request is a handful of numpy calls:
     keys   n × key_len bytes, concatenated       klen  key length (16 or 32)
     idx    n × uint8 shard indices               hdr   n × 16-byte header digests, or absent
     lens   n × little-endian uint32 lengths      blen  n × little-endian uint64 block lengths
-    st     n × uint8 Status values
+    st     n × uint8 Status values              rec   n × uint8 RecordState values (probe replies)
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,14 @@ from kvtier.kvstore.keys import HEADER_DIGEST_BYTES
 from kvtier.kvstore.protocol import ErrorCode, ProtocolError
 
 KEY_LENGTHS = (16, 32)
+
+
+class RecordState(enum.IntEnum):
+    """What a probe reply's ``rec`` column says of the block record at a holder of shard 0, 1 or 2."""
+
+    NONE = 0  # no record here (never written, lost with a wiped disk, or deleted)
+    HELD = 1
+    REMOVING = 2  # the primary removed the block and is still deleting its shards: nothing may bring it back
 
 
 def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int]:

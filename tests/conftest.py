@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +15,15 @@ from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster, NodeStartError
 
 ClusterFactory = Callable[..., LocalCluster]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_token_from_the_shell() -> Iterator[None]:
+    """Tests choose the token each client presents: a ``KVTIER_TOKEN`` (or ``KVTIER_CONFIG``) exported in the shell
+    that runs them must not choose it for them."""
+    saved = {name: os.environ.pop(name) for name in ("KVTIER_TOKEN", "KVTIER_CONFIG") if name in os.environ}
+    yield
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +63,20 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFa
 
     yield factory
     for local in started:
+        local.stop()
+
+
+@pytest.fixture
+def own_cluster(make_cluster: ClusterFactory) -> Iterator[ClusterFactory]:
+    """``make_cluster``, but each cluster is stopped as soon as its test ends (idle nodes still run GC)."""
+    made: list[LocalCluster] = []
+
+    def factory(**kwargs) -> LocalCluster:
+        made.append(make_cluster(**kwargs))
+        return made[-1]
+
+    yield factory
+    for local in made:
         local.stop()
 
 
@@ -108,3 +132,44 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvtier.engine.checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def start_server() -> Iterator[Callable[..., str]]:
+    """``start_server(*serve_args)`` runs ``kvtier-engine serve`` as a process and returns its base URL once
+    ``/health`` answers 200; every server started is stopped (SIGTERM) after the module."""
+    import sys
+    import urllib.request
+
+    from kvtier.tools.benchutil import free_port
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str, timeout_s: float = 180.0) -> str:
+        port = free_port()
+        argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--port", str(port), *args]
+        proc = subprocess.Popen(argv)
+        started.append(proc)
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with status {proc.returncode}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(healthy, timeout_s, "the server's /health to answer 200", poll_s=0.2)
+        return url
+
+    yield start
+    for proc in started:
+        proc.terminate()
+    for proc in started:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -18,9 +18,12 @@ ALLOWED = {
     "gc": {"kvstore"},
     "transfer": {"kvstore", "gc", "kernels"},
     "engine": {"kvstore", "gc", "transfer", "kernels"},
+    "serving": {"kvstore", "gc", "transfer", "engine"},
     "kernels": set(),
-    "tools": {"kvstore", "gc", "transfer", "engine", "kernels"},
+    "adapters": {"kvstore", "gc", "transfer"},
+    "tools": {"kvstore", "gc", "transfer", "engine", "serving", "kernels", "adapters"},
 }
+HOST_ENGINES = ("sglang", "vllm", "lmcache")
 
 
 def modules() -> dict[str, Path]:
@@ -93,3 +96,41 @@ def test_the_store_imports_without_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
+
+
+def test_adapters_import_without_their_engines_and_name_the_extra_when_used() -> None:
+    adapters = [name for name in modules() if folder(name) == "adapters"]
+    code = (
+        "import sys\n"
+        f"for name in {HOST_ENGINES!r}:\n"
+        "    sys.modules[name] = None  # importing it raises ImportError\n"
+        f"for module in {adapters!r}:\n"
+        "    __import__(module)\n"
+        "from kvtier.adapters.hosts import EngineMissing\n"
+        "from kvtier.adapters import lmcache, sglang, vllm\n"
+        "for cls, extra in ((sglang.KvtierHiCacheStorage, 'sglang'), (vllm.KvtierTier, 'vllm'),\n"
+        "                   (lmcache.KvtierConnectorAdapter, 'lmcache')):\n"
+        "    try:\n"
+        "        cls()\n"
+        "    except EngineMissing as exc:\n"
+        "        assert f\"pip install 'kvtier[{extra}]'\" in str(exc), exc\n"
+        "    else:\n"
+        "        raise AssertionError(f'{cls.__name__} was made without its engine')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
+
+
+def test_the_engine_api_imports_from_the_package_root() -> None:
+    code = (
+        "from kvtier.engine import Engine, PromptError, Result\n"
+        "assert Engine.from_pretrained and issubclass(PromptError, ValueError) and Result\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
+
+
+def test_importing_the_store_does_not_import_torch() -> None:
+    code = "import sys, kvtier.kvstore, kvtier.kvstore.client, kvtier.gc\nprint('torch' in sys.modules)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"

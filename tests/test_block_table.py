@@ -71,3 +71,24 @@ def test_block_records_keyed_by_name_in_an_older_data_dir_are_moved_at_open(tmp_
     with engine.env.begin() as txn:
         assert txn.get(b"blocks") is None  # moved once: the old table is gone
     engine.close()
+
+
+def test_records_put_as_tables_are_stored_once_each_new_again_or_twice_in_one_call(tmp_path: Path) -> None:
+    import numpy as np
+
+    env, table = opened(tmp_path)
+    names = [os.urandom(16) for _ in range(4)]
+
+    def rows(items: list[bytes]) -> np.ndarray:
+        return np.frombuffer(b"".join(items), dtype=np.uint8).reshape(len(items), -1)
+
+    with env.begin(write=True) as txn:
+        table.put_rows(txn, rows(names[:3]), rows([b"r0", b"r1", b"r2"]))  # new: appended in order
+        table.put_rows(txn, rows([names[1], names[3]]), rows([b"R1", b"r3"]))  # one stored before: updated
+        table.put_rows(txn, rows([names[0], names[0]]), rows([b"x0", b"X0"]))  # twice in one call: the last
+    with env.begin() as txn:
+        assert list(table.records(txn)) == [(names[0], b"X0"), (names[1], b"R1"), (names[2], b"r2"), (names[3], b"r3")]
+    env.close()
+    env, again = opened(tmp_path)  # rebuilt at open: one number per name
+    with env.begin() as txn:
+        assert len(again) == 4 and again.get(txn, names[0]) == b"X0"

@@ -83,6 +83,14 @@ def test_without_sliding_layers_the_hit_is_block_aligned_up_to_the_last_token() 
 # -- the paged path -------------------------------------------------------------------------------------
 
 
+def test_a_run_of_pages_is_one_view_that_one_copy_fills(checkpoint: Path, engine: MakeEngine) -> None:
+    cache = engine(checkpoint, None).cache
+    rows = torch.randint(0, 256, (3, cache.page_bytes), dtype=torch.uint8)
+    cache.block_run(5, 3).copy_(rows)
+    assert all(torch.equal(cache.block(5 + i), rows[i]) for i in range(3))
+    assert not cache.block(4).any() and not cache.block(8).any()
+
+
 def test_paged_greedy_decoding_equals_full_forwards(checkpoint: Path, engine: MakeEngine) -> None:
     e = engine(checkpoint, None)
     p = prompt(700, seed=1)
@@ -236,11 +244,28 @@ def test_kvbench_ttft_reports_each_hit_ratio_with_its_bound(
     assert all(p["bound_s"] > 0 and p["speedup"] > 0 for p in points)
 
 
+def test_kvbench_ttft_through_the_fetcher_reports_the_cold_store_hit_and_the_warm_pool_hit(
+    cluster_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = ["ttft", "--prompt-tokens", "300", "--hits", "50", "--repeats", "1", "--through", "fetcher", "--json"]
+    assert kvbench(["--config", str(cluster_file), *bench]) == 0
+    [point] = json.loads(capsys.readouterr().out)["points"]
+    assert point["hit_tokens"] == 128 and point["ttft_cold_s"] > 0 and point["ttft_reuse_s"] > 0
+    assert point["link_bytes_per_s"] > 0 and point["link_bound_s"] >= point["compute_s"] and point["vs_link"] > 0
+
+
 def test_kvbench_swa_replay_reports_the_error_of_replayed_prefills(
     cluster_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["--config", str(cluster_file), "swa-replay", "--prompts", "2", "--new-tokens", "4", "--json"]
-    assert kvbench(args) == 0
+    assert kvbench([*args, "--lengths", "700-900", "--seed", "3"]) == 0
     result = json.loads(capsys.readouterr().out)
+    assert [r["prompt_tokens"] for r in result["prompts"]] == [700, 900]
+    assert result["settings"]["seed"] == 3 and result["settings"]["checkpoint"] == "preset tiny seed 3"
     assert [r["hit_tokens"] > 0 for r in result["prompts"]] == [True, True]
-    assert 0 <= result["token_agreement"] <= 1 and result["max_abs_dlogit_max"] >= 0
+    assert 0 <= result["token_agreement"] <= 1 and result["max_abs_dlogit_max"] >= result["max_abs_dlogit_median"]
+    for r in result["prompts"]:  # a near tie: the exact run's top two are closer than the error can move them
+        assert r["near_tie"] == (r["top2_margin"] < 2 * r["max_abs_dlogit"])
+        assert (r["margin_at_divergence"] is None) == (r["common_prefix"] == 4)
+    assert result["near_ties"] == sum(r["near_tie"] for r in result["prompts"])
+    assert result["diverged"] == sum(r["common_prefix"] < 4 for r in result["prompts"])

@@ -80,7 +80,9 @@ def get_requests(cluster: LocalCluster) -> int:
     return total
 
 
-def test_fetched_blocks_are_the_stored_bytes_viewed_in_place(cluster: LocalCluster, start_fetcher) -> None:
+def test_fetched_blocks_are_the_stored_bytes_viewed_in_place_and_read_only(
+    cluster: LocalCluster, start_fetcher
+) -> None:
     fetcher = start_fetcher()
     keys, blocks = stored_blocks(cluster, 6)
     with FetchClient(fetcher.socket_path, cluster.config.token) as client, client.fetch(keys, BLOCK) as got:
@@ -88,9 +90,11 @@ def test_fetched_blocks_are_the_stored_bytes_viewed_in_place(cluster: LocalClust
         for block, expected in zip(got, blocks, strict=True):
             assert np.array_equal(block.array(), expected)
             assert block.tensor().numpy().tobytes() == expected.tobytes()
-        got[0].array()[0] ^= 1  # the view is the slot itself: the fetcher's mapping sees the change
-        with FetchClient(fetcher.socket_path, cluster.config.token) as other, other.fetch(keys[:1], BLOCK) as again:
-            assert again[0].status == BlockStatus.HIT and again[0].array()[0] == blocks[0][0] ^ 1
+        assert got[0].view().obj is got.segment.buffer.obj  # the slot itself, no copy
+        with pytest.raises(ValueError, match="read-only"):
+            got[0].array()[0] ^= 1
+        with pytest.raises(TypeError, match=r"readonly|read-only"):
+            got[0].view()[0] = 0
 
 
 def test_a_second_fetch_is_a_host_memory_hit_and_contacts_no_node(cluster: LocalCluster, start_fetcher) -> None:
@@ -118,7 +122,7 @@ def test_a_fetchs_answers_as_arrays_match_its_blocks_and_release_their_pins(
         assert got.status.tolist() == [BlockStatus.FETCHED] * 3 + [BlockStatus.MISS]
         assert got.ok().tolist() == got.valid().tolist() == [True, True, True, False]
         assert got.leading(got.ok()) == 3
-        rows = client.map_for(BLOCK)[1]
+        rows = got.segment
         for slot, expected in zip(got.slots[:3].tolist(), blocks, strict=True):
             assert np.array_equal(np.frombuffer(rows.view(slot, BLOCK), np.uint8), expected)
         assert client.stats()["pinned"] == 3
@@ -174,7 +178,7 @@ async def stats_until(client: AsyncFetchClient, condition: Callable[[dict], bool
 
 def test_fetches_go_before_prefetches_and_lift_the_prefetch_they_wait_for(cluster: LocalCluster, tmp_path) -> None:
     shm = f"kvt-test-{secrets.token_hex(6)}"
-    running, early, lifted = (stored_blocks(cluster, 2)[0] for _ in range(3))
+    warm, running, early, lifted = (stored_blocks(cluster, 2)[0] for _ in range(4))
     order: list[str] = []
 
     async def scenario(client: AsyncFetchClient) -> None:
@@ -183,6 +187,8 @@ def test_fetches_go_before_prefetches_and_lift_the_prefetch_they_wait_for(cluste
             task.add_done_callback(lambda _: order.append(name))
             return task
 
+        await client.release(await client.fetch(warm, BLOCK))  # the segment is mapped before the race: a reply
+        # that must first map it would finish late for a reason other than its priority
         for proc in cluster.procs.values():  # the one worker is stuck on the first read until the nodes resume
             proc.send_signal(signal.SIGSTOP)
         try:
@@ -262,14 +268,6 @@ def test_a_put_with_an_unknown_ttl_class_is_refused_and_keeps_the_slots(cluster:
         assert client.put(keys, slots, ttl_class="agent") == [True]
 
 
-def test_blocks_larger_than_a_slot_are_refused_before_anything_is_sent(cluster: LocalCluster, start_fetcher) -> None:
-    fetcher = start_fetcher()
-    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
-        with pytest.raises(ValueError, match="do not fit the fetcher's 16384-byte slots"):
-            client.fetch([secrets.token_bytes(16)], BLOCK + 1)
-        assert client.stats()["sessions"] == 1
-
-
 def test_blocks_land_in_the_smallest_size_class_they_fit(cluster: LocalCluster, tmp_path: Path) -> None:
     shm = f"kvt-test-{secrets.token_hex(6)}"
     small_keys = [secrets.token_bytes(16) for _ in range(2)]
@@ -282,19 +280,19 @@ def test_blocks_land_in_the_smallest_size_class_they_fit(cluster: LocalCluster, 
         LocalFetcher(cluster.config_path, shm, tmp_path / "c.sock", "256KiB", classes) as fetcher,
         FetchClient(fetcher.socket_path, cluster.config.token) as client,
     ):
-        assert [m.slot_bytes for m in client.maps] == [4096, BLOCK]
         with client.fetch(small_keys, 4096) as a, client.fetch(big_keys, BLOCK) as b:
-            assert {x.pool for x in a} == {0} and {x.pool for x in b} == {1}
+            assert (a.segment.slot_bytes, b.segment.slot_bytes) == (4096, BLOCK)
+            assert {x.segment for x in a} == {a.seg} and {x.segment for x in b} == {b.seg} and a.seg != b.seg
             assert all(np.array_equal(x.array(), y) for x, y in zip([*a, *b], [*small, *big], strict=True))
             assert client.stats()["pinned"] == 4
         stats = client.stats()
         assert (stats["pinned"], stats["ready"], stats["slot_sizes"]) == (0, 4, [4096, BLOCK])
-        with pytest.raises(ValueError, match="do not fit"):
-            client.alloc(1, BLOCK + 1)
+        with client.fetch(small_keys, 3000) as smaller:  # smaller blocks take the smallest class that holds them
+            assert smaller.segment is a.segment
 
 
 def test_a_full_pool_answers_full_for_the_blocks_it_cannot_place(cluster: LocalCluster, start_fetcher) -> None:
-    fetcher = start_fetcher(size=f"{2 * BLOCK}B")
+    fetcher = start_fetcher(size=f"{4 * BLOCK}B")  # two tenants: two slots each
     keys, _ = stored_blocks(cluster, 3)
     with FetchClient(fetcher.socket_path, cluster.config.token) as client, client.fetch(keys, BLOCK) as got:
         assert sorted(b.status for b in got) == [BlockStatus.FETCHED, BlockStatus.FETCHED, BlockStatus.FULL]
@@ -365,12 +363,12 @@ def test_an_engine_that_dies_gives_its_pins_and_slots_back(cluster: LocalCluster
     )
     assert engine.stdout is not None and engine.stdout.readline().strip() == "5"
     with FetchClient(fetcher.socket_path, cluster.config.token) as client:
-        assert (client.stats()["pinned"], client.stats()["filling"]) == (3, 2)
+        assert (client.stats()["pinned"], client.stats()["allocated"]) == (3, 2)
         engine.send_signal(signal.SIGKILL)
         engine.communicate()
         wait_for(lambda: client.stats()["pinned"] == 0, 20, "the dead engine's pins to be dropped")
         stats = client.stats()
-        assert (stats["ready"], stats["filling"], stats["free"]) == (3, 0, stats["slots"] - 3)
+        assert (stats["ready"], stats["allocated"], stats["free"]) == (3, 0, stats["slots"] - 3)
 
 
 def test_pins_of_a_dead_engine_whose_socket_lives_on_in_a_child_are_reclaimed(
@@ -428,7 +426,7 @@ def test_a_fetcher_killed_mid_fetch_fails_the_call_and_a_restarted_one_serves(
     finally:
         for proc in cluster.procs.values():
             proc.send_signal(signal.SIGCONT)
-    assert len(outcome) == 2 and all(isinstance(o, FetcherError) and "went away" in str(o) for o in outcome), outcome
+    assert len(outcome) == 2 and all(isinstance(o, FetcherError) for o in outcome), outcome
     restarted = start_fetcher()
     with FetchClient(restarted.socket_path, cluster.config.token) as fresh:
         stats = fresh.stats()
@@ -531,8 +529,214 @@ def test_an_engine_keeps_no_descriptor_of_the_segments_of_fetchers_restarted_und
         for _ in range(4):
             client.release(client.fetch(keys, BLOCK))  # reconnects, and maps the new fetcher's new segment
             open_fds.append(len(os.listdir("/proc/self/fd")))
-            fetcher.stop()  # a clean stop removes the segment: the next fetcher makes a new one
+            fetcher.stop()
             fetcher = start_fetcher()
-            with pytest.raises(FetcherError, match="went away"):  # the call that learns it; the next reconnects
-                client.stats()
     assert open_fds[1:] == open_fds[1:2] * 3, open_fds
+
+
+# -- tenants: each sees, reads and writes only its own part of the pool ------------------------------------
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _raw_map(fetcher: LocalFetcher, token: str, segments: list[int]) -> tuple[dict, list[int]]:
+    """MAP ``segments`` on a raw connection: (the reply's metadata, the descriptors that came with it)."""
+    from kvtier.kvstore.protocol import FrameReader
+    from kvtier.transfer import fetch_protocol as fp
+
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.settimeout(10)
+        raw.connect(str(fetcher.socket_path))
+        raw.sendall(encode_head(Op.HELLO, 0, {"token": token}))
+        reader = FrameReader()
+        while not reader.feed(raw.recv(4096)):
+            pass
+        raw.sendall(encode_head(fp.FetchOp.MAP, 1, fp.map_meta(segments)))
+        frames, fds = [], []
+        while not frames:
+            data, got, _, _ = socket.recv_fds(raw, 1 << 16, 16)
+            fds += got
+            frames = reader.feed(data) if data else [None]
+        return (frames[0].meta if frames[0] is not None else {}), fds
+
+
+def test_a_tenant_can_neither_see_read_nor_write_another_tenants_blocks(cluster: LocalCluster, start_fetcher) -> None:
+    """The attack of issue 20: bob, sharing alice's fetcher, looks for alice's keys and tenant id in what he maps,
+    reads her blocks' bytes, and tries to overwrite one; alice's next fetch must give her own bytes."""
+    before = _shm_names()
+    fetcher = start_fetcher(size="4MiB")
+    keys, blocks = stored_blocks(cluster, 64)
+    from kvtier.transfer.staging import tenant_id
+
+    with FetchClient(fetcher.socket_path, cluster.config.token) as alice:
+        with alice.fetch(keys, BLOCK) as got:
+            assert (got.status == BlockStatus.FETCHED).all()
+            alices_segment = got.seg
+        assert _shm_names() == before  # nothing anyone could open by name
+        with FetchClient(fetcher.socket_path, OTHER_TOKEN) as bob:
+            mine = secrets.token_bytes(16)
+            with Client(cluster.config, token=OTHER_TOKEN) as store:
+                assert store.put([mine], [np.full(BLOCK, 7, np.uint8)]) == [True]
+            with bob.fetch([mine, *keys], BLOCK) as his:  # alice's keys: misses for bob, from the pool and the store
+                assert his.status.tolist() == [BlockStatus.FETCHED] + [BlockStatus.MISS] * 64
+                assert his.seg != alices_segment
+            everything = b"".join(bytes(region.buffer) for region in bob.segments.values())
+            assert not any(k in everything for k in keys)  # no key of alice's in anything bob maps
+            assert tenant_id("default").to_bytes(8, "little") not in everything  # nor her tenant id
+            assert not any(b[:64].tobytes() in everything for b in blocks)  # nor her blocks' bytes
+            for region in bob.segments.values():
+                assert np.frombuffer(region.buffer, np.uint8).flags.writeable is False
+            with pytest.raises(FetcherError, match="refused to map"):  # bob names alice's segment
+                bob._map([alices_segment])
+            meta, fds = _raw_map(fetcher, OTHER_TOKEN, [alices_segment])
+            assert fds == [] and b"no segments" in json.dumps(meta).encode()
+            assert bob.release([]) == 0 and bob.stats()["ready"] == 1  # bob's stats count bob's blocks only
+        with alice.fetch(keys, BLOCK) as again:
+            assert (again.status == BlockStatus.HIT).all()
+            assert all(np.array_equal(b.array(), x) for b, x in zip(again, blocks, strict=True))
+
+
+def test_a_cache_segments_descriptor_can_never_map_writable(cluster: LocalCluster, start_fetcher) -> None:
+    import ctypes
+    import mmap
+
+    fetcher = start_fetcher()
+    keys, blocks = stored_blocks(cluster, 2)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        with client.fetch(keys, BLOCK) as got:
+            segment = got.segment
+            meta, fds = _raw_map(fetcher, cluster.config.token, [got.seg])
+        assert len(fds) == 1 and meta["segs"][0][1] == "cache"
+        fd = fds[0]
+        libc = ctypes.CDLL(None, use_errno=True)
+        size = os.fstat(fd).st_size
+        try:
+            with pytest.raises(PermissionError):  # the descriptor is read-only
+                mmap.mmap(fd, size)
+            address = np.frombuffer(segment.buffer, np.uint8).ctypes.data
+            assert libc.mprotect(ctypes.c_void_p(address), 4096, 3) == -1  # PROT_READ | PROT_WRITE refused
+            writable = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # reopened read-write: the seal still holds
+            try:
+                with pytest.raises(PermissionError):
+                    mmap.mmap(writable, size)
+                with pytest.raises(PermissionError):
+                    os.pwrite(writable, b"bob", segment.data_offset)
+                with pytest.raises(PermissionError):
+                    os.ftruncate(writable, 0)
+                punch = libc.fallocate(writable, 0x01 | 0x02, ctypes.c_long(0), ctypes.c_long(size))  # PUNCH_HOLE
+                assert punch == -1 and ctypes.get_errno() == 1  # EPERM
+            finally:
+                os.close(writable)
+        finally:
+            os.close(fd)
+        with client.fetch(keys, BLOCK) as again:
+            assert all(np.array_equal(b.array(), x) for b, x in zip(again, blocks, strict=True))
+
+
+def test_a_put_caches_what_it_stored_whatever_the_engine_writes_after(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys = [secrets.token_bytes(16)]
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        slots = client.alloc(1, BLOCK)
+        assert slots.segment is not None and slots.segment.writable
+        slots[0].array()[:] = 5
+        assert client.put(keys, slots) == [True]
+        slots.segment.view(slots[0].slot)[:] = bytes([9]) * BLOCK  # the outbox slot, written after the put
+        with client.fetch(keys, BLOCK) as got:
+            assert got[0].status == BlockStatus.HIT and (got[0].array() == 5).all()
+        with Client(cluster.config) as store:
+            assert bytes(store.get(keys)[0]) == bytes([5]) * BLOCK
+
+
+# -- blocks of any size ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [2 << 20, (3 << 20) + 1])
+def test_a_block_larger_than_every_declared_class_gets_a_class_of_its_size(
+    cluster: LocalCluster, tmp_path: Path, length: int
+) -> None:
+    keys = [secrets.token_bytes(16) for _ in range(2)]
+    data = [np.random.default_rng(i).integers(0, 256, length, dtype=np.uint8) for i in range(2)]
+    with Client(cluster.config) as store:
+        assert store.put(keys, data) == [True, True]
+    shm = f"kvt-test-{secrets.token_hex(6)}"
+    with (
+        LocalFetcher(cluster.config_path, shm, tmp_path / "big.sock", "32MiB", "1MiB") as fetcher,
+        FetchClient(fetcher.socket_path, cluster.config.token) as client,
+    ):
+        with client.fetch(keys, length) as got:
+            assert got.status.tolist() == [BlockStatus.FETCHED] * 2
+            assert got.segment.slot_bytes == -(-length // 4096) * 4096
+            assert all(np.array_equal(b.array(), x) for b, x in zip(got, data, strict=True))
+        with client.fetch(keys, length) as again:  # cached: the second request is a host-memory hit
+            assert again.status.tolist() == [BlockStatus.HIT] * 2
+        slots = client.alloc(1, length)
+        slots[0].array()[:] = 3
+        written = [secrets.token_bytes(16)]
+        assert client.put(written, slots) == [True]
+        with client.fetch(written, length) as put_back:
+            assert put_back[0].status == BlockStatus.HIT and (put_back[0].array() == 3).all()
+        assert client.stats()["slot_sizes"] == [1 << 20]  # the cluster token sees the declared classes
+
+
+def test_a_block_no_share_of_the_pool_can_hold_is_answered_full_with_the_fix(
+    cluster: LocalCluster, start_fetcher
+) -> None:
+    fetcher = start_fetcher(size="1MiB")  # two tenants: 512 KiB each
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        got = client.fetch([secrets.token_bytes(16)], 1 << 20)
+        assert got.status.tolist() == [BlockStatus.FULL]
+        assert "do not fit the share of tenant 'default' in the host pool" in got[0].error
+        assert "start kvtier-fetcher with a larger --size" in got[0].error
+        assert client.alloc(1, 1 << 20)[0].status == BlockStatus.FULL
+        assert client.stats()["blocks_full"] == 2
+
+
+def test_a_tenant_that_changes_block_size_gets_the_memory_of_its_idle_class(
+    cluster: LocalCluster, start_fetcher
+) -> None:
+    fetcher = start_fetcher(size=f"{8 * BLOCK}B")  # two tenants: four blocks of BLOCK each
+    small, _ = stored_blocks(cluster, 4)
+    big = [secrets.token_bytes(16) for _ in range(2)]
+    with Client(cluster.config) as store:
+        assert store.put(big, [np.full(2 * BLOCK, i, np.uint8) for i in range(2)]) == [True, True]
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        held = client.fetch(small, BLOCK)  # the tenant's whole share, pinned
+        assert client.fetch(big, 2 * BLOCK).status.tolist() == [BlockStatus.FULL] * 2  # nothing may be dropped
+        client.release(held)
+        with client.fetch(big, 2 * BLOCK) as got:  # the idle class is dropped for its memory
+            assert got.status.tolist() == [BlockStatus.FETCHED] * 2
+            assert all((b.array() == i).all() for i, b in enumerate(got))
+        assert client.fetch(small[:1], BLOCK).status.tolist() == [BlockStatus.FETCHED]  # forgotten: read again
+
+
+# -- a fetcher that restarts ------------------------------------------------------------------------------
+
+
+def test_the_first_call_after_a_fetcher_restart_is_served(cluster: LocalCluster, start_fetcher) -> None:
+    fetcher = start_fetcher()
+    keys, blocks = stored_blocks(cluster, 3)
+
+    async def fetch_async(client: AsyncFetchClient) -> list[int]:
+        got = await client.fetch(keys, BLOCK)
+        await client.release(got)
+        return got.status.tolist()
+
+    async def scenario() -> None:
+        nonlocal fetcher
+        blocking = FetchClient(fetcher.socket_path, cluster.config.token)
+        client = await AsyncFetchClient.connect(fetcher.socket_path, cluster.config.token)
+        blocking.release(blocking.fetch(keys, BLOCK))
+        await fetch_async(client)
+        fetcher.stop()
+        fetcher = start_fetcher()
+        with blocking.fetch(keys, BLOCK) as got:  # no Broken pipe: the dead connection is replaced at once
+            assert got.status.tolist() == [BlockStatus.FETCHED] * 3
+            assert all(np.array_equal(b.array(), x) for b, x in zip(got, blocks, strict=True))
+        assert await fetch_async(client) == [BlockStatus.HIT] * 3
+        blocking.close()
+        await client.close()
+
+    asyncio.run(scenario())

@@ -310,3 +310,25 @@ def test_a_page_cache_fill_reads_itself_whole_again_only_after_the_reread_interv
 def test_a_page_cache_fill_takes_nothing_when_memory_is_short(tmp_path: Path) -> None:
     with page_cache_filled(str(tmp_path), leave_free=memory_free_bytes() + (1 << 40)) as fill:
         assert fill.bytes == 0
+
+
+# --- adapter: pages through the engine adapters, against the raw client ---
+
+
+def test_adapter_reports_each_engine_against_the_raw_client() -> None:
+    result = kvbench_run("adapter", "--pages", "2", "--page-size", "64KiB", "--rounds", "1", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["engines"]) == {"sglang", "vllm", "lmcache"}
+    for name, engine in report["engines"].items():
+        if "skipped" in engine:  # sglang and lmcache need their packages (make test installs them)
+            assert name != "vllm" and "pip install" in engine["skipped"]
+            continue
+        assert engine["bytes_per_call"] >= 2 * (64 << 10)
+        for path in ("put", "get"):
+            assert engine[f"{path}_gbps"] > 0 and engine[f"raw_{path}_gbps"] > 0 and engine[f"{path}_ratio"] > 0
+
+
+def test_adapter_refuses_an_unknown_engine() -> None:
+    result = kvbench_run("adapter", "--engines", "tgi")
+    assert result.returncode == 2 and "unknown engines tgi" in result.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def kvctl(path: Path | None, *args: str, token: str | None = None) -> subprocess
         cmd += ["--config", str(path)]
     if token is not None:
         cmd += ["--token", token]
-    env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_CONFIG", "COLUMNS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_CONFIG", "KVTIER_TOKEN", "COLUMNS")}
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -197,6 +198,17 @@ def test_ttl_set_keeps_the_files_comments_and_order(cluster: Path) -> None:
         cluster.write_text(original)
 
 
+def test_ttl_set_keeps_the_cluster_file_private_and_its_client_file_in_step(cluster: Path) -> None:
+    public = cluster_mod.write_public(cluster)
+    try:
+        ok(cluster, "ttl", "set", "evictable", "2h")
+        assert stat.S_IMODE(cluster.stat().st_mode) == 0o600
+        assert cluster_mod.load_client(public, TENANT_TOKEN).ttl_classes["evictable"] == 2 * 3600
+    finally:
+        ok(cluster, "ttl", "set", "evictable", "1h")
+        public.unlink()
+
+
 def test_ttl_add_then_remove_of_an_unused_class(cluster: Path) -> None:
     original = cluster.read_text()
     ok(cluster, "ttl", "add", "weekly", "7d")
@@ -254,8 +266,8 @@ def test_repair_rewrites_the_shards_a_draining_node_did_not_take(cluster: Path) 
         assert keys and (kv.probe(keys).sum(axis=1) == 11).all()
         repaired = ok_json(cluster, "repair")
         assert kv.probe(keys).all()
-        # the primary and shard 1's holder both keep the record and both repair: a shard may be written twice
-        assert len(keys) <= repaired["shards_repaired"] <= 2 * len(keys)
+        # their primaries owe these repairs and may have made them already; either way each shard is written once
+        assert 0 <= repaired["shards_repaired"] <= len(keys)
     assert "repair: 0 shards rewritten by 12 nodes" in ok(cluster, "repair")
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import select
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -13,6 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.kvstore.metrics import MetricsServer
+from kvtier.kvstore.protocol import Limits
+
+from .conftest import wait_for
+from .rawwire import connect_from
 
 
 def get(url: str) -> tuple[int, str, bytes]:
@@ -116,3 +123,46 @@ def test_stop_releases_the_port_and_is_idempotent() -> None:
         _ = srv.port
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{url}/metrics", timeout=2)
+
+
+# -- abuse: the endpoint cannot be held or flooded (it authenticates nobody) --------------------------------
+
+
+def test_a_request_trickled_byte_by_byte_is_cut_at_the_deadline() -> None:
+    limits = Limits(metrics_request_timeout_s=1.0)
+    with MetricsServer(CollectorRegistry(), limits=limits) as srv, connect_from(("127.0.0.1", srv.port)) as sock:
+        request = b"GET /metrics HTTP/1.1\r\nHost: kvtier\r\nAccept: */*\r\n\r\n"
+        opened = time.monotonic()
+        for i in range(len(request) - 1):  # one byte every 0.2 s, never the whole request
+            with contextlib.suppress(OSError):
+                sock.send(request[i : i + 1])
+            if select.select([sock], [], [], 0.2)[0]:
+                break
+        took_s = time.monotonic() - opened
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(4096) == b""
+    assert took_s < 5.0, f"cut after {took_s:.1f} s"
+
+
+def test_connections_beyond_the_cap_are_refused_and_scrapes_resume_once_they_are_cut() -> None:
+    limits = Limits(metrics_max_connections=4, metrics_request_timeout_s=1.0)
+    with MetricsServer(CollectorRegistry(), limits=limits) as srv, contextlib.ExitStack() as stack:
+        addr = ("127.0.0.1", srv.port)
+        for i in range(4):  # silent connections, two from each of two addresses: every slot taken
+            stack.enter_context(connect_from(addr, f"127.9.0.{i // 2 + 1}"))
+        time.sleep(0.2)
+        with connect_from(addr) as extra:
+            assert extra.recv(4096).startswith(b"HTTP/1.1 503 ")
+        wait_for(lambda: get(f"{srv.url}/health")[0] == 200, 5, "the silent connections to be cut")
+
+
+def test_one_address_holds_at_most_half_the_connections() -> None:
+    limits = Limits(metrics_max_connections=4, metrics_request_timeout_s=5.0)
+    with MetricsServer(CollectorRegistry(), limits=limits) as srv, contextlib.ExitStack() as stack:
+        addr = ("127.0.0.1", srv.port)
+        for _ in range(2):
+            stack.enter_context(connect_from(addr, "127.9.1.1"))
+        time.sleep(0.2)
+        with connect_from(addr, "127.9.1.1") as third:
+            assert third.recv(4096).startswith(b"HTTP/1.1 503 ")
+        assert get(f"{srv.url}/health")[0] == 200  # another address is served

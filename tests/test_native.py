@@ -8,6 +8,7 @@ import os
 import select
 import socket
 import threading
+import time
 
 import crc32c
 import numpy as np
@@ -280,3 +281,55 @@ def test_recv_scatter_lands_each_piece_at_its_address_and_resumes_where_it_stopp
 def test_addresses_refuses_a_read_only_buffer() -> None:
     with pytest.raises(BufferError):
         _native.addresses([b"read-only"])
+
+
+def plan_of(buffer: bytearray) -> tuple[memoryview, np.ndarray]:
+    """A one-piece (address, length) plan over ``buffer`` (the view keeps it exported while the plan is used)."""
+    view = memoryview(buffer)
+    return view, np.asarray([(int(np.frombuffer(_native.addresses([view]), dtype=np.int64)[0]), len(buffer))])
+
+
+def test_recv_many_receives_on_every_socket_until_a_plan_is_full() -> None:
+    big, small = bytearray(600_000), bytearray(5)
+    (view_big, plan_big), (view_small, plan_small) = plan_of(big), plan_of(small)
+    payload = os.urandom(len(big))
+    (a1, b1), (a2, b2) = socket.socketpair(), socket.socketpair()
+    with a1, b1, a2, b2, view_big, view_small:
+        a2.sendall(b"ab")  # the small plan gets a part only: the call goes on until the big one is full
+        sender = threading.Thread(target=a1.sendall, args=(payload,))
+        sender.start()
+        got, done = [0, 0], [0, 0]
+        while done[0] < len(big):
+            items = [(b1.fileno(), plan_big, done[0], None), (b2.fileno(), plan_small, done[1], None)]
+            results = _native.recv_many(items, 5000)
+            assert all(err == 0 for _, err in results)
+            for i, (n, _) in enumerate(results):
+                got[i] += 1 if n else 0
+                done[i] += n
+        sender.join()
+    assert big == payload and small[:2] == b"ab" and done == [len(big), 2]
+    assert got[0] <= 3  # a few returns for 600 KB, not one per socket buffer's worth
+
+
+def test_recv_many_returns_when_a_watched_socket_is_readable_and_says_which_peer_closed() -> None:
+    buffer = bytearray(10)
+    view, plan = plan_of(buffer)
+    (a1, b1), (a2, b2) = socket.socketpair(), socket.socketpair()
+    with a1, b1, a2, b2, view:
+        a2.sendall(b"header")  # a watched socket (no payload under way) with bytes: Python reads them
+        items = [(b1.fileno(), plan, 0, None), (b2.fileno(), None, 0, None)]
+        assert _native.recv_many(items, 5000) == [(0, 0), (0, 0)]
+        a1.sendall(b"xyz")
+        a1.close()
+        assert _native.recv_many(items[:1], 5000) == [(3, -1)]  # 3 bytes, then the peer closed
+    assert buffer[:3] == b"xyz"
+
+
+def test_recv_many_gives_up_after_its_timeout() -> None:
+    buffer = bytearray(10)
+    view, plan = plan_of(buffer)
+    a, b = socket.socketpair()
+    with a, b, view:
+        started = time.monotonic()
+        assert _native.recv_many([(b.fileno(), plan, 0, None)], 50) == [(0, 0)]
+        assert time.monotonic() - started >= 0.04

@@ -35,6 +35,22 @@ EXPOSED = {
     "kvtier_gc_zombies_dropped",
     "kvtier_gc_shards_repaired",
     "kvtier_gc_repair_bytes",
+    "kvtier_node_connections",
+    "kvtier_node_pre_auth_connections",
+    "kvtier_node_connections_refused",
+    "kvtier_node_hello_timeouts",
+    "kvtier_node_blocks_under_replicated",
+    "kvtier_node_oldest_owed_repair_seconds",
+    "kvtier_node_redundancy_restored_seconds_bucket",
+    "kvtier_node_redundancy_restored_seconds_sum",
+    "kvtier_node_redundancy_restored_seconds_count",
+    "kvtier_gc_blocks_repaired",
+    "kvtier_gc_blocks_reclaimed",
+    "kvtier_gc_shards_scrubbed",
+    "kvtier_gc_scrub_bytes",
+    "kvtier_gc_scrub_corrupt",
+    "kvtier_gc_scrub_repaired",
+    "kvtier_gc_scrub_passes",
 }
 
 

@@ -12,27 +12,25 @@ import os
 import random
 import secrets
 import socket
-import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
 import pytest
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client, connect
 from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.protocol import HEADER, MAGIC, PROTOCOL_VERSION, ErrorCode, Frame, FrameReader, Op, encode_head
+from kvtier.kvstore.protocol import PROTOCOL_VERSION, ErrorCode, Frame, FrameReader, Op
 from kvtier.kvstore.transport import AuthError
 
 from .conftest import wait_for
+from .rawwire import SOCKET_TIMEOUT_S, assert_closed, raw_header, recv_frame, rss_kib, send_frame
 
 TEAMB_TOKEN = secrets.token_hex(16)
 TARGET = 0  # the node every raw-socket test talks to
 BLOCK = 16 << 10
-SOCKET_TIMEOUT_S = 5.0
 
 # -- fixtures --------------------------------------------------------------------------------------------
 
@@ -40,7 +38,9 @@ SOCKET_TIMEOUT_S = 5.0
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     path = cluster_mod.write_default(tmp_path_factory.mktemp("security"), capacity_bytes=256 << 20)
-    path.write_text(path.read_text() + f'\n[tenants.teamb]\ntoken = "{TEAMB_TOKEN}"\n')
+    # every bad connection here comes from 127.0.0.1, as do the good ones: no allowance for failed HELLOs runs out
+    limits = "[limits]\nmax_auth_failures_per_peer = 100000\n"
+    path.write_text(path.read_text() + f'\n[tenants.teamb]\ntoken = "{TEAMB_TOKEN}"\n\n{limits}')
     with LocalCluster(path) as lc:
         yield lc
 
@@ -63,38 +63,6 @@ def open_raw(local: LocalCluster, node_id: int = TARGET) -> socket.socket:
     sock = socket.create_connection((node.host, node.port), timeout=SOCKET_TIMEOUT_S)
     sock.settimeout(SOCKET_TIMEOUT_S)
     return sock
-
-
-def raw_header(
-    opcode: int,
-    rid: int = 1,
-    meta_len: int = 0,
-    payload_len: int = 0,
-    *,
-    magic: bytes = MAGIC,
-    version: int = PROTOCOL_VERSION,
-    crc: int | None = None,
-) -> bytes:
-    """A bare 32-byte header (crc correct unless given); the node reads exactly these bytes before refusing."""
-    head = HEADER.pack(magic, version, opcode, 0, rid, meta_len, payload_len, 0)[:28]
-    return head + struct.pack("<I", crc32c.crc32c(head) if crc is None else crc)
-
-
-def send_frame(sock: socket.socket, opcode: int, meta: dict[str, Any], payload: bytes = b"", rid: int = 1) -> None:
-    sock.sendall(encode_head(opcode, rid, meta, len(payload)) + payload)
-
-
-def recv_frame(sock: socket.socket) -> Frame | None:
-    """The next frame from the node, or None if it closed the connection first."""
-    reader = FrameReader()
-    while True:
-        frame = reader.next_frame()
-        if frame is not None:
-            return frame
-        n = sock.recv_into(reader.writable()[0])
-        if n == 0:
-            return None
-        reader.advance(n)
 
 
 def hello(sock: socket.socket, token: str) -> Frame:
@@ -122,24 +90,6 @@ def assert_error_then_closed(sock: socket.socket, code: ErrorCode, request_id: i
     assert rest == b"", "the connection stayed open after the ERROR frame"
 
 
-def assert_closed(sock: socket.socket) -> list[Frame]:
-    """The node closes the connection (after at most some ERROR frames, which are returned).
-
-    A reset counts as a close: a node that gives up on a frame before reading all of it closes a socket
-    with unread bytes, which the kernel turns into RST.
-    """
-    frames = []
-    while True:
-        try:
-            frame = recv_frame(sock)
-        except ConnectionResetError:
-            return frames
-        if frame is None:
-            return frames
-        assert frame.opcode == Op.ERROR, f"a reply instead of an error: {frame}"
-        frames.append(frame)
-
-
 def keys_meta(keys: list[bytes]) -> dict[str, Any]:
     return {"keys": b"".join(keys), "klen": 16}
 
@@ -153,10 +103,7 @@ def random_blocks(n: int, size: int = BLOCK) -> list[bytes]:
 
 
 def node_rss_kib(local: LocalCluster, node_id: int, field: str = "VmRSS") -> int:
-    for line in Path(f"/proc/{local.procs[node_id].pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"{field} missing from /proc status")
+    return rss_kib(local.procs[node_id].pid, field)
 
 
 def assert_node_serves(local: LocalCluster, node_id: int = TARGET) -> None:

@@ -21,12 +21,17 @@ from kvtier.kvstore.protocol import (
     HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
+    UNSET,
     ErrorCode,
     Frame,
     FrameReader,
     Limits,
+    MetaBudget,
     Op,
     ProtocolError,
+    Request,
+    Schemas,
+    Unset,
     encode_error,
     encode_head,
     parse_header,
@@ -721,3 +726,89 @@ def test_field_rejects_bool_where_int_is_expected():
 def test_bad_builds_a_bad_request_error():
     exc = bad("nope")
     assert isinstance(exc, ProtocolError) and exc.code == ErrorCode.BAD_REQUEST and str(exc) == "nope"
+
+
+# -- metadata as it arrives: growth, budget, typed schemas -------------------------------------------------
+
+
+def test_a_metadata_buffer_grows_with_the_bytes_that_arrive_not_with_the_announced_length():
+    reader = FrameReader()
+    tracemalloc.start()
+    try:
+        reader.feed(raw_header(Op.MATCH, 1, meta_len=8 << 20) + b"\x81" + bytes(1000))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert reader.in_frame
+    assert peak < 256 << 10, f"{peak} bytes allocated for 1 KiB of an announced 8 MiB"
+
+
+def test_metadata_arriving_in_pieces_across_growth_steps_decodes_whole():
+    meta = {"keys": bytes(range(256)) * 1024, "klen": 16}  # 256 KiB: four growth steps
+    data = frame_bytes(Op.MATCH, 7, meta)
+    reader = FrameReader()
+    frames = [f for i in range(0, len(data), 3001) for f in reader.feed(data[i : i + 3001])]
+    assert [(f.request_id, f.meta) for f in frames] == [(7, meta)]
+
+
+def test_a_reader_over_its_servers_metadata_budget_raises_busy_and_gives_back_what_it_took():
+    budget = MetaBudget(300 << 10)
+    first, second = FrameReader(budget=budget), FrameReader(budget=budget)
+    first.feed(raw_header(Op.MATCH, 1, meta_len=1 << 20) + bytes(150 << 10))  # a 256 KiB buffer by now
+    with pytest.raises(ProtocolError) as info:
+        first.feed(bytes(120 << 10))  # would need 512 KiB
+    assert info.value.code == ErrorCode.BUSY and info.value.request_id == 1
+    second.feed(raw_header(Op.MATCH, 2, meta_len=40 << 10) + bytes(20 << 10))
+    assert budget.used_bytes == (256 << 10) + (40 << 10)
+    first.close()
+    second.close()
+    assert budget.used_bytes == 0
+
+
+def test_a_decoded_frame_gives_its_metadata_buffer_back_to_the_budget():
+    budget = MetaBudget(1 << 20)
+    reader = FrameReader(budget=budget)
+    assert len(reader.feed(frame_bytes(Op.MATCH, 1, {"keys": bytes(5000), "klen": 16}))) == 1
+    assert budget.used_bytes == 0
+
+
+class _Lookup(Request):
+    keys: bytes | Unset = UNSET
+    klen: int | Unset = UNSET
+
+
+LOOKUPS = Schemas({Op.MATCH: _Lookup})
+
+
+def test_a_schema_hands_on_the_fields_present():
+    frames = FrameReader(schemas=LOOKUPS).feed(frame_bytes(Op.MATCH, 3, {"keys": b"k" * 16}))
+    assert frames[0].meta == {"keys": b"k" * 16}
+
+
+@pytest.mark.parametrize(
+    ("meta", "code"),
+    [
+        ({"keys": [b"k"]}, ErrorCode.BAD_REQUEST),  # a list where bytes belong
+        ({"keys": b"k", "extra": 1}, ErrorCode.BAD_REQUEST),  # a field the op does not have
+        ({"klen": "16"}, ErrorCode.BAD_REQUEST),
+    ],
+    ids=["wrong-type", "unknown-field", "str-for-int"],
+)
+def test_metadata_that_does_not_fit_its_ops_schema_is_a_bad_request_naming_the_op(meta: dict[str, Any], code):
+    error = _raises_code(code, FrameReader(schemas=LOOKUPS).feed, frame_bytes(Op.MATCH, 4, meta))
+    assert "MATCH" in str(error) and error.request_id == 4
+
+
+def test_an_opcode_without_a_schema_is_a_bad_request():
+    _raises_code(ErrorCode.BAD_REQUEST, FrameReader(schemas=LOOKUPS).feed, frame_bytes(Op.STAT, 5, {}))
+
+
+def test_a_msgpack_bomb_against_a_schema_is_refused_without_building_it():
+    bomb = b"\xde\x00\x02\xa4keys\xc4\x01k\xa1x\xdd" + (1 << 20).to_bytes(4, "big") + b"\x90" * (1 << 20)
+    tracemalloc.start()
+    try:
+        _raises_code(ErrorCode.BAD_REQUEST, FrameReader(schemas=LOOKUPS).feed, raw_frame(Op.MATCH, 1, bomb))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak} bytes for 1 MiB of nested arrays (a list each: ~60 MiB)"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.kvstore import cluster as cluster_mod
+from kvtier.tools.capacity import cluster_capacity, local_capacity
 from kvtier.tools.kvbench import main as kvbench
 from kvtier.tools.replay import replay
 from kvtier.tools.traces import (
@@ -321,6 +323,54 @@ def test_read_trace_names_the_bad_line(tmp_path: Path) -> None:
         list(read_trace(path))
 
 
+# --- a cluster's capacity (tools.capacity) ---
+
+
+def test_a_clusters_blocks_count_erasure_coding_slot_rounding_and_primary_budgets() -> None:
+    store = local_capacity(2 << 20, 64 << 10)  # 12 nodes of 2 MiB, blocks of 64 KiB
+    assert store.shard_bytes == 6554  # ceil(64 KiB / 10): 12 of them are 1.2× the block
+    assert store.slot_bytes == 7168  # the 7 KiB size class holds a 6,554-byte shard
+    assert store.primaries == dict.fromkeys(range(12), 24)  # budget 2 MiB / 12 = 174,762 B: 24 slots of 7 KiB
+    assert store.blocks == 288  # not 12 × 2 MiB / 64 KiB = 384
+    assert store.watermarks == (0.9, 0.8)
+
+
+def test_a_cluster_files_capacity_uses_its_smallest_node_and_its_watermarks(tmp_path: Path) -> None:
+    path = cluster_mod.write_default(tmp_path, capacity_bytes=4 << 20, base_port=7400)
+    text = path.read_text().replace('capacity = "4MiB"', 'capacity = "2MiB"', 1)
+    path.write_text(text.replace("low_watermark = 0.8", "low_watermark = 0.5"))
+    store = cluster_capacity(cluster_mod.load(path), 64 << 10)
+    assert store.blocks == 288 and store.watermarks == (0.9, 0.5)  # node 0's 2 MiB bounds every budget
+
+
+def test_one_lru_per_primary_hits_less_than_one_lru_over_them_all() -> None:
+    trace = multi_turn_trace(400, seed=3, block_tokens=64)
+    store = local_capacity(4 << 20, 64 << 10)
+    pooled = replay(trace, block_tokens=64, store=store)
+    per_primary = replay(trace, block_tokens=64, store=store, per_primary=True)
+    assert pooled.capacity_blocks == per_primary.capacity_blocks == 576
+    assert per_primary.token_hit_ratio < pooled.token_hit_ratio < pooled.ideal_token_hit_ratio
+    assert per_primary.max_blocks_stored <= 576
+
+
+def test_cli_takes_the_capacity_from_a_cluster_file_or_a_node_capacity(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = cluster_mod.write_default(tmp_path, capacity_bytes=4 << 20, base_port=7400)
+    sizes = ["--block-tokens", "64", "--bytes-per-token", "1KiB", "--json"]
+    assert kvbench(["--config", str(path), "replay", str(trace_file), *sizes]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert kvbench(["replay", str(trace_file), "--node-capacity", "4MiB", *sizes]) == 0
+    from_size = json.loads(capsys.readouterr().out)
+    assert from_file == from_size | {"trace": from_file["trace"]}
+    assert from_file["capacity_blocks"] == 576 and from_file["store"]["slot_bytes"] == 7168
+    assert from_file["watermarks"] == [0.9, 0.8] and from_file["per_primary"] is True
+    expected = replay(
+        load_trace(trace_file), block_tokens=64, store=local_capacity(4 << 20, 64 << 10), per_primary=True
+    )
+    assert from_file["token_hit_ratio"] == expected.token_hit_ratio
+
+
 # --- CLI ---
 
 
@@ -386,6 +436,11 @@ def test_cli_sweep_writes_csv_and_plot(trace_file: Path, tmp_path: Path, capsys:
         (["{trace}", "--watermarks", "0.5,0.9"], "need 0 < LOW <= HIGH <= 1"),
         (["{trace}", "--mode", "live"], "--mode live drives a running cluster"),
         (["{trace}", "--ttl", "agent=1h"], "TTL class 'chatbot'"),
+        (["{trace}", "--node-capacity", "4MiB"], "give --bytes-per-token"),
+        (["{trace}", "--node-capacity", "4MiB", "--bytes-per-token", "1KiB", "--capacity-tokens", "9"], "cluster's"),
+        (["{trace}", "--node-capacity", "4MiB", "--bytes-per-token", "1KiB", "--nodes", "13"], "multiple of 12"),
+        (["{trace}", "--one-lru"], "--one-lru goes with a cluster's capacity"),
+        (["{trace}", "--salt", "xyz"], "--salt 'xyz': use hex digits"),
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(

@@ -54,3 +54,28 @@ def test_simulation_options_are_refused_in_live_mode(make_cluster, trace: Path) 
     done = live(local.config_path, trace, "--bytes-per-token", "16", "--capacity-tokens", "1000")
     assert done.returncode == 2
     assert "cluster's own capacity" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sim_with_the_clusters_capacity_predicts_live_within_two_points(make_cluster, tmp_path: Path) -> None:
+    """12 nodes of 4 MiB hold 576 blocks of 64 KiB (EC 1.2×, 7 KiB slots, per-primary budgets): 46 % of the
+    trace's 1,246 distinct blocks. Sim, given the same cluster file and key salt, forecasts what live measures;
+    the obvious capacity (12 × 4 MiB / 64 KiB = 768 blocks) forecasts far more."""
+    local = make_cluster(capacity_bytes=4 << 20)
+    trace = tmp_path / "conversations.jsonl"
+    write_trace(trace, multi_turn_trace(200, seed=3, block_tokens=64))
+    sizes = ["--bytes-per-token", "1KiB", "--block-tokens", "64", "--salt", "5a17", "--json"]
+    done = live(local.config_path, trace, *sizes)
+    assert done.returncode == 0, done.stderr
+    measured = json.loads(done.stdout)
+    sim = subprocess.run(
+        [sys.executable, "-m", "kvtier.tools.kvbench", "--config", str(local.config_path), "replay", str(trace),
+         *sizes],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert sim.returncode == 0, sim.stderr
+    forecast = json.loads(sim.stdout)
+    assert measured["capacity_blocks"] == forecast["capacity_blocks"] == 576
+    assert measured["evictions"] > 0
+    assert abs(forecast["token_hit_ratio"] - measured["token_hit_ratio"]) <= 0.02, (forecast, measured)
+    obvious = replay(load_trace(trace), block_tokens=64, capacity_tokens=768 * 64, watermarks=(0.9, 0.8))
+    assert obvious.token_hit_ratio - measured["token_hit_ratio"] > 0.1

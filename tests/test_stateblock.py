@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 import subprocess
 import sys
@@ -144,21 +146,30 @@ def test_pulling_a_reused_slot_is_a_miss_never_other_bytes(config, directory: in
         host_a.stop()
 
 
-def test_stateblocks_outlive_a_crash_of_their_host_process(config, directory: int, host_b: StateBlockHost) -> None:
-    shm = f"kvt-test-{secrets.token_hex(6)}"
-    host_a = start_host(config, directory, shm=shm)
+def test_a_crashed_hosts_stateblocks_are_misses_and_its_restart_serves_again(
+    config, directory: int, host_b: StateBlockHost
+) -> None:
+    host_a = start_host(config, directory)
     key = secrets.token_bytes(16)
     host_a.ask(f"{key.hex()} 6")
-    host_a.proc.kill()  # SIGKILL: no clean-up; the segment stays, and the directory still points at the dead port
+    host_a.proc.kill()  # SIGKILL: its pool (private memory) goes with it; the directory still points at it
     host_a.stop()
     out = bytearray(BLOCK)
-    assert not host_b.get_into(key, out)  # nobody serves it meanwhile: a miss, not an error
-    restarted = start_host(config, directory, shm=shm)  # takes the segment over and re-reports what it holds
+    assert not host_b.get_into(key, out)  # a miss, not an error
+    restarted = start_host(config, directory)
     try:
-        wait_for(lambda: host_b.get_into(key, out), 20, "the restarted host to serve its StateBlock again")
-        assert bytes(out) == block_of(6).tobytes()
+        restarted.ask(f"{key.hex()} 7")
+        wait_for(lambda: host_b.get_into(key, out), 20, "the restarted host to serve a StateBlock")
+        assert bytes(out) == block_of(7).tobytes()
     finally:
         restarted.stop()
+
+
+def test_a_hosts_stateblocks_are_in_no_file_another_process_could_open(config) -> None:
+    before = set(os.listdir("/dev/shm"))
+    with StateBlockHost(config, "kvt-test-private", 4 * BLOCK, BLOCK, "host-c") as host:
+        assert host.put(secrets.token_bytes(16), block_of(1))
+        assert set(os.listdir("/dev/shm")) == before
 
 
 def test_a_local_stateblock_is_served_from_this_hosts_pool(host_b: StateBlockHost) -> None:
@@ -293,3 +304,27 @@ def _answers(client: DirectoryClient) -> bool:
         return client.stats()["hosts"] == 0
     except DirectoryError:
         return False
+
+
+def test_a_directory_that_goes_away_and_comes_back_is_said_once_each_way_and_counted(
+    config, caplog: pytest.LogCaptureFixture
+) -> None:
+    proc, port = start_directory(config)
+    with caplog.at_level(logging.WARNING, logger="kvtier.stateblock"):
+        host = StateBlockHost(
+            config, "kvt-test-dir", 4 * BLOCK, BLOCK, "host-d", directory=("127.0.0.1", port), heartbeat_s=0.05
+        )
+        try:
+            proc.stop()
+            wait_for(lambda: host.directory_availability.failed_calls >= 5, 20, "heartbeats to find it away")
+            assert host.locate([secrets.token_bytes(16)]) == [None]  # a miss, not an error
+            proc, _ = start_directory(config, port)
+            wait_for(lambda: host.directory_availability.up, 20, "a heartbeat to find it back")
+            said = [r.getMessage() for r in caplog.records]
+            assert sum("is not answering" in m for m in said) == 1, said
+            assert sum("is answering again" in m for m in said) == 1, said
+            availability = host.directory_availability.stats("directory")
+            assert (availability["directory_outages"], availability["directory_recoveries"]) == (1, 1)
+        finally:
+            host.close()
+            proc.stop()

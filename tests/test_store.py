@@ -418,7 +418,8 @@ def test_a_node_whose_connects_time_out_is_retried_ever_less_often(store: LocalC
             s.connect(black_hole.getsockname())
     try:
         nodes = dict(store.config.nodes)
-        nodes[0] = replace(nodes[0], port=black_hole.getsockname()[1])
+        # node 0 at the black hole, by TCP only (a data dir with no node.sock: no Unix socket to reach it by)
+        nodes[0] = replace(nodes[0], port=black_hole.getsockname()[1], data_dir=store.config_path.parent / "none")
         client_config = replace(store.config.client, connect_timeout_s=0.3, retry_down_after_s=0.5)
         with Client(replace(store.config, nodes=nodes, client=client_config)) as client:
             keys, blocks = rand_keys(4), rand_blocks(4, 4096)

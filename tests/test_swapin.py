@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import secrets
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 
@@ -73,10 +72,11 @@ def test_slot_tensor_views_the_segment_without_copying(segment: shared_memory.Sh
     del view
 
 
-def test_swap_in_reads_blocks_the_staging_pool_holds() -> None:
-    name = f"kvtier-swapin-{os.getpid()}-{secrets.token_hex(4)}"
-    pool = staging.StagingPool.own(name, capacity_bytes=6 * page_bytes(), slot_bytes=page_bytes())
-    engine = staging.SlotMap.open(name)  # the engine's own mapping of the fetcher's segment
+def test_swap_in_reads_blocks_the_staging_pool_holds_through_a_read_only_mapping() -> None:
+    pool = staging.StagingPool.create("kvtier-swapin", capacity_bytes=6 * page_bytes(), slot_bytes=page_bytes())
+    fd = staging.read_only(pool.fd)
+    engine = staging.SlotMap.open(fd)  # the engine's mapping of the fetcher's segment: read-only, as it gets it
+    os.close(fd)
     try:
         blocks = {page: os.urandom(page_bytes()) for page in (7, 1, 12)}
         slot_ids = []
@@ -93,7 +93,6 @@ def test_swap_in_reads_blocks_the_staging_pool_holds() -> None:
     finally:
         engine.close()
         pool.close()
-        staging.unlink(name)
 
 
 def test_swap_in_puts_each_slot_into_its_page_and_touches_no_other(slots: torch.Tensor) -> None:
@@ -264,3 +263,29 @@ def test_gpu_swap_out_refuses_two_pages_into_one_slot(slots: torch.Tensor) -> No
 def test_gpu_cache_with_unmapped_slots_is_refused(slots: torch.Tensor) -> None:
     with pytest.raises(SwapError, match="map the slots with CudaHostMapping"):
         swap_in(slots, [0], random_cache("cuda"), [0])
+
+
+@gpu
+def test_gpu_swap_in_reads_a_sealed_segment_through_its_read_only_mapping() -> None:
+    """How an engine sees the fetcher's cache segments: mapped read-only from a sealed memory file, registered with
+    ``cudaHostRegisterReadOnly``; the gather kernel reads it like any other."""
+    pool = staging.StagingPool.create("kvtier-swapin-gpu", capacity_bytes=6 * page_bytes(), slot_bytes=page_bytes())
+    fd = staging.read_only(pool.fd)
+    engine = staging.SlotMap.open(fd)
+    os.close(fd)
+    try:
+        blocks = [os.urandom(page_bytes()) for _ in range(3)]
+        for block in blocks:
+            slot, _generation = pool.reserve(os.getpid())
+            pool.view(slot)[:] = block
+        rows = slot_tensor(engine.buffer, stride=engine.stride, slots=engine.slots, offset=engine.data_offset)
+        cache = random_cache("cuda")
+        with CudaHostMapping(rows, read_only=True) as mapped:
+            swap_in(mapped.tensor, [0, 1, 2], cache, [5, 0, 9])
+            torch.cuda.synchronize()
+        del rows
+        for page, block in zip((5, 0, 9), blocks, strict=True):
+            assert cache[page].cpu().view(-1).view(torch.uint8).numpy().tobytes() == block
+    finally:
+        engine.close()
+        pool.close()

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -31,10 +32,16 @@ CHUNK = 4 << 20
 ACCEPT_TIMEOUT_S = 60.0
 
 
-def _raw_sender(port: int, total: int) -> None:
+def _raw_sender(address: str, total: int) -> None:
+    """Send ``total`` bytes to ``address``: a loopback TCP port, or a Unix socket's path."""
     buf = memoryview(bytearray(os.urandom(CHUNK)))
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    if address.isdigit():
+        s = socket.create_connection(("127.0.0.1", int(address)))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    else:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(address)
+    with s:
         sent = 0
         while sent < total:
             n = min(CHUNK, total - sent)
@@ -42,42 +49,73 @@ def _raw_sender(port: int, total: int) -> None:
             sent += n
 
 
-def raw_stream_gbps(total: int) -> float:
-    """One loopback TCP stream of ``total`` bytes, sender in another process; GB/s seen by the receiver.
+def raw_stream_gbps(total: int, unix: bool = False) -> float:
+    """One loopback TCP stream of ``total`` bytes (``unix``: a Unix stream socket, how a client reaches the nodes
+    of its own machine), sender in another process; GB/s seen by the receiver.
 
     The clock starts at the first bytes received, so process start-up is not counted. The sender is a fresh
     interpreter (not multiprocessing), so callers need no ``if __name__ == "__main__"`` guard.
     """
-    if total <= 0:
-        raise ValueError(f"a raw stream needs a positive number of bytes, got {total}")
-    with socket.create_server(("127.0.0.1", 0)) as listener:
+    return raw_streams_gbps(total, 1, unix)
+
+
+def raw_streams_gbps(total: int, streams: int, unix: bool = False) -> float:
+    """``streams`` loopback TCP (``unix``: Unix) streams at once carrying ``total`` bytes between them, each from
+    its own sender process into its own receiving thread here (``recv_into`` releases the GIL); GB/s over all of
+    them, from the first bytes received to the last. One stream is :func:`raw_stream_gbps`."""
+    if total <= 0 or streams < 1:
+        raise ValueError(f"raw streams need positive bytes and streams, got {total} bytes, {streams} streams")
+    shares = [total // streams + (i < total % streams) for i in range(streams)]
+    with contextlib.ExitStack() as stack:
+        if unix:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-raw-"))
+            address = os.path.join(folder, "raw.sock")
+            listener = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            listener.bind(address)
+            listener.listen(streams)
+        else:
+            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=streams))
+            address = str(listener.getsockname()[1])
         listener.settimeout(ACCEPT_TIMEOUT_S)
-        port = listener.getsockname()[1]
-        code = "import sys; from kvtier.tools.benchutil import _raw_sender as s; s(int(sys.argv[1]), int(sys.argv[2]))"
-        proc = subprocess.Popen([sys.executable, "-c", code, str(port), str(total)], stdin=subprocess.DEVNULL)
+        code = "import sys; from kvtier.tools.benchutil import _raw_sender as s; s(sys.argv[1], int(sys.argv[2]))"
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, address, str(share)], stdin=subprocess.DEVNULL)
+            for share in shares
+        ]
+        conns = []
         try:
-            conn, _ = listener.accept()
+            for _ in procs:
+                conns.append(listener.accept()[0])
         except TimeoutError:
-            proc.kill()
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            raise RuntimeError(f"the raw streams' senders did not connect within {ACCEPT_TIMEOUT_S:.0f} s") from None
+        got = [0] * streams
+        first: list[float] = []
+        threads = [threading.Thread(target=_raw_receive, args=(c, got, i, first)) for i, c in enumerate(conns)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - min(first, default=time.perf_counter())
+        for proc in procs:
             proc.wait()
-            raise RuntimeError(f"the raw stream's sender did not connect within {ACCEPT_TIMEOUT_S:.0f} s") from None
-        conn.settimeout(None)
-        buf = memoryview(bytearray(CHUNK))
-        got = 0
-        with conn:
+    if sum(got) < total:
+        raise RuntimeError(f"the raw streams' senders stopped after {sum(got)} of {total} bytes")
+    return total / max(elapsed, 1e-9) / 1e9
+
+
+def _raw_receive(conn: socket.socket, got: list[int], i: int, first: list[float]) -> None:
+    """Receive one raw stream to its end into a buffer of its own; the time of its first bytes into ``first``."""
+    conn.settimeout(None)
+    buf = memoryview(bytearray(CHUNK))
+    with conn:
+        n = conn.recv_into(buf)
+        first.append(time.perf_counter())
+        while n:
+            got[i] += n
             n = conn.recv_into(buf)
-            start = time.perf_counter()
-            got += n
-            while got < total:
-                n = conn.recv_into(buf)
-                if n == 0:
-                    break
-                got += n
-            elapsed = time.perf_counter() - start
-        proc.wait()
-    if got < total:
-        raise RuntimeError(f"the raw stream's sender stopped after {got} of {total} bytes")
-    return got / max(elapsed, 1e-9) / 1e9
 
 
 class CpuMeter:

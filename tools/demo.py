@@ -10,7 +10,10 @@
 3. kills two nodes with SIGKILL and asks the decode worker for every conversation's last turn again: the blocks
    are decoded around the dead nodes and the outputs do not change;
 4. restarts them, one with its disk wiped, and repairs the cluster back to full redundancy;
-5. prints a summary.
+5. prints a summary;
+6. serves a multi-turn chat over HTTP (``kvtier-engine serve`` with a prefill and a decode worker process, the
+   ``openai`` client): per turn the answer's text, the prompt tokens reused from the store, and the TTFT with
+   reuse against the same turn with its prefix changed (nothing to reuse).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import argparse
 import secrets
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,15 +36,37 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.engine import Engine
 from kvtier.engine.checkpoint import make_checkpoint
-from kvtier.engine.engine import Engine
 from kvtier.engine.worker import WorkerProcess
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.placement import Placement
+from kvtier.tools.benchutil import free_port
 from kvtier.transfer.fetcher import LocalFetcher
 
 NEW_TOKENS = 16
+# ``kvtier-directory`` in this interpreter; not ``-m kvtier.transfer.directory``, whose package imports the module
+# before runpy runs it (a RuntimeWarning on the demo's first line)
+DIRECTORY = [sys.executable, "-c", "import sys; from kvtier.transfer.directory import main; sys.exit(main())"]
+LEGEND = """\
+  prompt           tokens of the turn: the shared 1,536-token system prompt,
+                   the earlier turns and answers, the user's new message
+  prefill hit      prompt tokens the prefill worker took from the store
+                   instead of computing them
+  replay           yes: no StateBlock at the hit point, so the sliding layers'
+                   state came from running the hit's last 128 tokens again
+                   (approximate, docs/engine.md); no: from a StateBlock (exact)
+  TTFT reuse       the prefill worker's time to first token: lookups,
+                   fetches and the computed rest of the prompt
+  TTFT recompute   the same prompt computed from scratch, no store, by a
+                   reference engine in this process
+  decode hit (+N)  prompt tokens the decode worker took from the store, and
+                   the N it recomputed (at most the last block)
+  match            the decode worker's 16 tokens equal the reference's
+  Turn 0 of the first conversation has nothing to reuse: a full compute plus
+  lookups that miss, so it is no faster than the reference; every later turn
+  reuses at least the system prompt."""
 
 
 def play(
@@ -91,6 +118,7 @@ def play(
             prompt += out["tokens"]  # the answer is part of the next turn's prompt
         last.append(prompt[: -len(out["tokens"])])
     console.print(table)
+    console.print(LEGEND, style="dim", highlight=False, soft_wrap=True)
     return records, last
 
 
@@ -107,19 +135,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = cluster_mod.write_default(directory, nodes=12, capacity_bytes=256 << 20)
         checkpoint = make_checkpoint(directory / "tiny", "tiny", seed=0)
         shm = f"kvtier-demo-{secrets.token_hex(4)}"
+        page_bytes = Engine.from_pretrained(checkpoint, cache_tokens=64).cache.page_bytes  # the fetcher's slot: a block
         with (
             LocalCluster(path) as local,
-            LocalFetcher(path, shm, directory / "fetcher.sock", "64MiB", "64KiB") as fetcher,
+            LocalFetcher(path, shm, directory / "fetcher.sock", "64MiB", f"{page_bytes}B") as fetcher,
         ):
-            state_dir = WorkerProcess(
-                [sys.executable, "-m", "kvtier.transfer.directory", "--config", str(path), "--listen", "127.0.0.1:0"]
-            ).wait_ready()
+            with open(directory / "directory.log", "ab") as log:  # its log lines are not the demo's output
+                state_dir = WorkerProcess([*DIRECTORY, "--config", str(path), "--listen", "127.0.0.1:0"], stderr=log)
+            state_dir.wait_ready()
             common = ["--checkpoint", str(checkpoint), "--store", str(path), "--fetcher", str(fetcher.socket_path)]
             common += ["--directory", state_dir.ready.split()[1]]
             workers = [WorkerProcess.engine(role, *common) for role in ("prefill", "decode")]
             try:
-                for w in workers:
-                    w.wait_ready()
+                for w in workers:  # the first request pays one-time costs (torch's first calls): not in the table
+                    w.wait_ready().ask({"id": "warm-up", "prompt": list(range(200)), "max_new_tokens": 1})
                 console.print(
                     f"[bold]1.[/] 12 node processes (RS 10+2), the fetcher ({shm}), the StateBlock directory, "
                     f"a tiny hybrid checkpoint (2 sliding + 2 global layers, window 128) in {checkpoint}"
@@ -129,12 +158,77 @@ def main(argv: Sequence[str] | None = None) -> int:
                 records, last = play(*workers, reference, args.conversations, args.turns, console)
                 status = resilience(local, workers[1], reference, last, console)
                 summary(records, console)
+                for w in workers:  # their CPU goes to the server's workers now
+                    w.stop()
+                status |= chat_over_http(checkpoint, path, state_dir.ready.split()[1], console)
                 return status if all(r["match"] for r in records) else 1
             finally:
                 for w in workers:
                     w.stop()
                 state_dir.proc.terminate()
                 state_dir.stop()
+
+
+def chat_over_http(checkpoint: Path, cluster: Path, directory: str, console: Console, turns: int = 3) -> int:
+    """Serve a chat over HTTP through a prefill and a decode worker process; print each turn."""
+    import openai
+
+    port = free_port()
+    argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(checkpoint), "--store",
+            str(cluster), "--directory", directory, "--prefill", "1", "--decode", "1", "--port", str(port),
+            "--model", "tiny"]  # fmt: skip
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                console.print("[red]6. the server did not start[/]")
+                return 1
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="demo", max_retries=0, timeout=300)
+        table = Table(title=f"6. a chat over HTTP ({url}/v1/chat/completions), prefill and decode worker processes")
+        for col in ("turn", "prompt", "cached", "TTFT reuse", "TTFT fresh prefix", "answer (random weights)"):
+            table.add_column(col, justify="left" if col.startswith("answer") else "right")
+        system = "You are the kvtier demo. " * 150  # a long shared system prompt (~2,000 tokens)
+        messages = [{"role": "system", "content": system}]
+        questions = ["What does the store keep?", "And when two nodes die?", "How is the cache shared?"]
+        for turn, question in enumerate(questions[:turns]):
+            messages.append({"role": "user", "content": question})
+            warm, text, usage = _chat_ttft(client, messages)
+            salted = [{"role": "system", "content": f"[{secrets.token_hex(4)}] " + system}, *messages[1:]]
+            cold, _, cold_usage = _chat_ttft(client, salted)
+            reused, fresh = usage.prompt_tokens_details.cached_tokens, cold_usage.prompt_tokens_details.cached_tokens
+            row = [str(turn), str(usage.prompt_tokens), str(reused), f"{warm * 1e3:.0f} ms"]
+            table.add_row(*row, f"{cold * 1e3:.0f} ms ({fresh} cached)", repr(text[:40]))
+            messages.append({"role": "assistant", "content": text})
+        console.print(table)
+        return 0
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _chat_ttft(client: Any, messages: list[dict[str, str]]) -> tuple[float, str, Any]:
+    """One streamed chat turn (greedy, 24 tokens): time to the first chunk with text, the text, the usage."""
+    start = time.perf_counter()
+    first, parts, usage = None, [], None
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            parts.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    return (first or time.perf_counter()) - start, "".join(parts), usage
 
 
 def resilience(

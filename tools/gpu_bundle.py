@@ -42,7 +42,11 @@ ARCHIVE = ROOT / ".gpu" / "bundle.tar.xz"
 # TileLang and what it needs beyond the image's torch/numpy; apache-tvm-ffi must stay below 0.1.13 for it.
 TILELANG = ["tilelang==0.1.15", "apache-tvm-ffi==0.1.12", "torch-c-dlpack-ext==0.1.5", "z3-solver==4.15.4"]
 # kvtier's own dependencies that the GPU image lacks (``import kvtier.transfer`` needs them).
-KVTIER = ["crc32c==2.9.post0", "lmdb==3.0.0", "msgspec==0.23.0", "pyeclib==1.8.0", "tomlkit==0.15.2"]
+KVTIER = ["crc32c==2.9.post0", "lmdb==3.0.0", "msgspec==0.23.0", "pyeclib==1.8.0", "tomlkit==0.15.2",
+          "msgpack==1.2.4", "xxhash==4.1.0", "prometheus_client==0.26.0"]  # fmt: skip
+# wheels added since the archive was built (cp312, ``pip download`` them here): unpacked over it, so that a new
+# dependency does not mean downloading and packing TileLang again
+EXTRA_WHEELS = ROOT / ".gpu" / "wheels"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 GPU_TESTS = ["tests/test_kernels.py", "tests/test_swapin.py", "tests/test_engine_gpu.py"]  # the engine swaps too
 
@@ -81,13 +85,18 @@ def _restore_modes(wheels: Path, tree: Path) -> None:
 
 
 def unpack(archive: Path, dest: Path) -> Path:
-    """Unpack the bundle; returns the folder to put on ``PYTHONPATH``."""
+    """Unpack the bundle (and ``EXTRA_WHEELS`` over it); returns the folder to put on ``PYTHONPATH``."""
     if not archive.is_file():
         raise BundleError(f"no bundle at {archive}: run `python3 tools/gpu_bundle.py build` here and carry .gpu")
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="tar")
-    return dest / "site"
+    site = dest / "site"
+    for wheel in sorted(EXTRA_WHEELS.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(site)
+    _restore_modes(EXTRA_WHEELS, site)
+    return site
 
 
 def link_packages(dest: Path) -> Path:

@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hits", default="0,50,90,96", help="hit ratios in percent (default 0,50,90,96)")
     parser.add_argument("--no-swapin", action="store_true", help="leave out the swap-in benchmark")
-    parser.add_argument("--ttft-limit", type=float, default=270, help="seconds for the ttft step (default 270)")
+    parser.add_argument("--ttft-limit", type=float, default=270, help="seconds for each ttft step (default 270)")
+    parser.add_argument("--through", default="client", help="ttft steps, comma-separated: client, fetcher")
+    parser.add_argument("--pool", default="24GiB", help="the fetcher's pool for --through fetcher (default 24GiB)")
+    parser.add_argument("--no-tests", action="store_true", help="leave out the GPU tests")
     args = parser.parse_args(argv)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -115,16 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if not args.rehearse:
         ok &= step("env", ["bash", "-c", ENV], out, env, 30)
-    ok &= step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rs",
-                         "tests/test_engine_gpu.py"], out, env, 50)  # fmt: skip
+    if not args.no_tests:
+        ok &= step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rs",
+                             "tests/test_engine_gpu.py"], out, env, 50)  # fmt: skip
     make = [py, "-m", "kvtier.engine.cli", "make-checkpoint", str(checkpoint), "--preset", preset,
             "--layer-types", "sliding,sliding,sliding,full", "--device", device]  # fmt: skip
     if step("checkpoint", make, out, env, 90):
-        ttft = [py, "-m", "kvtier.tools.kvbench", "ttft", "--checkpoint", str(checkpoint), "--device", device,
-                "--dtype", dtype, "--prompt-tokens", lengths, "--hits", args.hits, "--repeats",
-                str(args.repeats), "--chunk-tokens", chunk, "--node-capacity", capacity,
-                "--json-out", str(out / "ttft.json")]  # fmt: skip
-        ok &= step("ttft", ttft, out, env, args.ttft_limit)
+        for through in args.through.split(","):
+            name = "ttft" if through == "client" else f"ttft-{through}"
+            ttft = [py, "-m", "kvtier.tools.kvbench", "ttft", "--checkpoint", str(checkpoint), "--device", device,
+                    "--dtype", dtype, "--prompt-tokens", lengths, "--hits", args.hits, "--repeats",
+                    str(args.repeats), "--chunk-tokens", chunk, "--node-capacity", capacity, "--through", through,
+                    "--pool", args.pool, "--json-out", str(out / f"{name}.json")]  # fmt: skip
+            ok &= step(name, ttft, out, env, args.ttft_limit)
     else:
         ok = False
     shutil.rmtree(checkpoint.parent, ignore_errors=True)

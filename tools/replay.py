@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.gc.policy import LruIndex, plan_eviction
+from kvtier.tools.capacity import Capacity
 from kvtier.tools.traces import DEFAULT_BLOCK_TOKENS, DEFAULT_TTL_CLASS, Request
 
 
@@ -100,6 +101,18 @@ class ReplayResult:
         )
 
 
+class _Partition:
+    """One LRU of the simulated store (the whole store, or one primary's share): its index, capacity in blocks
+    (None: infinite) and the usage above which the watermark GC runs."""
+
+    __slots__ = ("cap", "high_blocks", "index")
+
+    def __init__(self, cap: int | None, high: float) -> None:
+        self.index = LruIndex()
+        self.cap = cap
+        self.high_blocks = high * cap if cap is not None else math.inf
+
+
 def replay(
     requests: Iterable[Request | Mapping[str, Any]],
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -107,29 +120,46 @@ def replay(
     watermarks: tuple[float, float] | None = None,
     ttl: Mapping[str, float] | None = None,
     bytes_per_token: int = 0,
+    store: Capacity | None = None,
+    per_primary: bool = False,
+    salt: bytes = b"",
 ) -> ReplayResult:
     """Replay ``requests`` (Request objects or decoded trace lines) against a simulated store; see the module doc.
 
-    ``capacity_tokens`` None is infinite (``watermarks`` are then ignored). ``watermarks`` is ``(high, low)`` with
-    ``0 < low <= high <= 1``. ``ttl`` maps TTL class → seconds; None means nothing expires, and when it is given
-    every class the trace uses must be in it. Raises ValueError for bad arguments, a request of a class ``ttl``
-    does not define, or a timestamp earlier than the one before it (TraceError for an invalid decoded line).
+    The capacity is ``capacity_tokens`` (None: infinite; ``watermarks`` are then ignored), or a cluster's
+    ``store`` (``tools.capacity``: its blocks, and its watermarks unless ``watermarks`` is given); with
+    ``per_primary`` each of its primaries is an LRU of its own, and each block goes to the primary its key
+    (``block_key(hash id, salt)``, as ``replay_live`` with that salt stores it) is placed on. ``watermarks`` is
+    ``(high, low)`` with ``0 < low <= high <= 1``. ``ttl`` maps TTL class → seconds; None means nothing expires,
+    and when it is given every class the trace uses must be in it. Raises ValueError for bad arguments, a request
+    of a class ``ttl`` does not define, or a timestamp earlier than the one before it (TraceError for an invalid
+    decoded line).
     Time: O(total blocks), about a second per million blocks; memory: O(distinct blocks).
     """
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     if capacity_tokens is not None and capacity_tokens < 0:
         raise ValueError(f"capacity_tokens must not be negative, got {capacity_tokens}")
+    if store is not None and capacity_tokens is not None:
+        raise ValueError("give capacity_tokens or a cluster's store capacity, not both")
+    if per_primary and store is None:
+        raise ValueError("per_primary needs a cluster's store capacity (its primaries)")
     if bytes_per_token < 0:
         raise ValueError(f"bytes_per_token must not be negative, got {bytes_per_token}")
-    cap = None if capacity_tokens is None else capacity_tokens // block_tokens
+    if store is not None and watermarks is None:
+        watermarks = store.watermarks
     high = low = 0.0
     if watermarks is not None:
         high, low = watermarks
         if not 0 < low <= high <= 1:
             raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1, got high={high} low={low}")
-    use_watermarks = watermarks is not None and cap is not None
-    high_blocks = high * cap if cap is not None else 0.0
+    if store is None:
+        caps: list[int | None] = [None if capacity_tokens is None else capacity_tokens // block_tokens]
+    else:
+        caps = [store.primaries[n] for n in sorted(store.primaries)] if per_primary else [store.blocks]
+    use_watermarks = watermarks is not None and caps[0] is not None
+    parts = [_Partition(cap, high) for cap in caps]
+    part_of: dict[int, _Partition] = {}  # hash id -> its partition, with several
     ttl_ms: dict[str, float] = {}
     for cls, seconds in (ttl or {}).items():
         if not seconds > 0:
@@ -139,13 +169,9 @@ def replay(
     # is expiry order, so expiry is a pop from the left. Entries of blocks since evicted or re-stored are stale.
     expiry: dict[str, deque[tuple[float, int, float]]] = {cls: deque() for cls in ttl_ms}
 
-    index = LruIndex()
-    contains, touch, insert, remove, pop_lru, get = (
-        index.__contains__, index.touch, index.insert, index.remove, index.pop_lru, index.get
-    )  # fmt: skip
     seen: set[int] = set()
     n = input_tokens = hit_tokens = ideal_hit_tokens = total_blocks = hit_blocks = 0
-    evictions = expirations = written = max_stored = 0
+    evictions = expirations = written = max_stored = stored = 0
     last_ts = -math.inf
 
     for n, request in enumerate(requests, 1):
@@ -156,6 +182,14 @@ def replay(
             raise ValueError(f"request #{n}: timestamp {now} is earlier than the one before ({last_ts})")
         last_ts = now
         cls = request.ttl_class or DEFAULT_TTL_CLASS
+        ids = request.hash_ids
+        if len(parts) > 1:
+            new = [h for h in ids if h not in part_of]
+            if new:
+                part_of.update(zip(new, [parts[i] for i in store.primary_index(new, salt)], strict=True))  # type: ignore[union-attr]
+            where = [part_of[h] for h in ids]
+        else:
+            where = [parts[0]] * len(ids)
         queue = None
         if ttl_ms:
             queue = expiry.get(cls)
@@ -164,16 +198,17 @@ def replay(
             for qcls, q in expiry.items():
                 while q and q[0][0] < now:
                     _, key, created = q.popleft()
-                    entry = get(key)
+                    index = (part_of[key] if len(parts) > 1 else parts[0]).index
+                    entry = index.get(key)
                     if entry is not None and entry.created == created and entry.ttl_class == qcls:
-                        remove(key)
+                        index.remove(key)
+                        stored -= 1
                         expirations += 1
 
-        ids = request.hash_ids
         length = request.input_length
         hit = 0
-        for h in ids:
-            if not contains(h):
+        for h, part in zip(ids, where, strict=True):
+            if h not in part.index:
                 break
             hit += 1
         ideal = 0
@@ -188,26 +223,30 @@ def replay(
         hit_blocks += hit
         total_blocks += len(ids)
 
-        for h in ids:
-            if touch(h, now):
+        for h, part in zip(ids, where, strict=True):
+            index = part.index
+            if index.touch(h, now):
                 continue
+            cap = part.cap
             if cap is not None:
                 if cap == 0:
                     continue
                 if len(index) >= cap:
-                    pop_lru()
+                    index.pop_lru()
+                    stored -= 1
                     evictions += 1
-            insert(h, 1, now, cls)
+            index.insert(h, 1, now, cls)
+            stored += 1
             written += 1
             if queue is not None:
                 queue.append((now + ttl_ms[cls], h, now))
-            stored = len(index)
             if stored > max_stored:
                 max_stored = stored
-            if use_watermarks and stored > high_blocks:
-                victims = plan_eviction(stored, cap, high, low, index.lru_sizes())
+            if use_watermarks and len(index) > part.high_blocks:
+                victims = plan_eviction(len(index), cap, high, low, index.lru_sizes())
                 for key in victims:
-                    remove(key)
+                    index.remove(key)
+                stored -= len(victims)
                 evictions += len(victims)
 
     block_bytes = block_tokens * bytes_per_token
@@ -222,7 +261,7 @@ def replay(
         block_bytes=block_bytes,
         evictions=evictions,
         expirations=expirations,
-        capacity_blocks=cap,
+        capacity_blocks=None if caps[0] is None else sum(caps),  # type: ignore[arg-type]
         max_blocks_stored=max_stored,
-        blocks_stored_at_end=len(index),
+        blocks_stored_at_end=stored,
     )

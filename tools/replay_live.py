@@ -5,16 +5,17 @@ finds the leading stored blocks, ``get_into`` reads them (a block evicted betwee
 there), and the rest are ``put`` with ``bytes_per_token × block_tokens`` bytes each, in the request's TTL
 class. Capacity, watermarks and TTLs are the cluster's own (its nodes' GC decides what goes), so the result
 is the store's real behaviour under the trace; evictions and expirations are the nodes' GC counters over
-the run. Keys are ``blake2b(salt ‖ hash id)``: a fresh salt per run keeps runs from hitting each other.
+the run. Keys are ``blake2b(salt ‖ hash id)`` (``tools.capacity.block_key``): a fresh salt per run keeps runs from
+hitting each other.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterable
 
 from kvtier.kvstore.client import CapacityError, Client
+from kvtier.tools.capacity import block_key, cluster_capacity
 from kvtier.tools.replay import ReplayResult, replay
 from kvtier.tools.traces import DEFAULT_TTL_CLASS, Request
 
@@ -36,20 +37,22 @@ def replay_live(
     block_tokens: int,
     bytes_per_token: int,
     progress: Callable[[Iterable[Request]], Iterable[Request]] = iter,
+    salt: bytes | None = None,
 ) -> ReplayResult:
-    """Replay ``requests`` through ``client`` (which needs the cluster token, for the GC counters)."""
+    """Replay ``requests`` through ``client`` (which needs the cluster token, for the GC counters). Keys are
+    ``block_key(hash id, salt)``, a fresh random ``salt`` when None. The result's ``capacity_blocks`` is the
+    cluster's, for blocks of ``block_tokens × bytes_per_token`` (``tools.capacity``)."""
     if bytes_per_token <= 0:
         raise ValueError("--mode live moves real bytes: give --bytes-per-token, e.g. 64")
     block_bytes = block_tokens * bytes_per_token
     payload = memoryview(os.urandom(block_bytes))
-    salt = os.urandom(8)
+    salt = os.urandom(8) if salt is None else salt
     ideal = replay(requests, block_tokens=block_tokens)  # infinite capacity, no TTL: the upper bound
     evictions0, expirations0, _ = _gc_totals(client)
     input_tokens = hit_tokens = total_blocks = hit_blocks = written = max_stored = 0
     buffers: list[bytearray] = []
     for n, request in enumerate(progress(requests), 1):
-        keys = [hashlib.blake2b(salt + h.to_bytes(8, "little", signed=True), digest_size=16).digest()
-                for h in request.hash_ids]  # fmt: skip
+        keys = [block_key(h, salt) for h in request.hash_ids]
         hit = client.match(keys)
         while len(buffers) < hit:
             buffers.append(bytearray(block_bytes))
@@ -78,7 +81,7 @@ def replay_live(
         block_bytes=block_bytes,
         evictions=evictions1 - evictions0,
         expirations=expirations1 - expirations0,
-        capacity_blocks=None,
+        capacity_blocks=cluster_capacity(client.config, block_bytes).blocks,
         max_blocks_stored=max(max_stored, blocks_at_end),
         blocks_stored_at_end=blocks_at_end,
     )

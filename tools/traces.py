@@ -13,6 +13,9 @@ Generators are deterministic: the same arguments and seed give the same trace, b
   followed by a unique user part whose last block may be partial.
 - :func:`mixed_trace`: both at once; conversations also open with a shared system prompt, and a share of them are
   ``agent`` traffic (``ttl_class: "agent"``).
+- :func:`chat_trace`, :func:`agent_trace`, :func:`long_document_trace` and :func:`serving_mix_trace` (all three):
+  the shapes of serving traffic for ``kvbench route``, with bursty arrivals (:func:`bursty_times`) and long
+  shared prefixes.
 
 ``python -m kvtier.tools.traces mixed 100000 trace.jsonl --seed 1`` writes one.
 """
@@ -342,26 +345,148 @@ def mixed_trace(
     return _finish(conversations, single)
 
 
+# --- serving traces: bursty arrivals, the shapes of chat, agent and long-document traffic ------------------------
+
+
+def bursty_times(rng: random.Random, n: int, rate_per_s: float, burst_factor: float = 6.0,
+                 burst_share: float = 0.3, mean_burst_s: float = 4.0) -> list[float]:  # fmt: skip
+    """``n`` arrival times (ms) of a two-state Markov-modulated Poisson process averaging ``rate_per_s``: a
+    ``burst_share`` of the time arrivals come ``burst_factor`` times faster than in the calm state; bursts last
+    ``mean_burst_s`` on average (exponential), calm spells correspondingly longer."""
+    calm = rate_per_s / (1 - burst_share + burst_share * burst_factor)
+    mean_calm_s = mean_burst_s * (1 - burst_share) / burst_share
+    times: list[float] = []
+    t, bursting = 0.0, False
+    switch = rng.expovariate(1 / mean_calm_s)
+    while len(times) < n:
+        rate = calm * burst_factor if bursting else calm
+        gap = rng.expovariate(rate)
+        if t + gap > switch:
+            t, bursting = switch, not bursting
+            switch = t + rng.expovariate(1 / (mean_burst_s if bursting else mean_calm_s))
+            continue
+        t += gap
+        times.append(t * 1000.0)
+    return times
+
+
+def _sessions(
+    src: _Source,
+    n_requests: int,
+    starts: list[float],
+    opening: Callable[[], list[int]],
+    turns: tuple[int, int],
+    added_blocks: tuple[int, int],
+    output_tokens: tuple[int, int],
+    gap_s: tuple[float, float],
+    ttl_class: str | None,
+) -> list[_Event]:
+    """Sessions starting at ``starts`` (ms); each turn's context is the previous one's plus the previous answer's
+    blocks plus ``added_blocks`` new ones (a user message, a tool result), until ``n_requests`` turns exist."""
+    rng, bt = src.rng, src.block_tokens
+    events: list[_Event] = []
+    for start in starts:
+        if len(events) >= n_requests:
+            break
+        context, t = opening(), start
+        for turn in range(rng.randint(*turns)):
+            if len(events) >= n_requests:
+                break
+            if turn:
+                t += rng.uniform(*gap_s) * 1000.0
+            context = context + src.fresh(rng.randint(*added_blocks))
+            out = rng.randint(*output_tokens)
+            events.append((t, next(src.seq), Request(0, len(context) * bt, out, context, ttl_class)))
+            context = context + src.fresh(-(-out // bt))
+    return events
+
+
+def chat_trace(n_requests: int, *, seed: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+               rate_per_s: float = 4.0) -> list[Request]:  # fmt: skip
+    """Chat: conversations of 2–8 turns opening with one of 16 shared system prompts (1–4 blocks, Zipf) plus 1–4
+    blocks of their own; each turn adds a 1–3 block message; answers of 64–768 tokens; users think 5–60 s.
+    Conversations start in bursts (:func:`bursty_times`). Contexts stay mostly under 16K tokens."""
+    src = _Source(random.Random(seed), block_tokens)
+    prompts = src.system_prompts(16, (1, 4))
+    pick = src.zipf_picker(16, 1.2)
+    starts = bursty_times(src.rng, n_requests, rate_per_s / 5)
+    opening = lambda: prompts[pick()] + src.fresh(src.rng.randint(1, 4))  # noqa: E731
+    return _finish(_sessions(src, n_requests, starts, opening, (2, 8), (1, 3), (64, 768), (5.0, 60.0), None))
+
+
+def agent_trace(n_requests: int, *, seed: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                rate_per_s: float = 4.0) -> list[Request]:  # fmt: skip
+    """Agents: sessions of 4–24 steps opening with one of 6 long shared prefixes (tool definitions and a code base,
+    16–64 blocks = 8–32K tokens, Zipf) plus a 1–8 block task; each step adds a 1–6 block tool result and answers
+    with 32–384 tokens (a tool call), 1–10 s apart. Contexts grow from ~10K to over 64K tokens. Class ``agent``."""
+    src = _Source(random.Random(seed), block_tokens)
+    prefixes = src.system_prompts(6, (16, 64))
+    pick = src.zipf_picker(6, 1.0)
+    starts = bursty_times(src.rng, n_requests, rate_per_s / 14)
+    opening = lambda: prefixes[pick()] + src.fresh(src.rng.randint(1, 8))  # noqa: E731
+    return _finish(_sessions(src, n_requests, starts, opening, (4, 24), (1, 6), (32, 384), (1.0, 10.0), "agent"))
+
+
+def long_document_trace(n_requests: int, *, seed: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                        rate_per_s: float = 1.0) -> list[Request]:  # fmt: skip
+    """Long documents: single questions about one of 40 documents of 24K–400K tokens (Zipf popularity, so popular
+    documents are asked about again and their prefix is reused) followed by a 64–1,024 token question; answers of
+    128–1,024 tokens; bursty arrivals."""
+    src = _Source(random.Random(seed), block_tokens)
+    documents = src.system_prompts(40, (48, 800))
+    pick = src.zipf_picker(40, 0.9)
+    events = []
+    for t in bursty_times(src.rng, n_requests, rate_per_s):
+        doc = documents[pick()]
+        question = src.rng.randint(64, 1024)
+        ids = doc + src.fresh(-(-question // block_tokens))
+        output = src.rng.randint(128, 1024)
+        events.append((t, next(src.seq), Request(0, len(doc) * block_tokens + question, output, ids)))
+    return _finish(events)
+
+
+def serving_mix_trace(n_requests: int, *, seed: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                      rate_per_s: float = 6.0) -> list[Request]:  # fmt: skip
+    """Chat, agent and long-document traffic at once (60 / 30 / 10 % of the requests), in the same time span."""
+    shares = {chat_trace: 0.6, agent_trace: 0.3, long_document_trace: 0.1}
+    parts = []
+    offset = 0
+    for i, (make, share) in enumerate(shares.items()):
+        part = make(round(n_requests * share), seed=seed * 3 + i, block_tokens=block_tokens,
+                    rate_per_s=rate_per_s * share)  # fmt: skip
+        for r in part:  # each generator numbers its blocks from 0: keep them apart
+            r.hash_ids = [h + offset for h in r.hash_ids]
+        offset = 1 + max((h for r in part for h in r.hash_ids), default=offset - 1)
+        parts.append([(float(r.timestamp), j, r) for j, r in enumerate(part)])
+    return _finish(*parts)
+
+
 GENERATORS: dict[str, Callable[..., list[Request]]] = {
     "multi-turn": multi_turn_trace,
     "shared-prefix": shared_prefix_trace,
     "mixed": mixed_trace,
+    "chat": chat_trace,
+    "agent": agent_trace,
+    "long-document": long_document_trace,
+    "serving-mix": serving_mix_trace,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvtier.tools.traces KIND N OUT [--seed S] [--block-tokens B]``: write a generated trace."""
+    """``python -m kvtier.tools.traces KIND N OUT [--seed S] [--block-tokens B] [--rate R]``: write a trace."""
     parser = argparse.ArgumentParser(prog="traces", description="Write a seeded synthetic trace (Mooncake JSONL).")
     parser.add_argument("kind", choices=sorted(GENERATORS))
     parser.add_argument("requests", type=int, help="number of requests")
     parser.add_argument("out", help="output .jsonl path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    parser.add_argument("--rate", type=float, help="mean arrivals per second (default: the generator's)")
     args = parser.parse_args(argv)
-    if args.requests < 0 or args.block_tokens <= 0:
-        print("traces: requests must be >= 0 and --block-tokens > 0", file=sys.stderr)
+    if args.requests < 0 or args.block_tokens <= 0 or (args.rate is not None and args.rate <= 0):
+        print("traces: requests must be >= 0, --block-tokens and --rate > 0", file=sys.stderr)
         return 2
-    trace = GENERATORS[args.kind](args.requests, seed=args.seed, block_tokens=args.block_tokens)
+    rate = {} if args.rate is None else {"rate_per_s": args.rate}
+    trace = GENERATORS[args.kind](args.requests, seed=args.seed, block_tokens=args.block_tokens, **rate)
     try:
         n = write_trace(args.out, trace)
     except OSError as exc:

@@ -4,27 +4,29 @@ API for engines (the contracts in full are in each class's docstring and in ``do
 
     from kvtier.transfer import FetchClient, FetcherError
 
-    fc = FetchClient("/run/kvtier/fetcher.sock", token)      # token: the cluster or a tenant token
+    fc = FetchClient("/run/kvtier/fetch.sock", token)      # token: the cluster or a tenant token
     with fc.fetch(keys, block_bytes, headers=None, priority=0) as blocks:   # one Block per key
         for b in blocks:
             b.status     # HIT (host pool), FETCHED (store → slot), MISS, FULL (no free slot), ERROR
             b.ok         # HIT, FETCHED or ALLOCATED: b.slot / b.generation name the slot, pinned until release
-            b.array()    # numpy uint8 view of the slot's bytes (no copy); b.tensor(): torch view (torch optional)
+            b.array()    # numpy uint8 view of the slot's bytes (no copy, read-only); b.tensor(): torch view
             b.valid()    # the slot still holds this block (False once reused after a fetcher crash)
         blocks.status, blocks.slots, blocks.generations, blocks.ok(), blocks.valid()   # the same, as arrays
+        blocks.segment   # the mapping the slots are in: .buffer, .stride, .slots, .data_offset
     # leaving the ``with`` releases the pins (or call fc.release(blocks))
     fc.prefetch(keys, block_bytes)          # same path at low priority, nothing pinned; answered when done
-    out = fc.alloc(n, block_bytes)          # slots for swap-out: write into out[i].array() ...
-    fc.put(keys, out, ttl_class="chatbot")  # ... then the fetcher stores them from the slots (no copy)
-    fc.stats()                              # pool usage, hit ratio, in-flight
-    fc.map, fc.map_for(block_bytes)         # the mapped segment (per size class): .buffer, .stride, .slots
+    out = fc.alloc(n, block_bytes)          # writable slots of this tenant's outbox: write into out[i].array() ...
+    fc.put(keys, out, ttl_class="chatbot")  # ... then the fetcher copies them into its cache and stores them
+    fc.stats()                              # this tenant's pool usage, hit ratio, in-flight
     AsyncFetchClient: the same calls as coroutines; several requests in flight on one connection.
 
 Contracts in one paragraph: a miss is an answer, never an exception. A slot handed out as ``ok`` is pinned
 for this connection until released, so the fetcher never reuses it; a connection that closes (the engine
-died) releases its pins. If the fetcher dies, every outstanding call raises :class:`FetcherError` and the
-next call reconnects; views already handed out stay mapped, and ``Block.valid()`` says whether their slot
-still holds the block (a reused slot has a new generation: a miss, never another block's bytes).
+died) releases its pins. A tenant maps only its own segments, the cached ones read-only (sealed: no mapping of
+them can be made writable). If the fetcher dies, every outstanding call raises :class:`FetcherError`; the next
+call reconnects (a call that finds its connection dead is sent again once, so a restart costs no call); views
+already handed out stay mapped, and ``Block.valid()`` says whether their slot still holds the block (a reused
+slot has a new generation: a miss, never another block's bytes).
 
 StateBlocks (SWA state, never stored in the cluster)::
 

@@ -10,11 +10,33 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Limits, Op, ProtocolError, encode_error, encode_head
+from kvtier.kvstore.admission import (
+    Acceptor,
+    Admission,
+    LogLimiter,
+    Ticket,
+    accept_forever,
+    authenticate,
+    busy,
+    recv_hello,
+)
+from kvtier.kvstore.protocol import (
+    ErrorCode,
+    Frame,
+    FrameReader,
+    Limits,
+    MetaBudget,
+    Op,
+    ProtocolError,
+    Schemas,
+    encode_error,
+    encode_head,
+)
 from kvtier.kvstore.sockio import recv_frame, sendmsg_all
 from kvtier.kvstore.transport import AuthError
 
@@ -148,76 +170,74 @@ Handler = Callable[[str, Frame, socket.socket], tuple[dict[str, Any], Sequence[m
 def serve_connections(
     listener: socket.socket,
     config: cluster_mod.ClusterConfig,
+    schemas: Schemas,
     handle: Handler,
     stopping: threading.Event,
     log: logging.Logger,
     idle_timeout_s: float = 300.0,
 ) -> None:
-    """Accept on ``listener`` until ``stopping``; a thread per connection: HELLO with a token of ``config``
-    (constant-time compare), then ``handle(tenant, frame, sock)`` per request, which returns (reply meta,
-    payload) or None if it replied itself. A malformed request gets an ERROR frame and the connection closes.
-    Beyond ``config.limits.max_connections`` at once, a connection is answered ERROR(BUSY) and closed."""
-    listener.settimeout(0.2)
-    slots = threading.BoundedSemaphore(config.limits.max_connections)
-    while not stopping.is_set():
+    """Accept on ``listener`` until ``stopping``; a thread per admitted connection (``config.limits``, as
+    :mod:`kvtier.kvstore.admission` says: slots kept for authenticated connections, per-address limits, HELLO
+    whole within ``hello_timeout_s``, failed HELLOs charged to their address): HELLO with a token of ``config``
+    (constant-time compare), then ``handle(tenant, frame, sock)`` per request (its metadata decoded by
+    ``schemas``), which returns (reply meta, payload) or None if it replied itself. A malformed request gets an
+    ERROR frame and the connection closes; so does one idle for ``idle_timeout_s``. Returns when the listener is
+    closed."""
+    listener.settimeout(0.2)  # how soon the loop notices ``stopping``
+    acceptor = Acceptor(listener, log)
+    admission = Admission(config.limits)
+    budget = MetaBudget(config.limits.max_buffered_meta_bytes)
+    warnings = LogLimiter(log)
+
+    def serve(sock: socket.socket, ticket: Ticket) -> None:
+        reader = FrameReader(config.limits.pre_auth(), schemas, budget)
         try:
-            sock, _ = listener.accept()
-        except TimeoutError:
-            continue
-        except OSError:
-            return
-        if not slots.acquire(blocking=False):
-            with contextlib.suppress(OSError), sock:
-                sock.sendall(encode_error(0, ErrorCode.BUSY, "too many connections; try again later"))
-            continue
-        threading.Thread(
-            target=_serve_one, args=(sock, config, handle, log, idle_timeout_s, slots.release), daemon=True
-        ).start()
+            _session(sock, ticket, admission, reader, config, handle, warnings, idle_timeout_s)
+        finally:
+            reader.close()
 
-
-def _serve_one(
-    sock: socket.socket,
-    config: cluster_mod.ClusterConfig,
-    handle: Handler,
-    log: logging.Logger,
-    timeout_s: float,
-    done: Callable[[], None],
-) -> None:
     try:
-        _session(sock, config, handle, log, timeout_s)
+        accept_forever(acceptor, admission, stopping, serve, busy)
+    except OSError:
+        return
     finally:
-        done()
+        acceptor.close()
 
 
 def _session(
-    sock: socket.socket, config: cluster_mod.ClusterConfig, handle: Handler, log: logging.Logger, timeout_s: float
+    sock: socket.socket,
+    ticket: Ticket,
+    admission: Admission,
+    reader: FrameReader,
+    config: cluster_mod.ClusterConfig,
+    handle: Handler,
+    warnings: LogLimiter,
+    timeout_s: float,
 ) -> None:
-    reader = FrameReader(requests_only(config.limits))
-    with contextlib.closing(sock):
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tenant = None
+    try:
+        frame = recv_hello(sock, reader, ticket, admission)
+        if frame is None:
+            return
+        tenant = authenticate(frame, config.tenant_for_token)
+        admission.authenticated(ticket)
+        reader.limits = requests_only(config.limits)
         sock.settimeout(timeout_s)
-        if sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            frame = recv_frame(sock, reader)
-            if frame is None:
-                return
-            token = frame.meta.get("token")
-            tenant = config.tenant_for_token(token) if isinstance(token, str) else None
-            if frame.opcode != Op.HELLO or tenant is None:
-                log.warning("refused a connection: %s", "no HELLO" if frame.opcode != Op.HELLO else "unknown token")
-                sock.sendall(
-                    encode_error(frame.request_id, ErrorCode.AUTH_FAILED, "authentication failed: unknown token")
-                )
-                return
-            sock.sendall(encode_head(Op.HELLO | Op.REPLY, frame.request_id, {"tenant": tenant}))
-            while (frame := recv_frame(sock, reader)) is not None:
-                reply = handle(tenant, frame, sock)
-                if reply is not None:
-                    meta, payload = reply
-                    head = encode_head(frame.opcode | Op.REPLY, frame.request_id, meta, sum(len(p) for p in payload))
-                    sendmsg_all(sock, [head, *payload])
-        except ProtocolError as exc:
-            with contextlib.suppress(OSError):
-                sock.sendall(encode_error(0, exc.code, str(exc)))
-        except OSError:
-            pass
+        sock.sendall(encode_head(Op.HELLO | Op.REPLY, frame.request_id, {"tenant": tenant}))
+        while (frame := recv_frame(sock, reader)) is not None:
+            reply = handle(tenant, frame, sock)
+            if reply is not None:
+                meta, payload = reply
+                head = encode_head(frame.opcode | Op.REPLY, frame.request_id, meta, sum(len(p) for p in payload))
+                sendmsg_all(sock, [head, *payload])
+    except ProtocolError as exc:
+        if tenant is None:
+            warnings.warning("pre-auth", "refused a connection from %s: %s", ticket.peer, exc)
+            time.sleep(admission.failed(ticket))  # (held back once the address's allowance is used up)
+        with contextlib.suppress(OSError):
+            sock.settimeout(1.0)
+            sock.sendall(encode_error(exc.request_id or 0, exc.code, str(exc)))
+    except OSError:
+        pass

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import logs, wire
+from kvtier.kvstore import cluster_map, logs, wire
 from kvtier.kvstore.protocol import ErrorCode, Frame, ProtocolError
 from kvtier.kvstore.units import parse_duration
 from kvtier.transfer import state_protocol as sp
@@ -210,9 +210,11 @@ def serve(
     config: cluster_mod.ClusterConfig, listener: socket.socket, directory: Directory, stopping: threading.Event
 ) -> None:
     batch = config.limits.max_batch
-    serve_connections(
-        listener, config, lambda tenant, frame, _sock: (directory.handle(tenant, frame, batch), ()), stopping, log
-    )
+
+    def handle(tenant: str, frame: Frame, _sock: socket.socket) -> tuple[dict[str, Any], tuple[()]]:
+        return directory.handle(tenant, frame, batch), ()
+
+    serve_connections(listener, config, sp.DIRECTORY_REQUESTS, handle, stopping, log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", help="serve /metrics and /health on HOST:PORT")
     args = parser.parse_args(argv)
     try:
-        config = cluster_mod.load(args.config)
+        config = cluster_map.load(args.config)
         lease_s = parse_duration(args.lease)
         listener = socket.create_server(parse_addr(args.listen))
         directory = Directory(lease_s)
         if args.metrics:
-            serve_metrics("directory", parse_addr(args.metrics), directory.stats, frozenset(COUNTERS))
+            serve_metrics("directory", parse_addr(args.metrics), directory.stats, frozenset(COUNTERS), config.limits)
     except (ValueError, OSError) as exc:
         print(f"kvtier-directory: {exc}", file=sys.stderr)
         return 2

@@ -1,17 +1,22 @@
 """Engines' side of the fetcher: :class:`FetchClient` (blocking) and :class:`AsyncFetchClient` (asyncio).
 
-Both speak :mod:`~kvtier.transfer.fetch_protocol` over the fetcher's Unix socket and map its shared-memory
-pool, so the blocks they return are views of slot memory: numpy (``Block.array``) or torch
-(``Block.tensor``, when torch is importable), never copies.
+Both speak :mod:`~kvtier.transfer.fetch_protocol` over the fetcher's Unix socket and map the segments of the host
+pool that hold their tenant's blocks, so the blocks they return are views of slot memory: numpy (``Block.array``)
+or torch (``Block.tensor``, when torch is importable), never copies. Cache segments are mapped **read-only** (the
+fetcher hands out sealed descriptors: no mapping of them can ever be made writable); the slots ``alloc`` gives out
+are in the tenant's outbox, mapped writable. A reply naming a segment this client has not mapped yet is followed by
+a MAP on a short second connection, which brings the descriptors (``SCM_RIGHTS``).
 
 Contract:
 
 - ``fetch`` answers every key: HIT / FETCHED blocks name a slot that is **pinned for this connection** until
   ``release`` (or leaving the ``with`` block, or the connection closing); MISS, FULL and ERROR are answers
-  too, never exceptions.
-- :class:`FetcherError` is raised when the fetcher cannot be reached, refuses the request, or dies while the
-  request is outstanding. The next call reconnects. Blocks handed out earlier stay mapped; their pins died
-  with the fetcher, and ``Block.valid()`` is False once a slot has been reused (a miss, never other bytes).
+  too, never exceptions (a FULL block the pool can never take carries the reason in ``Block.error``).
+- A call made on a connection that turns out to be dead (the fetcher restarted since the last call) is sent again,
+  once, on a new connection: a restart costs no call. :class:`FetcherError` is raised when the fetcher cannot be
+  reached, refuses the request, or dies while the request is outstanding; the next call reconnects. Blocks handed
+  out earlier stay mapped; their pins died with the fetcher, and ``Block.valid()`` is False once a slot has been
+  reused (a miss, never other bytes).
 - A wrong token raises :class:`~kvtier.kvstore.transport.AuthError`.
 """
 
@@ -19,7 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import mmap
+import os
 import socket
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +40,7 @@ from kvtier.kvstore.transport import AuthError
 from kvtier.transfer import fetch_protocol as fp
 from kvtier.transfer.conn import FrameConn, PeerError
 from kvtier.transfer.fetch_protocol import OK_STATUSES, BlockStatus, FetchOp
-from kvtier.transfer.staging import PoolError, SlotMap
+from kvtier.transfer.staging import PoolError, Region, SlotMap
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +56,10 @@ class FetcherError(PeerError):
     """The fetcher is unreachable, refused the request, or died while it was outstanding."""
 
 
+class _Gone(FetcherError):
+    """The connection died under a request (the request may be sent again on a new one)."""
+
+
 @dataclass(eq=False, slots=True)
 class Block:
     """One key's answer. ``ok`` blocks name a slot of the host pool (``slot``, ``generation``)."""
@@ -59,8 +71,8 @@ class Block:
     length: int = 0
     error: str = ""
     pinned: bool = False  # this connection holds a pin (or, for ALLOCATED, the slot itself)
-    pool: int = 0  # the size class whose segment holds the slot
-    _map: SlotMap | None = field(default=None, repr=False)
+    segment: int = 0  # the id of the segment that holds the slot
+    _map: Region | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -68,7 +80,7 @@ class Block:
         return self.status in OK_STATUSES or self.status == BlockStatus.ALLOCATED
 
     def view(self) -> memoryview:
-        """The block's bytes in the slot (writable: ALLOCATED slots are filled through it)."""
+        """The block's bytes in the slot: read-only for HIT / FETCHED, writable for ALLOCATED (filled through it)."""
         if not self.ok or self._map is None:
             raise ValueError(f"block {self.key.hex()} has no slot ({self.status.name})")
         return self._map.view(self.slot, self.length)
@@ -81,15 +93,17 @@ class Block:
         """torch uint8 view of the block's bytes (no copy); needs torch."""
         import torch
 
-        return torch.frombuffer(self.view(), dtype=torch.uint8)
+        with warnings.catch_warnings():  # (a HIT's view is read-only: torch cannot mark its tensor so, and says it)
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            return torch.frombuffer(self.view(), dtype=torch.uint8)
 
     def valid(self) -> bool:
         """The slot still holds this block. Check it after reading the bytes of a block no longer pinned."""
         if not self.ok or self._map is None:
             return False
-        if self.status == BlockStatus.ALLOCATED:
-            return self._map.filling(self.slot, self.generation)
-        return self._map.valid(self.slot, self.generation)
+        if isinstance(self._map, SlotMap):
+            return self._map.valid(self.slot, self.generation)
+        return self.pinned and not self._map.gone  # ALLOCATED: still this caller's, from this fetcher
 
 
 class Blocks(Sequence[Block]):
@@ -97,8 +111,9 @@ class Blocks(Sequence[Block]):
 
     The answers are kept as columns, one row per key: ``status`` (``uint8`` BlockStatus values), ``slots``
     (``uint32``) and ``generations`` (``uint64``), plus :meth:`ok` and :meth:`valid` as ``bool`` arrays, so that a
-    caller handling a batch at once (the engine's swap-in) makes no Python object per block. The :class:`Block`
-    objects are made at the first access by index or iteration; from then on they hold the pins (``Block.pinned``).
+    caller handling a batch at once (the engine's swap-in) makes no Python object per block. The slots are all in
+    one segment, ``segment`` (its mapping; None when no block has a slot). The :class:`Block` objects are made at
+    the first access by index or iteration; from then on they hold the pins (``Block.pinned``).
     """
 
     def __init__(
@@ -106,14 +121,14 @@ class Blocks(Sequence[Block]):
         keys: Sequence[bytes],
         columns: tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]],
         length: int,
-        pool: int,
-        segment: SlotMap,
+        seg: int,
+        segment: Region | None,
         pinned: bool,
         release: Callable[[Blocks], Any],
     ) -> None:
         self.keys = keys
         self.status, self.slots, self.generations, self.errors = columns
-        self.length, self.pool, self._map = length, pool, segment
+        self.length, self.seg, self.segment = length, seg, segment
         self._pinned = self.ok() if pinned else np.zeros(len(keys), dtype=bool)  # until Blocks are made
         self._blocks: list[Block] | None = None
         self._release = release
@@ -124,35 +139,30 @@ class Blocks(Sequence[Block]):
 
     def valid(self) -> np.ndarray:
         """Per block :meth:`Block.valid`, for the whole batch in a few array operations."""
-        valid = self._map.valid_many(self.slots, self.generations) & self.ok()
-        allocated = self.status == BlockStatus.ALLOCATED
-        if allocated.any():
-            valid[allocated] = self._map.filling_many(self.slots[allocated], self.generations[allocated])
-        return valid
+        if isinstance(self.segment, SlotMap):
+            return self.segment.valid_many(self.slots, self.generations) & self.ok()
+        if self.segment is None or self.segment.gone:
+            return np.zeros(len(self), dtype=bool)
+        if self._blocks is not None:
+            return np.array([b.valid() for b in self._blocks], dtype=bool)
+        return self._pinned & self.ok()  # ALLOCATED: those still this caller's
 
     def leading(self, good: np.ndarray) -> int:
         """How many leading blocks ``good`` (a ``bool`` array such as :meth:`ok`) holds true for."""
         return len(good) if good.all() else int(np.argmin(good))
 
     def pins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(size class, slot, generation) of every pin this connection still holds on these blocks, now given up
+        """(segment, slot, generation) of every pin this connection still holds on these blocks, now given up
         here (the caller sends them in a RELEASE)."""
         if self._blocks is None:
             held = np.flatnonzero(self._pinned)
             self._pinned[:] = False
-            return np.full(len(held), self.pool, np.uint8), self.slots[held], self.generations[held]
-        blocks = [b for b in self._blocks if b.pinned]
-        for block in blocks:
-            block.pinned = False
-        return (
-            np.array([b.pool for b in blocks], np.uint8),
-            np.array([b.slot for b in blocks], np.uint32),
-            np.array([b.generation for b in blocks], np.uint64),
-        )
+            return np.full(len(held), self.seg, np.uint32), self.slots[held], self.generations[held]
+        return _given_up(self._blocks)
 
     def _made(self) -> list[Block]:
         if self._blocks is None:
-            cls, segment, length, errors = self.pool, self._map, self.length, self.errors
+            cls, segment, length, errors = self.seg, self.segment, self.length, self.errors
             columns = self.status.tolist(), self.slots.tolist(), self.generations.tolist(), self._pinned.tolist()
             rows = zip(self.keys, *columns, strict=True)
             self._blocks = [  # one comprehension: at 1,024 blocks a call the per-block cost shows
@@ -203,6 +213,18 @@ class Blocks(Sequence[Block]):
         await self._release(self)
 
 
+def _given_up(blocks: Sequence[Block]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(segment, slot, generation) of the pins ``blocks`` hold, given up here (to be sent in a RELEASE)."""
+    held = [b for b in blocks if b.pinned]
+    for block in held:
+        block.pinned = False
+    return (
+        np.array([b.segment for b in held], np.uint32),
+        np.array([b.slot for b in held], np.uint32),
+        np.array([b.generation for b in held], np.uint64),
+    )
+
+
 @dataclass
 class _Call(Generic[T]):
     """One request and how to turn its reply into the caller's result (shared by both clients)."""
@@ -213,13 +235,14 @@ class _Call(Generic[T]):
 
 
 class _Protocol:
-    """What both clients share: requests, replies to blocks, and the shared-memory mapping."""
+    """What both clients share: requests, replies to blocks, and the segments' mappings."""
 
     def __init__(self, socket_path: str | Path, token: str, timeout_s: float) -> None:
         self.socket_path = str(socket_path)
         self.token = token
         self.timeout_s = timeout_s
-        self.maps: list[SlotMap] = []  # one per size class, smallest slots first
+        self.segments: dict[int, Region] = {}  # by id, of the fetcher process this client last spoke to
+        self.instance = b""  # which fetcher process that is (a restarted one has new segments)
         self.hash_algo = ""
         self.tenant = ""
 
@@ -227,47 +250,72 @@ class _Protocol:
     def what(self) -> str:
         return f"the fetcher at {self.socket_path}"
 
-    @property
-    def map(self) -> SlotMap | None:
-        """The pool's segment (with several size classes: the smallest class's; see :meth:`map_for`)."""
-        return self.maps[0] if self.maps else None
-
-    def map_for(self, block_bytes: int) -> tuple[int, SlotMap]:
-        """The size class, and its segment, that blocks of ``block_bytes`` live in."""
-        cls = fp.size_class([m.slot_bytes for m in self.maps], block_bytes)
-        if cls is None:
-            largest = self.maps[-1].slot_bytes if self.maps else 0
-            raise ValueError(f"blocks of {block_bytes} B do not fit the fetcher's {largest}-byte slots")
-        return cls, self.maps[cls]
-
-    def _adopt(self, meta: dict[str, Any]) -> None:
-        """Map the segments the fetcher's HELLO reply names (again, if a restarted fetcher made new ones)."""
-        known = {(m.name, m.epoch): m for m in self.maps}
-        maps = []
+    def _unix(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
         try:
-            for name, epoch, _slot_bytes in meta["pools"]:
-                maps.append(known.get((name, epoch)) or SlotMap.open(name))
-        except PoolError as exc:
-            for fresh in maps:
-                if fresh not in known.values():
-                    fresh.close()
-            raise FetcherError(str(exc)) from None
-        for dropped in set(known.values()) - set(maps):
-            dropped.close()  # a restarted fetcher's new segment replaced it (unmapped once its views are gone)
-        self.maps = maps
-        self.hash_algo, self.tenant = meta["hash"], meta["tenant"]
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _adopt(self, hello: dict[str, Any]) -> None:
+        """A connection's HELLO reply: a fetcher process other than the last one has none of its segments."""
+        if hello["instance"] != self.instance:
+            for region in self.segments.values():
+                region.gone = True  # (blocks handed out keep their mapping; outbox slots are no longer theirs)
+            self.segments = {}  # unmapped once no block handed out views them
+            self.instance = hello["instance"]
+        self.hash_algo, self.tenant = hello["hash"], hello["tenant"]
 
     def _lost(self, why: object) -> FetcherError:
-        return FetcherError(f"{self.what} went away ({why})")
+        return _Gone(f"{self.what} went away ({why})")
+
+    def _unmapped(self, reply: dict[str, Any]) -> list[int]:
+        """The segment a reply names, if this client has not mapped it yet."""
+        seg = reply.get("seg", 0)
+        return [seg] if seg and seg not in self.segments else []
+
+    def _map(self, ids: list[int]) -> None:
+        """Map segments ``ids`` (MAP on a connection of its own, blocking: the reply brings their descriptors).
+        Raises FetcherError if the fetcher refuses (none of them is this tenant's any more) or went away."""
+        conn = FrameConn(self._unix, self.token, self.what, FetcherError)
+        sock = conn.open()
+        fds: list[int] = []
+        try:
+            if conn.hello["instance"] != self.instance:
+                raise _Gone(f"{self.what} went away (it restarted)")
+            sock.sendall(encode_head(FetchOp.MAP, next(_ids), fp.map_meta(ids)))
+            reader, frames = FrameReader(), []
+            while not frames:
+                data, got, _flags, _ = socket.recv_fds(sock, 1 << 16, 64)
+                fds += got
+                if not data:
+                    raise _Gone(f"{self.what} closed the connection during MAP")
+                frames = reader.feed(data)
+            if frames[0].opcode == Op.ERROR:
+                raise FetcherError(f"{self.what} refused to map segments {ids}: {frames[0].meta.get('message', '')}")
+            described, live = fp.parse_mapped(frames[0].meta)
+            if len(described) != len(fds):
+                raise FetcherError(f"{self.what} sent {len(fds)} descriptors for {len(described)} segments")
+            for segment, fd in zip(described, fds, strict=True):
+                self.segments[segment.id] = _region(segment, fd)
+            for gone in set(self.segments) - live:  # dropped by the fetcher: unmapped once no block views them
+                region = self.segments.pop(gone, None)  # (an async client's other MAP may have taken it)
+                if region is not None:
+                    region.gone = True
+        except (OSError, ProtocolError, PoolError, ValueError) as exc:
+            raise FetcherError(f"{self.what}: mapping segments {ids} failed ({exc})") from None
+        finally:
+            conn.close()
+            for fd in fds:
+                os.close(fd)  # (a mapping needs no descriptor)
 
     def _slot_blocks(self, keys: Sequence[bytes], length: int, meta: dict[str, Any], pinned: bool) -> Blocks:
-        cls, segment = self.map_for(length)
+        seg = int(meta.get("seg", 0))
         columns = fp.parse_slots(meta, len(keys))
-        return Blocks(keys, columns, length, cls, segment, pinned, self.release)  # type: ignore[attr-defined]
-
-    def _check_length(self, length: int) -> None:
-        if self.maps:
-            self.map_for(length)
+        return Blocks(keys, columns, length, seg, self.segments.get(seg), pinned, self.release)  # type: ignore[attr-defined]
 
     # -- calls (each public method of both clients is one of these) --------------------------------------
 
@@ -275,23 +323,15 @@ class _Protocol:
         self, keys: Sequence[bytes], length: int, headers: Sequence[bytes] | None, priority: int, pin: bool
     ) -> _Call[Blocks]:
         op = FetchOp.FETCH if pin else FetchOp.PREFETCH
-        self._check_length(length)
         meta = fp.fetch_meta(keys, length, headers, priority)
         return _Call(op, meta, lambda reply: self._slot_blocks(keys, length, reply, pin))
 
     def _release_call(self, blocks: Sequence[Block]) -> _Call[int]:
-        if isinstance(blocks, Blocks):
-            pools, slots, gens = blocks.pins()
-        else:
-            held = [b for b in blocks if b.pinned]
-            for block in held:
-                block.pinned = False
-            pools, slots, gens = [b.pool for b in held], [b.slot for b in held], [b.generation for b in held]
-        meta = fp.release_meta(slots, gens, pools)
+        segs, slots, gens = blocks.pins() if isinstance(blocks, Blocks) else _given_up(blocks)
+        meta = fp.release_meta(segs, slots, gens)
         return _Call(FetchOp.RELEASE, meta, lambda reply: int(reply.get("released", 0)))
 
     def _alloc_call(self, n: int, length: int) -> _Call[Blocks]:
-        self._check_length(length)
         return _Call(
             FetchOp.ALLOC,
             fp.alloc_meta(n, length),
@@ -304,9 +344,11 @@ class _Protocol:
         if len(keys) != len(blocks) or any(b.status != BlockStatus.ALLOCATED or not b.pinned for b in blocks):
             raise ValueError("put needs one ALLOCATED, unreleased block per key (from alloc)")
         length = blocks[0].length if blocks else 1
-        if any(b.length != length for b in blocks):
-            raise ValueError("blocks of one put must have one length")
-        meta = fp.put_meta(keys, length, [b.slot for b in blocks], [b.generation for b in blocks], ttl_class, headers)
+        seg = blocks[0].segment if blocks else 0
+        if any(b.length != length or b.segment != seg for b in blocks):
+            raise ValueError("blocks of one put must have one length (and come from one alloc's segment)")
+        slots, gens = [b.slot for b in blocks], [b.generation for b in blocks]
+        meta = fp.put_meta(seg, keys, length, slots, gens, ttl_class, headers)
 
         def finish(reply: dict[str, Any]) -> list[bool]:
             status, _, _, errors = fp.parse_slots(reply, len(keys))
@@ -321,37 +363,57 @@ class _Protocol:
         return _Call(FetchOp.STATS, {}, dict)
 
 
+def _region(segment: fp.Segment, fd: int) -> Region:
+    """Map a segment MAP described: a cache segment read-only (with its table), an outbox writable."""
+    if segment.kind == fp.CACHE:
+        region: Region = SlotMap.open(fd, segment.name)
+        if region.epoch != segment.epoch:  # type: ignore[attr-defined]
+            raise PoolError(f"segment {segment.name} is not the one described")
+        return region
+    size = segment.data_offset + segment.slots * segment.stride
+    mapping = mmap.mmap(fd, size)
+    return Region(segment.name, mapping, segment.slot_bytes, segment.stride, segment.slots, segment.data_offset)
+
+
 class FetchClient(_Protocol):
-    """Blocking client: one request at a time on one connection (use one per thread). See the module docstring."""
+    """Blocking client: one request at a time on one connection (use one per thread). See the module docstring.
 
-    def __init__(self, socket_path: str | Path, token: str, timeout_s: float = 60.0) -> None:
+    ``connect=False``: connect at the first call instead of now (an engine may start before its fetcher)."""
+
+    def __init__(self, socket_path: str | Path, token: str, timeout_s: float = 60.0, connect: bool = True) -> None:
         super().__init__(socket_path, token, timeout_s)
-        self._conn = FrameConn(self._unix, token, self.what, FetcherError)
-        self._open()
+        # idempotent: a request that finds a kept connection dead is sent once more on a new one (every request is:
+        # what a dead connection held, pins and allocations, died with it)
+        self._conn = FrameConn(self._unix, token, self.what, FetcherError, idempotent=True)
+        self._hello: dict[str, Any] | None = None
+        if connect:
+            self.connect()
 
-    def _unix(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
-        try:
-            sock.connect(self.socket_path)
-        except OSError:
-            sock.close()
-            raise
-        return sock
-
-    def _open(self) -> None:
+    def connect(self) -> None:
+        """Connect and authenticate now, if not connected. FetcherError if the fetcher cannot be reached; AuthError
+        if it refuses the token."""
         if self._conn.sock is None:
             self._conn.open()
-            try:
-                self._adopt(self._conn.hello)
-            except BaseException:
-                self._conn.close()
-                raise
+        self._adopted()
+
+    def _adopted(self) -> None:
+        if self._conn.hello is not self._hello:  # a new connection (maybe to a restarted fetcher)
+            self._adopt(self._conn.hello)
+            self._hello = self._conn.hello
 
     def _run(self, call: _Call[T]) -> T:
         """One request; FetcherError (connection closed, to be reopened by the next call) on any failure."""
-        self._open()
-        return call.finish(self._conn.call(call.opcode, call.meta).meta)
+        self.connect()
+        reply = self._conn.call(call.opcode, call.meta).meta
+        self._adopted()
+        unmapped = self._unmapped(reply)
+        if unmapped:
+            try:
+                self._map(unmapped)
+            except FetcherError:
+                self._conn.close()  # (the pins of this reply go with the connection)
+                raise
+        return call.finish(reply)
 
     def fetch(
         self, keys: Sequence[bytes], block_bytes: int, *, headers: Sequence[bytes] | None = None, priority: int = 0
@@ -375,7 +437,8 @@ class FetchClient(_Protocol):
         return self._run(call) if self._conn.sock is not None else 0
 
     def alloc(self, n: int, block_bytes: int) -> Blocks:
-        """``n`` slots to write blocks of ``block_bytes`` into (ALLOCATED; FULL when the pool has none free)."""
+        """Up to ``n`` slots of the tenant's outbox to write blocks of ``block_bytes`` into (ALLOCATED, writable;
+        FULL past the outbox's free slots)."""
         return self._run(self._alloc_call(n, block_bytes))
 
     def put(
@@ -386,12 +449,13 @@ class FetchClient(_Protocol):
         *,
         headers: Sequence[bytes] | None = None,
     ) -> list[bool]:
-        """Store ALLOCATED slots under ``keys`` (the store reads the slot memory: no copy); per key whether it is
-        committed. Stored blocks stay in the pool as hits; the slots are no longer this caller's."""
+        """Store ALLOCATED slots under ``keys`` (the fetcher copies them into its cache and stores them from there);
+        per key whether it is committed. Stored blocks stay in the pool as hits; the slots are no longer this
+        caller's."""
         return self._run(self._put_call(keys, blocks, ttl_class, headers))
 
     def stats(self) -> dict[str, Any]:
-        """Pool usage, hit ratio, blocks in flight, and the fetcher's counters."""
+        """This tenant's pool usage, hit ratio, blocks in flight and counters (the cluster token: everyone's)."""
         return self._run(self._stats_call())
 
     def close(self) -> None:
@@ -499,11 +563,25 @@ class AsyncFetchClient(_Protocol):
             raise FetcherError(f"{self.what} did not answer in {self.timeout_s:g} s") from None
 
     async def _run(self, call: _Call[T]) -> T:
-        conn = self._conn or await self._open()
-        frame = await self._exchange(conn, call.opcode, call.meta)
+        kept = self._conn
+        conn = kept or await self._open()
+        try:
+            frame = await self._exchange(conn, call.opcode, call.meta)
+        except _Gone:
+            if kept is None:
+                raise
+            frame = await self._exchange(await self._open(), call.opcode, call.meta)  # a dead kept connection: once
         if frame.opcode == Op.ERROR:
-            conn.fail("the fetcher refused a request")
+            (self._conn or conn).fail("the fetcher refused a request")
             raise FetcherError(f"{self.what} refused the request: {frame.meta.get('message', '')}")
+        unmapped = self._unmapped(frame.meta)
+        if unmapped:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._map, unmapped)
+            except FetcherError:
+                if self._conn is not None:
+                    self._conn.fail("mapping failed")  # (the pins of this reply go with the connection)
+                raise
         return call.finish(frame.meta)
 
     async def fetch(

@@ -1,21 +1,27 @@
 """The fetcher's server: threads that wait on one epoll for engines' requests, answer them and call the store.
 
 The process around it (command line, ``LocalFetcher``) is :mod:`kvtier.transfer.fetcher`. The server owns the
-pools (:class:`~kvtier.transfer.staging.StagingPool`, one per size class; the single writer of their slot tables)
-and one store client per worker thread and tenant. Engines talk to it over a Unix socket (mode 0600, peers of another
-uid refused, then the cluster or a tenant token in HELLO; :mod:`~kvtier.transfer.fetch_protocol`).
+host pool (:class:`~kvtier.transfer.host_pool.HostPool`: segments per tenant and size class, the single writer of
+their slot tables) and store clients per tenant. Engines talk to it over a Unix socket (mode 0600, peers of another
+uid refused, then the cluster or a tenant token in HELLO; :mod:`~kvtier.transfer.fetch_protocol`); a connection is
+that tenant and is handed descriptors (MAP) of that tenant's segments only.
 
 How a FETCH is answered, per block:
 
-1. In the pool (of the size class the length fits) for this tenant, with the same length and, when one is given,
-   the same header digest: pinned, answered HIT at once.
+1. In the tenant's segment of the size class the length fits (made on first use), with the same length and, when
+   one is given, the same header digest: pinned, answered HIT at once.
 2. Already being read for another request: waits for that read (one store read per block however many ask).
 3. Otherwise a slot is reserved (a free one, else the least recently used unpinned one) and the block joins this
    request's store read: one ``get_into`` for all of them, straight into the slots, by a worker thread, in
-   priority order (PREFETCH after FETCH). FETCHED, MISS or ERROR when it returns; FULL if no slot could be had.
+   priority order (PREFETCH after FETCH). FETCHED, MISS or ERROR when it returns; FULL if no slot could be had
+   (with a message when the tenant's share can never hold such a block).
 
 The reply goes out when every block of the request has its answer. Pins belong to the connection: RELEASE drops
 them, and so does the connection closing (an engine that dies loses nothing and leaks nothing).
+
+A PUT stores blocks an engine wrote into the tenant's outbox (slots ALLOC gave this connection): the fetcher first
+copies them into cache slots (its own, sealed: what it stores is then what it caches, whatever the engine writes
+afterwards), stores them from there, and publishes them as hits.
 
 Threads: ``workers + 1`` threads, each either waiting on one epoll (every descriptor armed one-shot, so an event
 wakes one thread and no other thread sees it until it is handled) or working. A thread woken by a request handles
@@ -29,7 +35,7 @@ the tables, pins and connections happens under one lock.
 
 from __future__ import annotations
 
-import collections
+import array
 import contextlib
 import heapq
 import itertools
@@ -41,20 +47,42 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvtier.kernels import _hostcopy
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.admission import (
+    Acceptor,
+    Admission,
+    LogLimiter,
+    Refused,
+    Ticket,
+    authenticate,
+    busy,
+    peer_of,
+    turn_away,
+)
 from kvtier.kvstore.client import CapacityError, Client
-from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Op, ProtocolError, encode_error, encode_head
+from kvtier.kvstore.cluster import TOKEN_HASH_PREFIX
+from kvtier.kvstore.protocol import (
+    ErrorCode,
+    Frame,
+    FrameReader,
+    MetaBudget,
+    Op,
+    ProtocolError,
+    encode_error,
+    encode_head,
+)
 from kvtier.transfer import fetch_protocol as fp
 from kvtier.transfer.conn import requests_only
 from kvtier.transfer.fetch_protocol import BlockStatus, FetchOp
-from kvtier.transfer.staging import PoolError, PoolStats, StagingPool, tenant_id
+from kvtier.transfer.host_pool import Box, Cache, HostPool, Tenant
+from kvtier.transfer.staging import PoolError, read_only
 
 log = logging.getLogger("kvtier.fetcher")
 PREFETCH_PENALTY = fp.MAX_PRIORITY  # a prefetch waits behind every fetch
@@ -66,10 +94,6 @@ _COUNTER_OF = {
     (True, BlockStatus.STORED): "blocks_put",
     (True, BlockStatus.ERROR): "blocks_failed",
 }
-COUNTERS = (
-    "requests", "blocks_hit", "blocks_fetched", "blocks_missed", "blocks_failed", "blocks_full", "blocks_put",
-    "bytes_fetched",
-)  # fmt: skip
 _PEERCRED = struct.Struct("3i")
 
 
@@ -80,17 +104,18 @@ class Session:
     sock: socket.socket
     pid: int
     reader: FrameReader = field(default_factory=FrameReader)
-    tenant: str | None = None
+    ticket: Ticket | None = None  # its admission (the HELLO deadline, the slot it holds)
+    tenant: Tenant | None = None  # set by HELLO
     out: bytearray = field(default_factory=bytearray)
-    # per size class, the pins this connection holds on each slot (a pinned slot keeps its generation)
+    # per cache segment (by id), the pins this connection holds on each slot (a pinned slot keeps its generation)
     pins: dict[int, np.ndarray] = field(default_factory=dict)
-    allocs: set[tuple[int, int, int]] = field(default_factory=set)
+    allocs: set[tuple[int, int, int]] = field(default_factory=set)  # (outbox id, slot, generation) given out
     closed: bool = False
 
-    def pins_of(self, cls: int, slots: int) -> np.ndarray:
-        held = self.pins.get(cls)
+    def pins_of(self, cache: Cache) -> np.ndarray:
+        held = self.pins.get(cache.id)
         if held is None:
-            held = self.pins[cls] = np.zeros(slots, np.uint32)
+            held = self.pins[cache.id] = np.zeros(cache.pool.slots, np.uint32)
         return held
 
 
@@ -101,6 +126,7 @@ class Answer:
     session: Session
     request_id: int
     pin: bool
+    seg: int  # the segment the slots are in
     status: np.ndarray
     slots: np.ndarray
     gens: np.ndarray
@@ -108,10 +134,9 @@ class Answer:
     errors: dict[int, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, session: Session, request_id: int, n: int, pin: bool) -> Answer:
-        return cls(
-            session, request_id, pin, np.full(n, BlockStatus.ERROR, np.uint8), np.zeros(n, "<u4"), np.zeros(n, "<u8"), n
-        )
+    def of(cls, session: Session, request_id: int, n: int, pin: bool, seg: int) -> Answer:
+        status, slots, gens = np.full(n, BlockStatus.ERROR, np.uint8), np.zeros(n, "<u4"), np.zeros(n, "<u8")
+        return cls(session, request_id, pin, seg, status, slots, gens, n)
 
     @property
     def pins(self) -> bool:
@@ -125,12 +150,13 @@ class Job:
 
     Block ``j`` answers position ``index[j]`` of the request that asked first (``answer``); other requests that
     wait for the same block (a later FETCH of it, or the same key twice in one request) are in ``extra[j]``.
+    A read fills ``slots`` of ``cache``. A put stores from ``box``'s slots ``src``: the first ``len(slots)`` blocks
+    are first copied into ``slots`` of ``cache`` (stored from there and cached), the rest stored from the outbox.
     """
 
     put: bool
-    tenant: str
+    cache: Cache
     length: int
-    pool: int
     keys: list[bytes]
     hdrs: list[bytes | None]  # header digests the store checks (None: no check)
     slots: np.ndarray  # int64
@@ -138,6 +164,9 @@ class Job:
     answer: Answer
     index: np.ndarray  # int64
     ttl_class: str = ""
+    box: Box | None = None
+    src: np.ndarray | None = None  # a put's outbox slots (int64) and their generations
+    src_gens: np.ndarray | None = None
     rows: np.ndarray | None = None  # a read's keys as they came in the request: uint8 [n, klen]
     priority: int = 0
     started: bool = False  # taken by a worker (a job may sit in the queue twice: see ``_hurry``)
@@ -165,14 +194,12 @@ class Fetcher:
     """The server: ``workers + 1`` threads (the caller of :meth:`serve_forever` one of them) take turns to wait for
     requests and to run store calls (see the module docstring)."""
 
-    def __init__(
-        self, config: cluster_mod.ClusterConfig, pools: Sequence[StagingPool], socket_path: Path, workers: int = 2
-    ) -> None:
+    def __init__(self, config: cluster_mod.ClusterConfig, host: HostPool, socket_path: Path, workers: int = 2) -> None:
         if workers < 1:
             raise ValueError("the fetcher needs at least one worker thread")
         self.config = config
-        self.pools = sorted(pools, key=lambda p: p.slot_bytes)  # size classes, smallest first
-        self.slot_sizes = [p.slot_bytes for p in self.pools]
+        self.host = host
+        self.instance = os.urandom(16)  # names this process to clients: a restarted fetcher's segments are new
         self.socket_path = socket_path
         self.epoll = select.epoll()
         self._watched: dict[int, Session | str] = {}  # descriptor -> its session, "listen" or "wake"
@@ -181,23 +208,23 @@ class Fetcher:
         self.flights: dict[tuple[int, int], list[Job]] = {}
         self.jobs: list[tuple[int, int, Job]] = []  # a heap: (priority, sequence, job), under the lock
         self.seq = itertools.count()
-        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))  # every key present: scraped from a thread
         self.sessions: set[Session] = set()
         self._lock = threading.RLock()  # everything but a store call in progress happens under it
         self._waiting = 0  # threads waiting on the epoll
         # store clients not in use, by tenant, the most recently used last: a store call takes that one, whose
         # connections are warm (rotating over one client per thread cost ~1.7 ms more CPU a 64 MiB read)
         self._idle_clients: dict[str, list[Client]] = {}
-        # whole-slot views, made the first time a slot is read into and kept (slicing 1,024 a request cost ~0.12 ms);
-        # store calls in flight never share a slot, so they fill these without the lock
-        self._views: list[list[memoryview | None]] = [[None] * pool.slots for pool in self.pools]
-        self._viewed = [np.zeros(pool.slots, dtype=bool) for pool in self.pools]
         self._next_sweep = time.monotonic() + PEER_SWEEP_S
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.listener = self._listen(socket_path)
+        self.acceptor = Acceptor(self.listener, log)
+        self.admission = Admission(config.limits)
+        self.meta_budget = MetaBudget(config.limits.max_buffered_meta_bytes)
+        self.warnings = LogLimiter(log)
+        self._listen_paused = False  # accepting failed for lack of resources: the next sweep arms it again
         self._watch(self.listener.fileno(), "listen")
         self._watched[self._wake_r.fileno()] = "wake"  # level-triggered and never drained: stop wakes every thread
         self.epoll.register(self._wake_r.fileno(), select.EPOLLIN)
@@ -253,18 +280,19 @@ class Fetcher:
                 finally:
                     self._lock.acquire()
                     self._waiting -= 1
-                if time.monotonic() >= self._next_sweep:
-                    self._sweep_dead_peers()
-                    self._next_sweep = time.monotonic() + PEER_SWEEP_S
                 for fd, events in ready:
                     self._dispatch(fd, events)
+                if time.monotonic() >= self._next_sweep:  # (after: a HELLO that arrived in time is taken)
+                    self._sweep_dead_peers()
+                    self._next_sweep = time.monotonic() + PEER_SWEEP_S
 
     def _dispatch(self, fd: int, events: int) -> None:
         """Handle one epoll event (under the lock) and arm the descriptor again."""
         what = self._watched.get(fd)  # None: closed since the event was reported
         if what == "listen":
             self._accept()
-            self._arm(fd, select.EPOLLIN)
+            if not self._listen_paused:
+                self._arm(fd, select.EPOLLIN)
         elif isinstance(what, Session):
             if events & ~select.EPOLLOUT and not what.closed:  # readable, hung up or failed: recv tells which
                 self._receive(what)
@@ -287,11 +315,19 @@ class Fetcher:
 
     def _sweep_dead_peers(self) -> None:
         """Close connections whose process is gone although the socket lives on (a child inherited it): their
-        pins and allocated slots go back to the pool, as when the socket closes."""
+        pins and allocated slots go back to the pool, as when the socket closes. Close those that did not complete
+        HELLO in time. Accept again if that was paused."""
         for session in list(self.sessions):
             if session.pid > 0 and not _alive(session.pid):
                 log.info("pid %d is gone but its connection stayed open: releasing what it held", session.pid)
                 self._close(session)
+            elif session.tenant is None and session.ticket is not None and not session.ticket.remaining_s():
+                self.admission.expired(session.ticket)
+                late = f"no complete HELLO within {self.config.limits.hello_timeout_s:g} s of connecting"
+                self._refuse(session, 0, ErrorCode.AUTH_REQUIRED, late)
+        if self._listen_paused:
+            self._listen_paused = False
+            self._arm(self.listener.fileno(), select.EPOLLIN)
 
     def stop(self) -> None:
         """Make :meth:`serve_forever` return soon (a signal handler may call it)."""
@@ -308,25 +344,34 @@ class Fetcher:
             for clients in self._idle_clients.values():
                 for client in clients:
                     client.close()
-            self._views.clear()  # (the pools unmap once no view is left)
+            self.host.close()
         self.epoll.close()
         self.listener.close()
+        self.acceptor.close()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except BlockingIOError:
+        """Take every waiting connection (same uid only; admitted as :mod:`kvtier.kvstore.admission` says). Out of
+        descriptors or memory, the listener stays unarmed until the next sweep."""
+        while (accepted := self.acceptor.accept()) is not None or self.acceptor.pause_s:
+            if accepted is None:
+                self._listen_paused = True
                 return
+            sock, _ = accepted
             pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             if uid not in (os.getuid(), 0):
-                log.warning("refused a connection from uid %d (pid %d)", uid, pid)
+                self.warnings.warning("uid", "refused a connection from uid %d (pid %d)", uid, pid)
                 sock.close()
                 continue
+            try:
+                ticket = self.admission.admit(peer_of(sock, None))
+            except Refused as exc:
+                turn_away(sock, busy(str(exc)))
+                continue
             sock.setblocking(False)
-            session = Session(sock, pid, FrameReader(requests_only(self.config.limits)))
+            reader = FrameReader(self.config.limits.pre_auth(), fp.FETCH_REQUESTS, self.meta_budget)
+            session = Session(sock, pid, reader, ticket)
             self.sessions.add(session)
             self._watch(sock.fileno(), session)
 
@@ -343,7 +388,10 @@ class Fetcher:
         except BlockingIOError:
             return
         except ProtocolError as exc:
-            self._refuse(session, 0, exc.code, str(exc))
+            if session.tenant is None and session.ticket is not None:  # (refused at once: its peers are this
+                self.admission.failed(session.ticket)  # uid's processes, and the epoll threads hold nothing back)
+                self.warnings.warning("pre-auth", "refused pid %d: %s", session.pid, exc)
+            self._refuse(session, exc.request_id or 0, exc.code, str(exc))
         except OSError:
             self._close(session)
         except Exception as exc:  # a bug must cost one connection, never the fetcher
@@ -381,19 +429,23 @@ class Fetcher:
             return
         session.closed = True
         self.sessions.discard(session)
+        session.reader.close()
+        if session.ticket is not None:
+            self.admission.release(session.ticket)
         fd = session.sock.fileno()
         if self._watched.get(fd) is session:
             del self._watched[fd]
             with contextlib.suppress(OSError, ValueError):
                 self.epoll.unregister(fd)
         session.sock.close()
-        for cls, held in session.pins.items():
-            pool = self.pools[cls]
-            slots = np.flatnonzero(held)
-            repeated = np.repeat(slots, held[slots])
-            pool.unpin_many(repeated, pool.gen[repeated])
-        for pool, slot, gen in session.allocs:
-            self.pools[pool].abandon(slot, gen)
+        for seg, held in session.pins.items():
+            cache = self.host.segments.get(seg)
+            if isinstance(cache, Cache):  # (a dropped segment had no pins)
+                slots = np.flatnonzero(held)
+                repeated = np.repeat(slots, held[slots])
+                cache.pool.unpin_many(repeated, cache.pool.gen[repeated])
+        for seg, slot, gen in session.allocs:
+            self._give_back(seg, np.array([slot]), np.array([gen], np.uint64))
         session.pins.clear()
         session.allocs.clear()
 
@@ -410,6 +462,7 @@ class Fetcher:
             FetchOp.ALLOC: self._alloc,
             FetchOp.PUT: self._put,
             FetchOp.STATS: self._stats,
+            FetchOp.MAP: self._map,
         }
         handler = handlers.get(frame.opcode)
         if handler is None:
@@ -420,41 +473,65 @@ class Fetcher:
         self._send(session, encode_head(frame.opcode | Op.REPLY, frame.request_id, meta))
 
     def _hello(self, session: Session, frame: Frame) -> None:
-        if frame.opcode != FetchOp.HELLO:
-            raise ProtocolError(ErrorCode.AUTH_REQUIRED, "the first frame must be HELLO with a token")
-        token = frame.meta.get("token")
-        tenant = self.config.tenant_for_token(token) if isinstance(token, str) else None
-        if tenant is None:
-            log.warning("refused pid %d: unknown token", session.pid)
-            raise ProtocolError(ErrorCode.AUTH_FAILED, "authentication failed: unknown token")
-        session.tenant = tenant
+        tenant = authenticate(frame, self.config.tenant_for_token)
+        session.tenant = self.host.tenants[tenant]
+        if session.ticket is not None:
+            self.admission.authenticated(session.ticket)
+        session.reader.limits = requests_only(self.config.limits)
         self._reply(
             session,
             frame,
-            {
-                "pools": [[p.name, p.epoch, p.slot_bytes] for p in self.pools],
-                "hash": self.config.hash_algo,
-                "pid": os.getpid(),
-                "tenant": tenant,
-            },
+            {"instance": self.instance, "hash": self.config.hash_algo, "pid": os.getpid(), "tenant": tenant},
         )
 
-    def _fetch(self, session: Session, frame: Frame) -> None:
-        request = fp.parse_fetch(frame.meta, self.slot_sizes[-1], self.config.limits.max_batch)
+    def _map(self, session: Session, frame: Frame) -> None:
+        """Hand the connection descriptors of segments it names, all of them its tenant's (cache segments
+        read-only; outboxes read-write), beside the reply (``SCM_RIGHTS``). Naming another tenant's segment, or one
+        that is gone, is refused. The reply must be the connection's only output in flight (it is sent at once)."""
         assert session.tenant is not None
-        tid = tenant_id(session.tenant)
-        cls = self._class_of(request.length)
-        pool = self.pools[cls]
+        ids = fp.parse_map(frame.meta, 64)
+        found = self.host.owned(session.tenant, ids)
+        if found is None:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"no segments {ids} of tenant {session.tenant.name!r} here")
+        if session.out:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "MAP while replies are still unread")
+        live = [s.id for s in session.tenant.segments()]
+        meta = fp.mapped_meta([s.describe() for s in found], live)
+        head = encode_head(frame.opcode | Op.REPLY, frame.request_id, meta)
+        fds = [read_only(s.pool.fd) if isinstance(s, Cache) else os.dup(s.outbox.fd) for s in found]
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        try:
+            sent = session.sock.sendmsg([head], rights)
+        except OSError:
+            self._close(session)
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        session.out += head[sent:]  # (the descriptors went with the first byte)
+        if session.out:
+            self._arm_session(session)
+
+    def _fetch(self, session: Session, frame: Frame) -> None:
+        request = fp.parse_fetch(frame.meta, self.config.limits.max_batch)
+        tenant = session.tenant
+        assert tenant is not None
         pin = frame.opcode == FetchOp.FETCH
+        tenant.counters["requests"] += 1
+        cache = self.host.cache(tenant, request.length)
+        if isinstance(cache, str):  # the tenant's share can never hold such a block: FULL, saying why
+            self._unplaceable(session, frame, len(request.keys), cache)
+            return
+        tid, pool = tenant.tid, cache.pool
         priority = request.priority + (0 if pin else PREFETCH_PENALTY)
-        answer = Answer.of(session, frame.request_id, len(request.keys), pin)
+        answer = Answer.of(session, frame.request_id, len(request.keys), pin, cache.id)
         found = pool.find(tid, request.keys, request.length, request.headers)
         hit = np.flatnonzero(found >= 0)
         if len(hit):
             slots = found[hit]
             if pin:
                 gens = pool.pin_many(slots)
-                np.add.at(session.pins_of(cls, pool.slots), slots, 1)
+                np.add.at(session.pins_of(cache), slots, 1)
             else:
                 gens = pool.gen[slots]
                 for slot in slots.tolist():
@@ -463,12 +540,20 @@ class Fetcher:
             answer.remaining -= len(hit)
         missed = np.flatnonzero(found < 0)
         if len(missed):
-            self._read(session, answer, request, missed, tid, cls, priority)
+            self._read(session, answer, request, missed, cache, priority)
         pool.count(len(hit), len(request.keys) - len(hit))
-        self.counters["blocks_hit"] += len(hit)
-        self.counters["requests"] += 1
+        tenant.counters["blocks_hit"] += len(hit)
         if answer.remaining == 0:
             self._answer(answer, frame.opcode)
+
+    def _unplaceable(self, session: Session, frame: Frame, n: int, why: str) -> None:
+        """Answer every block of a request FULL with ``why`` (no segment of the tenant can take such blocks)."""
+        assert session.tenant is not None
+        session.tenant.counters["blocks_full"] += n
+        answer = Answer.of(session, frame.request_id, n, False, 0)
+        answer.status[:] = BlockStatus.FULL
+        answer.errors = dict.fromkeys(range(n), why)
+        self._answer(answer, frame.opcode)
 
     def _read(
         self,
@@ -476,13 +561,13 @@ class Fetcher:
         answer: Answer,
         request: fp.FetchRequest,
         missed: np.ndarray,
-        tid: int,
-        cls: int,
+        cache: Cache,
         priority: int,
     ) -> None:
         """The blocks of ``request`` at positions ``missed`` (not in the pool): each waits for a read already under
         way, or joins this request's one store call into freshly reserved slots (FULL when none is left)."""
         keys, hdrs = request.keys, request.headers
+        tid = cache.tenant.tid
         flying = self.flights.setdefault((tid, request.length), [])
         wanted = missed.tolist()
         wanted_keys = keys if len(wanted) == len(keys) else list(map(keys.__getitem__, wanted))
@@ -490,11 +575,11 @@ class Fetcher:
         if flying or len(set(wanted_keys)) != len(wanted_keys):
             wanted, twice = self._join(answer, keys, hdrs, wanted, flying, priority)
             wanted_keys = list(map(keys.__getitem__, wanted))
-        slots, gens = self.pools[cls].reserve_many(len(wanted), os.getpid())
+        slots, gens = self.host.reserve(cache, len(wanted), os.getpid())
         got = len(slots)
         if got:
             job = Job(
-                False, session.tenant or "", request.length, cls, wanted_keys[:got],
+                False, cache, request.length, wanted_keys[:got],
                 hdrs[:got] if wanted_keys is keys else list(map(hdrs.__getitem__, wanted[:got])),
                 slots, gens, answer, np.arange(got) if wanted_keys is keys else np.array(wanted[:got], np.int64),
                 rows=request.rows[:got] if wanted_keys is keys else request.rows[wanted[:got]], priority=priority,
@@ -508,7 +593,7 @@ class Fetcher:
         if full:
             answer.status[full] = BlockStatus.FULL
             answer.remaining -= len(full)
-            self.counters["blocks_full"] += len(full)
+            cache.tenant.counters["blocks_full"] += len(full)
         if not flying:
             del self.flights[(tid, request.length)]
 
@@ -543,52 +628,60 @@ class Fetcher:
                 twice.append((j, i))
         return to_read, twice
 
-    def _class_of(self, length: int) -> int:
-        cls = fp.size_class(self.slot_sizes, length)
-        assert cls is not None  # the parsers refused lengths beyond the largest slot
-        return cls
-
     def _answer(self, answer: Answer, opcode: int) -> None:
-        meta = fp.slots_meta(answer.status, answer.slots, answer.gens, answer.errors)
+        meta = fp.slots_meta(answer.seg, answer.status, answer.slots, answer.gens, answer.errors)
         self._send(answer.session, encode_head(opcode | Op.REPLY, answer.request_id, meta))
 
     def _release(self, session: Session, frame: Frame) -> None:
-        pools, slots, gens = fp.parse_release(frame.meta, self.config.limits.max_batch)
+        segs, slots, gens = fp.parse_release(frame.meta, self.config.limits.max_batch)
         released = 0
         rest = np.ones(len(slots), dtype=bool)  # not a pin of this connection's: maybe a slot it allocated
-        for cls, held in session.pins.items():  # only pins this connection holds: another's are not its to drop
-            pool = self.pools[cls]
-            mine = np.flatnonzero((pools == cls) & (slots < pool.slots))
+        for seg, held in session.pins.items():  # only pins this connection holds: another's are not its to drop
+            cache = self.host.segments.get(seg)
+            if not isinstance(cache, Cache):
+                continue
+            pool = cache.pool
+            mine = np.flatnonzero((segs == seg) & (slots < pool.slots))
             s = slots[mine].astype(np.int64)
             pinned = (held[s] > 0) & (pool.gen[s] == gens[mine])
-            rest[mine[pinned]] = False  # (a slot pinned here is not one it allocates: FILLING is never pinned)
+            rest[mine[pinned]] = False  # (a slot pinned here is not one it allocated: those are in outboxes)
             asked, count = np.unique(s[pinned], return_counts=True)
             take = np.minimum(count, held[asked])  # never more than it holds
             held[asked] -= take.astype(np.uint32)
             released += pool.unpin_many(np.repeat(asked, take), np.repeat(pool.gen[asked], take))
         for i in np.flatnonzero(rest).tolist():
-            ref = (int(pools[i]), int(slots[i]), int(gens[i]))
+            ref = (int(segs[i]), int(slots[i]), int(gens[i]))
             if ref in session.allocs:
                 session.allocs.discard(ref)
-                released += self.pools[ref[0]].abandon(ref[1], ref[2])
+                released += self._give_back(ref[0], slots[i : i + 1].astype(np.int64), gens[i : i + 1])
         self._reply(session, frame, {"released": released})
 
+    def _give_back(self, seg: int, slots: np.ndarray, gens: np.ndarray) -> int:
+        """Outbox slots of segment ``seg`` given out at ``gens`` come back; how many did."""
+        box = self.host.segments.get(seg)
+        return box.outbox.give_back(slots, gens) if isinstance(box, Box) else 0
+
     def _alloc(self, session: Session, frame: Frame) -> None:
-        n, length = fp.parse_alloc(frame.meta, self.slot_sizes[-1], self.config.limits.max_batch)
-        cls = self._class_of(length)
+        assert session.tenant is not None
+        n, length = fp.parse_alloc(frame.meta, self.config.limits.max_batch)
+        box = self.host.outbox(session.tenant, length)
+        if isinstance(box, str):
+            self._unplaceable(session, frame, n, box)
+            return
         status = np.full(n, BlockStatus.FULL, np.uint8)
         slots, gens = np.zeros(n, "<u4"), np.zeros(n, "<u8")
-        reserved, generations = self.pools[cls].reserve_many(n, session.pid)
-        got = len(reserved)
-        status[:got], slots[:got], gens[:got] = BlockStatus.ALLOCATED, reserved, generations
-        session.allocs.update(zip(itertools.repeat(cls), reserved.tolist(), generations.tolist()))
-        self._reply(session, frame, fp.slots_meta(status, slots, gens, {}))
+        given, generations = box.outbox.take(n)
+        got = len(given)
+        status[:got], slots[:got], gens[:got] = BlockStatus.ALLOCATED, given, generations
+        session.allocs.update(zip(itertools.repeat(box.id), given.tolist(), generations.tolist()))
+        self._reply(session, frame, fp.slots_meta(box.id, status, slots, gens, {}))
 
     def _put(self, session: Session, frame: Frame) -> None:
-        request = fp.parse_put(frame.meta, self.slot_sizes[-1], self.config.limits.max_batch)
-        cls = self._class_of(request.length)
+        request = fp.parse_put(frame.meta, self.config.limits.max_batch)
+        tenant = session.tenant
+        assert tenant is not None
         entries = request.entries
-        answer = Answer.of(session, frame.request_id, len(entries.keys), False)
+        answer = Answer.of(session, frame.request_id, len(entries.keys), False, request.seg)
         if request.ttl_class not in self.config.ttl_classes:  # nothing is lost: the slots stay the caller's
             known = ", ".join(sorted(self.config.ttl_classes))
             answer.errors = dict.fromkeys(
@@ -598,7 +691,7 @@ class Fetcher:
             self._answer(answer, frame.opcode)
             return
         ok: list[int] = []
-        for i, ref in enumerate(zip(itertools.repeat(cls), entries.slots.tolist(), entries.gens.tolist())):
+        for i, ref in enumerate(zip(itertools.repeat(request.seg), entries.slots.tolist(), entries.gens.tolist())):
             if ref in session.allocs:
                 session.allocs.discard(ref)
                 ok.append(i)
@@ -615,34 +708,47 @@ class Fetcher:
                 entries.gens[at],
             )
             answer.remaining -= len(at)
-        if ok:
-            assert session.tenant is not None
+        box, cache = self.host.segments.get(request.seg), self.host.cache(tenant, request.length)
+        if ok and isinstance(box, Box) and isinstance(cache, Cache) and box.outbox.slot_bytes >= request.length:
+            slots, gens = self.host.reserve(cache, len(ok), os.getpid())  # where the blocks are cached (may be fewer)
             job = Job(
-                True, session.tenant, request.length, cls, [entries.keys[i] for i in ok],
-                [request.headers[i] for i in ok], entries.slots[ok].astype(np.int64), entries.gens[ok], answer,
-                np.array(ok, dtype=np.int64), request.ttl_class,
+                True, cache, request.length, [entries.keys[i] for i in ok], [request.headers[i] for i in ok],
+                slots, gens, answer, np.array(ok, dtype=np.int64), request.ttl_class, box=box,
+                src=entries.slots[ok].astype(np.int64), src_gens=entries.gens[ok],
             )  # fmt: skip
             heapq.heappush(self.jobs, (0, next(self.seq), job))
+        elif ok:  # (allocated here, so only a block longer than its slots gets here)
+            answer.status[ok], answer.slots[ok], answer.gens[ok] = (
+                BlockStatus.ERROR,
+                entries.slots[ok],
+                entries.gens[ok],
+            )
+            answer.errors.update(dict.fromkeys(ok, f"blocks of {request.length} B do not fit these slots"))
+            answer.remaining -= len(ok)
+            self._give_back(request.seg, entries.slots[ok].astype(np.int64), entries.gens[ok])
         if answer.remaining == 0:
             self._answer(answer, frame.opcode)
 
     def _stats(self, session: Session, frame: Frame) -> None:
-        self._reply(session, frame, self.stats())
+        assert session.tenant is not None
+        everyone = session.tenant.name == cluster_mod.DEFAULT_TENANT  # the cluster (admin) token sees all
+        self._reply(session, frame, self._counted(None if everyone else session.tenant))
 
     def stats(self) -> dict[str, Any]:
-        """Pool and server counters (any thread: ``/metrics`` asks from its own)."""
+        """Pool and server counters of every tenant (any thread: ``/metrics`` asks from its own)."""
         with self._lock:
-            return self._counted()
+            return self._counted(None)
 
-    def _counted(self) -> dict[str, Any]:
+    def _counted(self, tenant: Tenant | None) -> dict[str, Any]:
+        """Counts of ``tenant``'s part (None: all): pool slots by state, counters, blocks in flight."""
+        tids = {t.tid for t in self.host.tenants.values()} if tenant is None else {tenant.tid}
         return {
-            **PoolStats.total([p.stats() for p in self.pools]).as_dict(),
-            "slot_sizes": self.slot_sizes,
-            "in_flight": sum(len(job.keys) for flying in self.flights.values() for job in flying),
-            "queued_jobs": len({job for _, _, job in self.jobs if not job.started}),
-            "sessions": len(self.sessions),
+            **self.host.stats(tenant),
+            "slot_sizes": self.host.declared if tenant is None else tenant.classes,
+            "in_flight": sum(len(j.keys) for (tid, _), flying in self.flights.items() if tid in tids for j in flying),
+            "queued_jobs": len({job for _, _, job in self.jobs if not job.started and job.cache.tenant.tid in tids}),
+            "sessions": sum(1 for s in self.sessions if s.tenant is not None and s.tenant.tid in tids),
             "pid": os.getpid(),
-            **self.counters,
         }
 
     # -- store calls ------------------------------------------------------------------------------------
@@ -657,7 +763,7 @@ class Fetcher:
 
     def _run(self, job: Job) -> None:
         """Run ``job``'s store call without the lock (held on entry and on return), then complete it."""
-        idle = self._idle_clients.setdefault(job.tenant, [])
+        idle = self._idle_clients.setdefault(job.cache.tenant.name, [])
         client = idle.pop() if idle else None
         self._lock.release()
         try:
@@ -676,9 +782,15 @@ class Fetcher:
         returned for the next call); a failure is recorded in ``job``, never raised."""
         try:
             if client is None:
-                client = Client(self.config, token=self.config.tenants[job.tenant])
-            views = self._slot_views(job.pool, job.slots, job.length)
+                token = self.config.tenants[job.cache.tenant.name]
+                if token.startswith(TOKEN_HASH_PREFIX):  # an etcd map keeps hashes: act for it with the admin token
+                    client = Client(self.config)
+                    client.pool.act_as = job.cache.tenant.name
+                else:
+                    client = Client(self.config, token=token)
+            views = job.cache.slot_views(job.slots, job.length)
             if job.put:
+                views += self._take_in(job)
                 job.result = client.put(job.keys, views, job.ttl_class, headers=job.headers)
             else:
                 job.result = client.get_into(job.keys, views, headers=job.headers)
@@ -689,54 +801,58 @@ class Fetcher:
             job.error = f"{type(exc).__name__}: {exc}"
         return client
 
-    def _slot_views(self, cls: int, slots: np.ndarray, length: int) -> list[memoryview]:
-        """Views of the first ``length`` bytes of ``slots`` in size class ``cls``."""
-        pool = self.pools[cls]
-        if length != pool.slot_bytes:
-            return [pool.buffer[start : start + length] for start in (pool.data_offset + slots * pool.stride).tolist()]
-        cache, viewed = self._views[cls], self._viewed[cls]
-        for slot in slots[~viewed[slots]].tolist():
-            cache[slot] = pool.view(slot)
-        viewed[slots] = True
-        return list(map(cache.__getitem__, slots.tolist()))  # type: ignore[arg-type]
+    @staticmethod
+    def _take_in(job: Job) -> list[memoryview]:
+        """A put's blocks copied from the outbox into its cache slots (no GIL held), and views of the outbox slots
+        of those that got none (stored from there)."""
+        assert job.box is not None and job.src is not None
+        box, pool, n = job.box.outbox, job.cache.pool, len(job.slots)
+        _hostcopy.copy_rows(pool.address, pool.stride, job.slots, box.address, box.stride, job.src[:n], job.length)
+        return [box.view(slot, job.length) for slot in job.src[n:].tolist()]
 
     def _complete(self, job: Job) -> None:
         """The store call of ``job`` is over (under the lock): its slots published (pinned once per waiting FETCH)
         or freed, every request waiting for it answered, then its blocks no longer in flight."""
         n = len(job.keys)
         ok = np.zeros(n, dtype=bool) if job.result is None else np.fromiter(job.result, bool, n)
-        tid, pool = tenant_id(job.tenant), self.pools[job.pool]
+        tenant, pool = job.cache.tenant, job.cache.pool
+        cached = len(job.slots)  # all of a read's blocks; a put's first ones
         # pins: one per waiting FETCH whose connection is still there (a PUT's slot is left unpinned)
-        pins = np.full(n, 0 if job.put else int(job.answer.pins), dtype=np.uint32)
+        pins = np.full(cached, 0 if job.put else int(job.answer.pins), dtype=np.uint32)
         for j, waiters in job.extra.items():
             pins[j] += sum(a.pins for a, _ in waiters)
-        stored, failed = np.flatnonzero(ok), np.flatnonzero(~ok)
+        stored, failed = np.flatnonzero(ok[:cached]), np.flatnonzero(~ok[:cached])
         # the table now (what engines read), the pool's index once the answers are out (``settle`` below)
         rows = job.rows
         if len(stored) == n:
-            pool.publish_many(job.slots, tid, job.keys, job.length, job.hdrs, pins, later=True, rows=rows)
+            pool.publish_many(job.slots, tenant.tid, job.keys, job.length, job.hdrs, pins, later=True, rows=rows)
         elif len(stored):
             at = stored.tolist()
             keys, hdrs = list(map(job.keys.__getitem__, at)), list(map(job.hdrs.__getitem__, at))
             rows = None if rows is None else rows[stored]
-            pool.publish_many(job.slots[stored], tid, keys, job.length, hdrs, pins[stored], later=True, rows=rows)
+            slots = job.slots[stored]
+            pool.publish_many(slots, tenant.tid, keys, job.length, hdrs, pins[stored], later=True, rows=rows)
         if len(failed):
             pool.abandon_many(job.slots[failed], job.gens[failed])
         if job.put:
+            assert job.box is not None and job.src is not None and job.src_gens is not None
+            job.box.outbox.give_back(job.src, job.src_gens)  # (the store no longer reads them)
             good, bad = BlockStatus.STORED, BlockStatus.ERROR
             error = job.error or "the store did not commit the block (too few nodes took it)"
+            tenant.counters["blocks_put"] += int(ok.sum())
+            tenant.counters["blocks_failed"] += n - int(ok.sum())
         else:
             good, bad = BlockStatus.FETCHED, BlockStatus.MISS if job.error is None else BlockStatus.ERROR
             error = job.error or ""
-            self.counters["bytes_fetched"] += len(stored) * job.length
-        self.counters[_COUNTER_OF[(job.put, good)]] += len(stored)
-        self.counters[_COUNTER_OF[(job.put, bad)]] += len(failed)
+            tenant.counters["bytes_fetched"] += len(stored) * job.length
+            tenant.counters["blocks_fetched"] += len(stored)
+            tenant.counters["blocks_missed" if job.error is None else "blocks_failed"] += len(failed)
         self._settle(job, job.answer, job.index, ok, good, bad, error)
         for j, waiters in job.extra.items():
             for answer, i in waiters:
                 self._settle(job, answer, np.array([i]), ok[j : j + 1], good, bad, error, j)
         if not job.put:
-            self._land(job, tid)
+            self._land(job, tenant.tid)
         pool.settle()
 
     def _land(self, job: Job, tid: int) -> None:
@@ -760,15 +876,18 @@ class Fetcher:
     ) -> None:
         """Answer positions ``index`` of ``answer`` with what the store call did for blocks ``first …`` of ``job``."""
         blocks = slice(first, first + len(index))
-        slots, gens = job.slots[blocks], job.gens[blocks]
-        keep = ok | job.put  # a PUT's answer names its slot either way; a failed read names none
         answer.status[index] = np.where(ok, good, bad)
-        answer.slots[index] = np.where(keep, slots, 0)
-        answer.gens[index] = np.where(keep, gens, 0)
+        if job.put:  # a PUT's answer names its outbox slot either way
+            assert job.src is not None and job.src_gens is not None
+            answer.slots[index], answer.gens[index] = job.src[blocks], job.src_gens[blocks]
+        else:  # a failed read names none
+            slots, gens = job.slots[blocks], job.gens[blocks]
+            answer.slots[index] = np.where(ok, slots, 0)
+            answer.gens[index] = np.where(ok, gens, 0)
+            if answer.pins:  # a job's slots are distinct
+                answer.session.pins_of(job.cache)[slots[ok]] += np.uint32(1)
         if bad == BlockStatus.ERROR and not ok.all():
             answer.errors.update(dict.fromkeys(index[~ok].tolist(), error))
-        if not job.put and answer.pins:  # a job's slots are distinct
-            answer.session.pins_of(job.pool, self.pools[job.pool].slots)[slots[ok]] += np.uint32(1)
         answer.remaining -= len(index)
         if answer.remaining == 0:
             self._answer(answer, FetchOp.PUT if job.put else FetchOp.FETCH if answer.pin else FetchOp.PREFETCH)

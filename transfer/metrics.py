@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.kvstore.metrics import MetricsServer
+from kvtier.kvstore.protocol import Limits
 
 
 class StatsCollector(Collector):
@@ -41,12 +42,14 @@ def serve_metrics(
     address: tuple[str, int],
     stats: Callable[[], dict[str, Any]],
     counters: frozenset[str] = frozenset(),
+    limits: Limits | None = None,
 ) -> MetricsServer:
-    """Start serving ``/metrics`` (``stats()`` as series) and ``/health`` (ok while ``stats()`` answers)."""
+    """Start serving ``/metrics`` (``stats()`` as series) and ``/health`` (ok while ``stats()`` answers), within
+    ``limits`` (the cluster file's: connections at once, the time a request may take)."""
     registry = CollectorRegistry()
     registry.register(StatsCollector(component, stats, counters))
 
     def health() -> dict[str, Any]:
         return {"status": "ok", **{k: v for k, v in stats().items() if isinstance(v, int | float | str)}}
 
-    return MetricsServer(registry, address[0], address[1], health).start()
+    return MetricsServer(registry, address[0], address[1], health, limits).start()

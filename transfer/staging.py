@@ -1,25 +1,36 @@
-"""Host staging pool: one POSIX shared-memory segment cut into fixed-size slots, with its slot table inside.
+"""Host staging pool: shared-memory segments cut into fixed-size slots, each with its slot table inside.
 
-Layout of ``/dev/shm/NAME`` (all little-endian; every column 64-byte aligned, slot data 4 KiB aligned)::
+A segment is an anonymous memory file (``memfd``): it has no name in ``/dev/shm`` that another process could open.
+Its writer (the fetcher, or a StateBlock host) maps it read-write, then **seals** it (``F_SEAL_FUTURE_WRITE``, and no
+growing or shrinking): from then on nobody, the writer included, can map it writable again, ``write`` to it, punch
+holes in it or resize it, whatever descriptor they hold; the writer's own mapping, made before the seal, stays
+writable. Readers get a descriptor from the writer (the fetcher passes it over its Unix socket, ``SCM_RIGHTS``, only
+to the tenant whose blocks the segment holds) and map it read-only: :class:`SlotMap`. A reader can therefore neither
+change a block nor the table, however it tries (``mprotect``, a writable ``mmap``, reopening the descriptor
+read-write through ``/proc``: the seal refuses each).
 
-    header   magic, version, slot_bytes, slot stride, slots, data offset, epoch, writer pid, LRU clock,
-             hit / miss counters
+Layout of a segment (all little-endian; every column 64-byte aligned, slot data 4 KiB aligned)::
+
+    header   magic, version, writer pid, slot_bytes, slot stride, slots, data offset, epoch, LRU clock,
+             eviction / hit / miss counters
     columns  gen u64 · lru u64 · tenant u64 · state u32 · pins u32 · owner u32 · length u32 · klen u32 · key 32 B ·
              hdr 16 B
     data     slot i at data_offset + i × stride
 
-One process, the **writer** (the fetcher, or a StateBlock host), owns the table: it alone changes states, keys
-and generations, holding an exclusive ``flock`` on the segment for its whole life. The kernel drops that lock
-when the writer dies, however it dies, so a restarted writer knows it may take over and reclaim what the dead
-one left (``StagingPool.own``). Any number of **readers** (engines, ``kvtier-fetcher status``) map the same
-segment (:class:`SlotMap`) and read slot bytes in place, without copies and without locks: a slot's generation
-is a seqlock. It changes before a slot's bytes are reused, so ``gen before == gen after == expected`` around a
-read proves the bytes read were that block's (``SlotMap.valid``).
+The writer alone changes states, keys and generations (:class:`StagingPool`); readers read slot bytes in place,
+without copies and without locks: a slot's generation is a seqlock. It changes before a slot's bytes are reused,
+so ``gen before == gen after == expected`` around a read proves the bytes read were that block's
+(``SlotMap.valid``). Memory is touched lazily: slots are handed out lowest first (``touched_bytes``), so a segment
+larger than what its tenant may use costs only what it used.
+
+An :class:`Outbox` is the other kind of segment: slots an engine writes blocks into before they are stored (the
+fetcher's ALLOC/PUT). It is not sealed (its tenant's engines map it writable) and holds no table: which slots are
+given out, and their generations, is the fetcher's own memory, so nothing written there can mislead the fetcher.
 
 Slot states (see docs/transfer.md for the transition table and failure cases):
 
     FREE     holds nothing                                  → FILLING (reserve)
-    FILLING  being written (by the fetcher, or an engine)   → READY (done) · FREE (failed, owner gone)
+    FILLING  being written by the writer                    → READY (done) · FREE (failed, owner gone)
     READY    holds a block, cached under its key, evictable → PINNED (pin) · FILLING (evicted and reused)
     PINNED   READY and pinned by ≥ 1 reader: never evicted  → READY (last unpin)
 """
@@ -27,9 +38,7 @@ Slot states (see docs/transfer.md for the transition table and failure cases):
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
-import errno
 import fcntl
 import functools
 import hashlib
@@ -42,19 +51,19 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice, repeat
-from pathlib import Path
 
 import numpy as np
 
-SHM_DIR = Path("/dev/shm")
 MAGIC = b"KVTSTAGE"
-VERSION = 1
+VERSION = 2
 KEY_BYTES = 32  # keys of 16 or 32 bytes, zero-padded
 HDR_BYTES = 16
 PAGE = 4096
 _HEADER = struct.Struct("<8sIIQQQQ16sQQQQ")  # magic version writer_pid slot_bytes stride slots data_off epoch clock..
 _HEADER_BYTES = PAGE
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+F_SEAL_FUTURE_WRITE = 0x10  # (Linux ≥ 5.1; not in Python's fcntl before 3.12)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 _COLUMNS = (
     ("gen", np.uint64, 1),
     ("lru", np.uint64, 1),
@@ -81,7 +90,7 @@ FREE, FILLING, READY, PINNED = (int(s) for s in SlotState)
 
 
 class PoolError(Exception):
-    """The segment cannot be created, opened or taken over; the message says why and what to do."""
+    """A segment cannot be made or mapped; the message says why and what to do."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -92,6 +101,11 @@ def tenant_id(tenant: str) -> int:
 
 def _align(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def stride_of(slot_bytes: int) -> int:
+    """Bytes a slot of ``slot_bytes`` takes in a segment (whole pages, so that slots can be mapped and pinned)."""
+    return _align(slot_bytes, PAGE)
 
 
 def _each(function: Callable[..., object], items: Iterable[object], *args: object) -> None:
@@ -106,28 +120,32 @@ def _geometry(slot_bytes: int, slots: int) -> tuple[int, int, dict[str, int]]:
     for name, dtype, width in _COLUMNS:
         offsets[name] = at
         at = _align(at + slots * np.dtype(dtype).itemsize * width, 64)
-    return _align(slot_bytes, PAGE), _align(at, PAGE), offsets
+    return stride_of(slot_bytes), _align(at, PAGE), offsets
 
 
 def check_name(name: str) -> str:
     if not _NAME.match(name):
-        raise PoolError(f"bad shared-memory name {name!r}: use letters, digits, '.', '_' or '-'")
+        raise PoolError(f"bad segment name {name!r}: use letters, digits, '.', '_' or '-'")
     return name
 
 
-def segment_path(name: str) -> Path:
-    return SHM_DIR / check_name(name)
+def memory_file(name: str, size: int) -> int:
+    """A new anonymous memory file of ``size`` bytes (``memfd``, sealable, close-on-exec): its descriptor."""
+    try:
+        fd = os.memfd_create(check_name(name), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise PoolError(f"cannot make the memory file {name!r}: {exc}") from None
+    try:
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        os.close(fd)
+        raise PoolError(f"cannot size the memory file {name!r} to {size} B: {exc}") from None
+    return fd
 
 
-def class_names(name: str, slot_sizes: Sequence[int]) -> list[str]:
-    """Segment names of a pool's size classes: ``name`` itself for one class, ``name-<slot bytes>`` for several."""
-    return [name] if len(slot_sizes) == 1 else [f"{name}-{size}" for size in slot_sizes]
-
-
-def unlink(name: str) -> None:
-    """Remove the segment's name (mappings that exist stay valid until unmapped)."""
-    with contextlib.suppress(FileNotFoundError):
-        segment_path(name).unlink()
+def read_only(fd: int) -> int:
+    """A new descriptor of the same memory file, opened read-only: what the fetcher hands a reader."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 def _entries(
@@ -170,10 +188,10 @@ class PoolStats:
 
     @classmethod
     def total(cls, parts: Sequence[PoolStats]) -> PoolStats:
-        """The pools of several size classes counted as one (``slot_bytes``: the largest)."""
+        """The pools of several segments counted as one (``slot_bytes``: the largest; none: all zero)."""
         summed = {f: sum(getattr(p, f) for p in parts) for f in cls.__dataclass_fields__ if f != "slot_bytes"}
-        summed["writer_pid"] = parts[0].writer_pid
-        return cls(slot_bytes=max(p.slot_bytes for p in parts), **summed)
+        summed["writer_pid"] = parts[0].writer_pid if parts else os.getpid()
+        return cls(slot_bytes=max((p.slot_bytes for p in parts), default=0), **summed)
 
     def as_dict(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(self.__dict__)
@@ -181,24 +199,50 @@ class PoolStats:
         return out
 
 
-class SlotMap:
-    """A mapping of the segment: slot bytes and the table, read-only in spirit (readers never change states).
+class Region:
+    """A mapping of a segment's slots: ``view(slot)`` is a slot's memory (writable only in a writable mapping)."""
 
-    ``view(slot)`` is the slot's memory, writable so that an engine can fill slots it was given for a put.
-    """
-
-    def __init__(self, name: str, mapping: mmap.mmap) -> None:
+    def __init__(
+        self, name: str, mapping: mmap.mmap, slot_bytes: int, stride: int, slots: int, data_offset: int
+    ) -> None:
+        if len(mapping) < data_offset + slots * stride:
+            raise PoolError(f"segment {name} is shorter than its {slots} slots of {stride} B")
         self.name = name
         self._mmap = mapping
         self.buffer = memoryview(mapping)
+        self.slot_bytes, self.stride, self.slots, self.data_offset = slot_bytes, stride, slots, data_offset
+        self.writable = not self.buffer.readonly
+        self.gone = False  # a client's mark: the fetcher that made it is gone, or dropped it
+        self.address = np.frombuffer(mapping, np.uint8).ctypes.data + data_offset  # slot 0, for C loops
+
+    def view(self, slot: int, length: int | None = None) -> memoryview:
+        """The slot's bytes (``length`` of them; default the whole slot). No copy."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.slots - 1}")
+        start = self.data_offset + slot * self.stride
+        return self.buffer[start : start + (self.slot_bytes if length is None else length)]
+
+    def close(self) -> None:
+        """Unmap, once no view handed out is alive any more (until then the mapping stays, harmlessly)."""
+        try:
+            self.buffer.release()
+            self._mmap.close()
+        except BufferError:
+            pass
+
+
+class SlotMap(Region):
+    """A mapping of a cache segment: slot bytes and the table. Readers map it read-only (:meth:`open`)."""
+
+    def __init__(self, name: str, mapping: mmap.mmap) -> None:
         magic, version, _pid, slot_bytes, stride, slots, data_offset, epoch, *_ = _HEADER.unpack_from(mapping, 0)
         if magic != MAGIC or version != VERSION:
-            raise PoolError(f"/dev/shm/{name} is not a kvtier staging pool (version {VERSION})")
-        self.slot_bytes, self.stride, self.slots, self.data_offset = slot_bytes, stride, slots, data_offset
-        self.epoch: bytes = epoch
+            raise PoolError(f"segment {name} is not a kvtier staging pool (version {VERSION})")
         _, expected_offset, offsets = _geometry(slot_bytes, slots)
-        if expected_offset != data_offset or len(mapping) < data_offset + slots * stride:
-            raise PoolError(f"/dev/shm/{name} is truncated or inconsistent; remove it and start the fetcher again")
+        if expected_offset != data_offset:
+            raise PoolError(f"segment {name} has an inconsistent header")
+        super().__init__(name, mapping, slot_bytes, stride, slots, data_offset)
+        self.epoch: bytes = epoch
         cols = {}
         for col, dtype, width in _COLUMNS:
             shape = (slots, width) if width > 1 else (slots,)
@@ -210,23 +254,18 @@ class SlotMap:
         self._counters = np.ndarray((4,), dtype=np.uint64, buffer=mapping, offset=_HEADER.size - 32)
 
     @classmethod
-    def open(cls, name: str) -> SlotMap:
-        """Map an existing segment (readers). Raises PoolError if there is none."""
+    def open(cls, fd: int, name: str = "segment") -> SlotMap:
+        """Map the segment behind ``fd`` read-only (a reader: an engine, ``kvtier-fetcher status``). The caller keeps
+        ``fd`` (and closes it: the mapping needs no descriptor). Raises PoolError if it is not a staging pool."""
         try:
-            fd = os.open(segment_path(name), os.O_RDWR)
-        except FileNotFoundError:
-            raise PoolError(f"no staging pool /dev/shm/{name}: is the fetcher running with --shm {name}?") from None
+            mapping = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise PoolError(f"cannot map segment {name}: {exc}") from None
         try:
-            return cls(name, mmap.mmap(fd, os.fstat(fd).st_size))
-        finally:
-            os.close(fd)  # the mapping keeps the segment; a reader holds no lock, so it needs no descriptor
-
-    def view(self, slot: int, length: int | None = None) -> memoryview:
-        """The slot's bytes (``length`` of them; default the whole slot). No copy; writable."""
-        if not 0 <= slot < self.slots:
-            raise IndexError(f"slot {slot} out of range 0..{self.slots - 1}")
-        start = self.data_offset + slot * self.stride
-        return self.buffer[start : start + (self.slot_bytes if length is None else length)]
+            return cls(name, mapping)
+        except BaseException:
+            mapping.close()
+            raise
 
     def valid(self, slot: int, generation: int) -> bool:
         """Whether ``slot`` holds a block (READY or PINNED) at ``generation``.
@@ -238,7 +277,7 @@ class SlotMap:
         return 0 <= slot < self.slots and int(self.gen[slot]) == generation and int(self.state[slot]) in (READY, PINNED)
 
     def filling(self, slot: int, generation: int) -> bool:
-        """Whether ``slot`` is still being filled under ``generation`` (an engine's allocated slot, not reclaimed)."""
+        """Whether ``slot`` is still being filled under ``generation``."""
         return 0 <= slot < self.slots and int(self.gen[slot]) == generation and int(self.state[slot]) == FILLING
 
     def valid_many(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
@@ -279,12 +318,9 @@ class SlotMap:
         )
 
     def close(self) -> None:
-        """Unmap, once no view handed out is alive any more (until then the mapping stays, harmlessly)."""
         del self.gen, self.lru, self.tenant, self.state, self.pins, self.owner, self.length, self.klen
         del self.keys, self.hdrs, self._counters
-        with contextlib.suppress(BufferError):
-            self.buffer.release()
-            self._mmap.close()
+        super().close()
 
 
 class _Lru:
@@ -341,123 +377,66 @@ class _Lru:
 
 
 class StagingPool(SlotMap):
-    """The writer's side: reserve, fill, pin, evict. One writer per segment (an exclusive ``flock``).
+    """The writer's side of a cache segment: reserve, fill, pin, evict. Made by :meth:`create`; the only process
+    that changes the segment (readers cannot: it is sealed).
 
-    Thread-safe (one internal lock); every method is O(1) except ``own``'s rebuild. Keys are scoped by a
-    64-bit tenant id: a lookup never returns another tenant's block.
+    Thread-safe (one internal lock); every method is O(1) amortized. Keys are scoped by a 64-bit tenant id: a lookup
+    never returns another tenant's block. Slots are handed out lowest first: ``hwm`` slots have ever been used
+    (``touched_bytes`` of memory), and :meth:`reserve_many` takes a never-used slot only within the limit it is given.
     """
 
     def __init__(self, name: str, fd: int, mapping: mmap.mmap) -> None:
         super().__init__(name, mapping)
-        self._fd = fd  # holds the writer's ``flock`` for the pool's life
+        self.fd = fd  # kept to hand read-only descriptors out (``read_only``)
         self._lock = threading.RLock()
         # tenant -> key -> READY/PINNED slot (the reverse is the table's tenant and key columns): one dict a
         # tenant, so that a batch of keys is looked up, added or removed in C without a tuple per key
         self._index: dict[int, dict[bytes, int]] = {}
         self._later: list[Callable[[], None]] = []  # index changes of ``publish_many(later=True)``, in order
         self._evictable = _Lru()  # READY slots, oldest first
-        self._free: list[int] = []
+        self._free: list[int] = []  # FREE slots below ``hwm`` (their memory touched)
+        self.hwm = 0  # slots ``0 … hwm-1`` have been handed out at least once
         self._detached: set[int] = set()  # superseded by a newer copy of their key: freed at last unpin
         # called (under the pool's lock) with (tenant, key, slot, generation) of each block evicted by reserve
         self.on_evict: Callable[[int, bytes, int, int], None] | None = None
-        self.created = False  # ``own`` made the segment (rather than taking over a dead writer's)
-        self._reclaimed = self._rebuild()
 
     def close(self) -> None:
-        """Unmap (as :meth:`SlotMap.close`) and close the descriptor: the ``flock`` goes, another writer may own it."""
+        """Unmap (as :meth:`SlotMap.close`) and close the descriptor; the memory goes once no reader maps it."""
         super().close()
-        os.close(self._fd)
+        os.close(self.fd)
 
     @classmethod
-    def own(cls, name: str, capacity_bytes: int, slot_bytes: int) -> StagingPool:
-        """Create the segment, or take over the one a dead writer left (its READY blocks stay cached).
-
-        Raises PoolError if a live writer holds it, or if the existing one has another geometry.
-        """
+    def create(cls, name: str, capacity_bytes: int, slot_bytes: int) -> StagingPool:
+        """A new sealed segment of ``capacity_bytes // stride`` slots of ``slot_bytes`` (at least one), all FREE.
+        ``name`` only labels it (``/proc/PID/maps`` shows ``/memfd:NAME``). Raises PoolError if it cannot be made."""
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:
             raise PoolError(f"capacity {capacity_bytes} B must hold at least one slot of {slot_bytes} B")
-        slots = capacity_bytes // _align(slot_bytes, PAGE) or 1
+        slots = capacity_bytes // stride_of(slot_bytes) or 1
         stride, data_offset, _ = _geometry(slot_bytes, slots)
-        path = segment_path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        size = data_offset + slots * stride
+        fd = memory_file(name, size)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                    raise PoolError(f"/dev/shm/{name} is owned by a running process (another fetcher?)") from None
-                raise
-            size = os.fstat(fd).st_size
-            if size == 0:
-                os.ftruncate(fd, data_offset + slots * stride)
-                mapping = mmap.mmap(fd, data_offset + slots * stride)
-                _HEADER.pack_into(
-                    mapping,
-                    0,
-                    MAGIC,
-                    VERSION,
-                    0,
-                    slot_bytes,
-                    stride,
-                    slots,
-                    data_offset,
-                    secrets.token_bytes(16),
-                    0,
-                    0,
-                    0,
-                    0,
-                )
-            else:
-                mapping = mmap.mmap(fd, size)
-                existing = _HEADER.unpack_from(mapping, 0)
-                if existing[0] != MAGIC:
-                    mapping.close()
-                    raise PoolError(
-                        f"/dev/shm/{name} exists and is not a kvtier staging pool: remove it or use another"
-                    )
-                if (existing[3], existing[5]) != (slot_bytes, slots):
-                    mapping.close()
-                    raise PoolError(
-                        f"/dev/shm/{name} exists with {existing[5]} slots of {existing[3]} B, not {slots} of "
-                        f"{slot_bytes} B: use the same --size/slot size, or remove it first"
-                    )
-            struct.pack_into("<I", mapping, 12, os.getpid())
-            pool = cls(name, fd, mapping)
-            pool.created = size == 0
-            return pool
+            mapping = mmap.mmap(fd, size)
+            _HEADER.pack_into(
+                mapping, 0, MAGIC, VERSION, os.getpid(), slot_bytes, stride, slots, data_offset,
+                secrets.token_bytes(16), 0, 0, 0, 0,
+            )  # fmt: skip
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # this mapping stays writable; no other ever can be
+            return cls(name, fd, mapping)
         except BaseException:
             os.close(fd)
             raise
 
     @property
-    def reclaimed(self) -> int:
-        """Slots the previous (dead) writer left FILLING or PINNED, given back by ``own``."""
-        return self._reclaimed
+    def touched_bytes(self) -> int:
+        """Memory the slots handed out so far occupy (the rest of the segment was never touched)."""
+        return self.hwm * self.stride
 
-    def _rebuild(self) -> int:
-        reclaimed = 0
-        for slot in np.argsort(self.lru, kind="stable").tolist():
-            state = self.state[slot]
-            if state == FILLING:
-                self._to_free(slot)
-                reclaimed += 1
-                continue
-            if state == PINNED:  # its pinners' sessions died with the old writer
-                self.pins[slot] = 0
-                self.state[slot] = READY
-                reclaimed += 1
-            if self.state[slot] == READY:
-                index = self._keys_of(int(self.tenant[slot]))
-                key = self._key(slot)
-                older = index.get(key)
-                if older is not None:  # a superseded copy kept for its (now dead) pins: the newest stays
-                    self._evictable.discard((older,))
-                    self._to_free(older)
-                index[key] = slot
-                self._evictable.add((slot,))
-            else:
-                self._free.append(slot)
-        return reclaimed
+    def idle(self) -> bool:
+        """No slot is pinned or being filled: the segment may be dropped whole (its blocks forgotten)."""
+        with self._lock:
+            state = self.state[: self.hwm]
+            return not ((state == PINNED) | (state == FILLING)).any()
 
     def _key(self, slot: int) -> bytes:
         return bytes(self.keys[slot, : self.klen[slot]])
@@ -577,17 +556,23 @@ class StagingPool(SlotMap):
     # -- transitions ------------------------------------------------------------------------------------
 
     def reserve(self, owner_pid: int) -> tuple[int, int] | None:
-        """A slot to fill, as (slot, generation): a free one, else the least recently used READY one
-        (evicted: its old generation becomes a miss). None when every slot is FILLING or PINNED."""
+        """A slot to fill, as (slot, generation): a free one, else a never-used one, else the least recently used
+        READY one (evicted: its old generation becomes a miss). None when every slot is FILLING or PINNED."""
         slots, gens = self.reserve_many(1, owner_pid)
         return (int(slots[0]), int(gens[0])) if len(slots) else None
 
-    def reserve_many(self, n: int, owner_pid: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`reserve` for up to ``n`` slots (fewer when the rest are FILLING or PINNED): (slots, generations)."""
+    def reserve_many(self, n: int, owner_pid: int, fresh: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`reserve` for up to ``n`` slots (fewer when the rest are FILLING or PINNED): (slots, generations).
+        At most ``fresh`` never-used slots are taken (None: any number), so that a caller can bound the memory its
+        segments touch; past that, slots are reused by eviction."""
         with self._lock:
             self._settle()
             take = self._free[len(self._free) - min(n, len(self._free)) :]
             del self._free[len(self._free) - len(take) :]
+            new = min(n - len(take), self.slots - self.hwm, self.slots if fresh is None else max(0, fresh))
+            if new:
+                take += range(self.hwm, self.hwm + new)
+                self.hwm += new
             evict = min(n - len(take), len(self._evictable))
             if evict:
                 evicted = self._evictable.take_oldest(evict)
@@ -806,3 +791,55 @@ class StagingPool(SlotMap):
                 (s for index in self._index.values() for s in index.values()), key=lambda s: int(self.lru[s])
             )
             return [(int(self.tenant[s]), self._key(s), s, int(self.gen[s])) for s in slots]
+
+
+class Outbox(Region):
+    """Slots engines fill with blocks to store (the fetcher's ALLOC, then PUT): a memory file of its own, not sealed
+    (the descriptor handed out is read-write) and with no table in it. Which slots are given out, and their
+    generations, live in this object (the fetcher's private memory), so nothing an engine writes here can mislead
+    the fetcher. Not thread-safe: the fetcher calls it under its lock."""
+
+    def __init__(self, name: str, slot_bytes: int, slots: int) -> None:
+        stride = stride_of(slot_bytes)
+        self.fd = memory_file(name, slots * stride)
+        try:
+            mapping = mmap.mmap(self.fd, slots * stride)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        super().__init__(name, mapping, slot_bytes, stride, slots, 0)
+        self.epoch = secrets.token_bytes(16)
+        self.gen = np.zeros(slots, np.uint64)
+        self.out = np.zeros(slots, dtype=bool)
+        self._free: list[int] = []  # slots given back (their memory touched)
+        self.hwm = 0
+
+    @property
+    def touched_bytes(self) -> int:
+        return self.hwm * self.stride
+
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``n`` slots to give out (fewer when the rest are out), slots given back before first: (slots,
+        generations)."""
+        got = self._free[len(self._free) - min(n, len(self._free)) :]
+        del self._free[len(self._free) - len(got) :]
+        new = min(n - len(got), self.slots - self.hwm)
+        got += range(self.hwm, self.hwm + new)
+        self.hwm += new
+        slots = np.array(got, dtype=np.int64)
+        self.gen[slots] += np.uint64(1)
+        self.out[slots] = True
+        return slots, self.gen[slots].copy()
+
+    def give_back(self, slots: np.ndarray, gens: np.ndarray) -> int:
+        """Slots given out at generations ``gens`` come back; how many did (the others were not out at those)."""
+        inside = (slots >= 0) & (slots < self.slots)
+        at = slots[inside]
+        mine = at[self.out[at] & (self.gen[at] == gens[inside])]
+        self.out[mine] = False
+        self._free += mine.tolist()
+        return len(mine)
+
+    def close(self) -> None:
+        super().close()
+        os.close(self.fd)

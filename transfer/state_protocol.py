@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import numpy as np
 
 from kvtier.kvstore import wire
-from kvtier.kvstore.protocol import Op
+from kvtier.kvstore.protocol import UNSET, Hello, Op, Request, Schemas, Unset
 
 
 class StateOp(enum.IntEnum):
@@ -38,6 +39,51 @@ class StateOp(enum.IntEnum):
     LOOKUP = 51
     STATS = 52
     PULL = 56
+
+
+class _Keys(Request):
+    keys: bytes | Unset = UNSET
+    klen: int | Unset = UNSET
+
+
+class _Entries(_Keys):
+    host: str | Unset = UNSET
+    slot: bytes | Unset = UNSET
+    gen: bytes | Unset = UNSET
+
+
+class Register(_Entries):
+    addr: Annotated[list[str | int], msgspec.Meta(max_length=2)] | Unset = UNSET
+    full: bool | Unset = UNSET
+
+
+class Heartbeat(Request):
+    host: str | Unset = UNSET
+
+
+class Stats(Request):
+    pass
+
+
+class Pull(Request):
+    key: bytes | Unset = UNSET
+    slot: int | Unset = UNSET
+    gen: int | Unset = UNSET
+
+
+DIRECTORY_REQUESTS = Schemas(
+    {
+        StateOp.HELLO: Hello,
+        StateOp.REGISTER: Register,
+        StateOp.UNREGISTER: _Entries,
+        StateOp.HEARTBEAT: Heartbeat,
+        StateOp.LOOKUP: _Keys,
+        StateOp.STATS: Stats,
+    }
+)
+"""The typed metadata of the directory's requests (:class:`~kvtier.kvstore.protocol.Schemas`)."""
+PULL_REQUESTS = Schemas({StateOp.HELLO: Hello, StateOp.PULL: Pull})
+"""... and of a StateBlock server's."""
 
 
 def host_field(meta: dict[str, Any]) -> str:

@@ -3,15 +3,15 @@
 A StateBlock is one sequence's sliding-window state at a position that is a multiple of 128, keyed by the block
 key of the prefix it ends; its size is fixed by the model (:func:`stateblock_bytes`). StateBlocks never go to the
 storage cluster. Each engine host keeps them in a slot pool (:class:`~kvtier.transfer.staging.StagingPool`,
-LRU), tells the directory (:mod:`~kvtier.transfer.directory`) what it holds, and serves them over TCP on an
-address of their own. Another host asks the directory where a key is, then pulls it naming slot and
-generation: it gets those bytes, or a miss if the slot was reused since (never another block's bytes: the slot
-is pinned while it is sent, and only if it still holds that key at that generation).
+LRU; an anonymous memory file only this process maps), tells the directory (:mod:`~kvtier.transfer.directory`)
+what it holds, and serves them over TCP on an address of their own. Another host asks the directory where a
+key is, then pulls it naming slot and generation: it gets those bytes, or a miss if the slot was reused since
+(never another block's bytes: the slot is pinned while it is sent, and only if it still holds that key at that
+generation).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -21,9 +21,10 @@ from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.protocol import ErrorCode, Frame, Op, ProtocolError, encode_head
 from kvtier.kvstore.sockio import sendmsg_all
 from kvtier.transfer import state_protocol as sp
+from kvtier.transfer.availability import Availability
 from kvtier.transfer.conn import FrameConn, PeerError, serve_connections, tcp
 from kvtier.transfer.directory import DirectoryClient, DirectoryError
-from kvtier.transfer.staging import PoolError, StagingPool, tenant_id, unlink
+from kvtier.transfer.staging import PoolError, StagingPool, tenant_id
 from kvtier.transfer.state_protocol import Location, StateOp
 
 log = logging.getLogger("kvtier.stateblock")
@@ -80,8 +81,10 @@ class StateBlockHost:
     - ``get_into(key, out)`` → True with ``out`` filled, or False (a miss: nobody holds it, the holder reused
       the slot, or the holder is unreachable). Misses are never exceptions.
     - A thread heartbeats the directory every ``heartbeat_s``; when the directory does not know this host
-      (it restarted, or the lease ran out) the host re-reports all it holds.
-    - ``close`` stops serving and removes the segment.
+      (it restarted, or the lease ran out) the host re-reports all it holds. A directory that stops answering is
+      logged once, and once again when it answers again (``directory_availability`` counts both).
+    - ``close`` stops serving and frees the pool. The pool is this process's memory: no other process can open it,
+      and it goes with the process (a host that crashed starts again with none).
     """
 
     def __init__(
@@ -104,27 +107,29 @@ class StateBlockHost:
         self.tid = tenant_id(tenant)
         self.block_bytes = block_bytes
         self.host_id = host_id
-        self.pool = StagingPool.own(shm, capacity_bytes, block_bytes)
+        self.pool = StagingPool.create(shm, capacity_bytes, block_bytes)
         self.pool.on_evict = self._evicted
         self._evictions: list[tuple[bytes, int, int]] = []
         self._write_lock = threading.Lock()
         self._dir_lock = threading.Lock()
         self.directory = DirectoryClient(directory, self.token) if directory is not None else None
+        where = f"the StateBlock directory at {directory[0]}:{directory[1]}" if directory is not None else ""
+        self.directory_availability = Availability(where, "StateBlocks of other hosts are not found", log)
         self._reported = False
         self.puller = Puller(self.token)
         try:
             self.listener = socket.create_server(listen)
         except OSError:
-            self.pool.close()  # gives the segment's lock back: a retry (another port) can take it
+            self.pool.close()
             raise
         self.addr: tuple[str, int] = self.listener.getsockname()[:2]
         self._stopping = threading.Event()
         self.heartbeat_s = heartbeat_s
-        self.heartbeat()  # the first report: everything a previous run of this host left in the pool
+        self.heartbeat()  # the first report: this host's address
         self._threads = [
             threading.Thread(
                 target=serve_connections,
-                args=(self.listener, config, self._serve, self._stopping, log),
+                args=(self.listener, config, sp.PULL_REQUESTS, self._serve, self._stopping, log),
                 daemon=True,
             ),
             threading.Thread(target=self._heartbeats, daemon=True),
@@ -179,10 +184,12 @@ class StateBlockHost:
             return [None] * len(keys)
         try:
             with self._dir_lock:
-                return self.directory.lookup(list(keys))
+                found = self.directory.lookup(list(keys))
         except DirectoryError as exc:
-            log.warning("directory lookup failed: %s", exc)
+            self.directory_availability.failed(exc)
             return [None] * len(keys)
+        self.directory_availability.answered()
+        return found
 
     # -- directory -------------------------------------------------------------------------------------
 
@@ -201,7 +208,7 @@ class StateBlockHost:
                 self._flush_evictions()
             except DirectoryError as exc:
                 self._reported = False
-                log.warning("directory unreachable: %s", exc)
+                self.directory_availability.failed(exc)
 
     def _register_all(self) -> None:
         assert self.directory is not None
@@ -230,10 +237,12 @@ class StateBlockHost:
                 if not (self._reported and self.directory.heartbeat(self.host_id)):
                     self._register_all()
                 self._flush_evictions()
-                return True
-            except DirectoryError:
+            except DirectoryError as exc:
                 self._reported = False
+                self.directory_availability.failed(exc)
                 return False
+        self.directory_availability.answered()
+        return True
 
     # -- pull server -----------------------------------------------------------------------------------
 
@@ -262,8 +271,6 @@ class StateBlockHost:
         if self.directory is not None:
             self.directory.close()
         self.pool.close()
-        with contextlib.suppress(OSError):
-            unlink(self.pool.name)
 
     def __enter__(self) -> StateBlockHost:
         return self

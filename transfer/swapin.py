@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ from kvtier.kernels import _hostcopy
 from kvtier.kernels.rowcopy import STAMP_LIMIT, WORD_BYTES, RowCheckKernel, RowCopyKernel
 
 _HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_HOST_REGISTER_READ_ONLY = 0x8  # cudaHostRegisterReadOnly: the device only reads it (a read-only mapping)
 
 
 class SwapError(ValueError):
@@ -53,15 +55,18 @@ class SwapError(ValueError):
 
 
 def slot_tensor(buffer: Any, *, stride: int, slots: int, offset: int = 0) -> torch.Tensor:
-    """The ``uint8`` tensor ``[slots, stride]`` over ``buffer[offset : offset + slots * stride]`` (any writable
-    buffer: a shared-memory segment's ``buf``, an ``mmap``, a numpy array). A view: no copy, and writes through it
-    land in the buffer. Raises :class:`SwapError` if the region does not fit the buffer."""
+    """The ``uint8`` tensor ``[slots, stride]`` over ``buffer[offset : offset + slots * stride]`` (any buffer: a
+    segment's mapping, an ``mmap``, a numpy array). A view: no copy, and writes through it land in the buffer. A
+    read-only buffer (a cache segment as engines map it) gives a tensor that must only be read (``swap_in``): a
+    write through it faults. Raises :class:`SwapError` if the region does not fit the buffer."""
     if stride <= 0 or slots <= 0 or offset < 0:
         raise SwapError(f"slot geometry must be positive: stride={stride} slots={slots} offset={offset}")
-    size = memoryview(buffer).nbytes
-    if offset + slots * stride > size:
-        raise SwapError(f"{slots} slots of {stride} bytes from offset {offset} do not fit a {size}-byte buffer")
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=slots * stride, offset=offset).view(slots, stride)
+    view = memoryview(buffer)
+    if offset + slots * stride > view.nbytes:
+        raise SwapError(f"{slots} slots of {stride} bytes from offset {offset} do not fit a {view.nbytes}-byte buffer")
+    with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only: the caller knows
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8, count=slots * stride, offset=offset).view(slots, stride)
 
 
 class _CudaArrayInterface:
@@ -85,16 +90,22 @@ class CudaHostMapping:
     write host memory through it, across PCIe. Raises :class:`SwapError` if the tensor is unsuitable and
     ``RuntimeError`` if CUDA refuses the registration.
 
+    ``read_only``: the memory is mapped read-only (a cache segment as an engine maps it): registered with
+    ``cudaHostRegisterReadOnly``, and the device must only read it (``swap_in``).
+
     ``close`` (or leaving the ``with``) waits for the device, then unregisters; ``tensor`` must not be used after
     it. A segment may be registered once per process at a time (CUDA refuses overlapping registrations)."""
 
-    def __init__(self, host: torch.Tensor, device: torch.device | int | str | None = None) -> None:
+    def __init__(
+        self, host: torch.Tensor, device: torch.device | int | str | None = None, read_only: bool = False
+    ) -> None:
         if host.device.type != "cpu" or host.dtype != torch.uint8 or not host.is_contiguous():
             raise SwapError("a CUDA host mapping needs a contiguous CPU uint8 tensor (see slot_tensor)")
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self._ptr = host.data_ptr()
+        flags = _HOST_REGISTER_PORTABLE_MAPPED | (_HOST_REGISTER_READ_ONLY if read_only else 0)
         with torch.cuda.device(self.device):
-            err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, host.numel(), _HOST_REGISTER_PORTABLE_MAPPED))
+            err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, host.numel(), flags))
             if err != 0:
                 raise RuntimeError(f"cudaHostRegister of {host.numel()} bytes failed with CUDA error {err}")
             self.tensor = torch.as_tensor(_CudaArrayInterface(host), device=self.device)

@@ -6,6 +6,9 @@ same bytes measured in the same run; and ``replay`` of request traces.
                                    [--max-bytes SIZE] [--fresh] [--vs-redis] [--vs-mooncake] [--degraded K]
                                    [--json]
     kvbench replay TRACE [replay options]          (see ``kvbench replay --help``)
+    kvbench adapter [--engines sglang,vllm,lmcache]  (pages through each engine adapter vs the raw client)
+    kvbench route TRACE --prefill N --decode M     (routing over prefill/decode pools, simulated)
+    kvbench fit-cost [--out cost.json]             (the step cost model t(q, c) the balancers use)
 
 One module per subcommand (``tools/kvbench/putget.py``, ``replay.py``, ...), each with ``register``
 (``tools.cliutil.Subcommands``); this entry point lists them in :data:`SUBCOMMANDS` and maps their errors to
@@ -21,18 +24,35 @@ import threading
 from collections.abc import Sequence
 
 from kvtier.tools.cliutil import Parser, Subcommands, report_errors
-from kvtier.tools.kvbench import fetch, putget, replay, stateblock, swa_replay, swapin, ttft
+from kvtier.tools.kvbench import (
+    adapter,
+    fetch,
+    fitcost,
+    putget,
+    replay,
+    route,
+    stateblock,
+    swa_replay,
+    swapin,
+    ttft,
+)
 from kvtier.tools.kvbench.common import PROG, BenchError, UsageError, VerifyError
 
 # a new subcommand: its module, plus one entry here
-SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin)
+SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin, adapter, fitcost, route)
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     common.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--token-file", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser = Parser(prog=PROG, description="kvtier benchmarks: put/get against a cluster, and trace replay.")
     parser.add_argument("--config", metavar="PATH", help="cluster file of a running cluster (default: a temporary one)")
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="file holding the token (mode 0600; default $KVTIER_TOKEN, else --config's)",
+    )
     commands = Subcommands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"), common)
     for module in SUBCOMMANDS:
         module.register(commands)

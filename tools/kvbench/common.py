@@ -7,6 +7,7 @@ A subcommand module ``tools/kvbench/NAME.py`` has ``register(commands: Subcomman
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -15,7 +16,10 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.kvstore.cluster import ClusterConfig
 
 PROG = "kvbench"
 SHOW_PROGRESS_AFTER_S = 2.0
@@ -32,6 +36,19 @@ class BenchError(Exception):
 
 class VerifyError(BenchError):
     """A read came back missing or with wrong bytes."""
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The cluster of ``kvbench --config PATH`` as a client sees it, with the token from
+    ``--token-file``, ``$KVTIER_TOKEN``, else the file's own; UsageError (one line) when it cannot be loaded."""
+    from kvtier.kvstore import cluster as cluster_mod
+    from kvtier.kvstore import cluster_map
+
+    try:
+        token = cluster_mod.read_token_file(args.token_file) if getattr(args, "token_file", None) else None
+        return cluster_map.load_client(args.config, token)
+    except cluster_mod.ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # --- progress ---------------------------------------------------------------------------------------------------

@@ -26,12 +26,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def describe(args: argparse.Namespace) -> str:
-    return str(args.checkpoint or f"preset {args.preset} seed 0")
+    return str(args.checkpoint or f"preset {args.preset} seed {getattr(args, 'seed', 0)}")
 
 
 @contextlib.contextmanager
-def checkpoint_and_cluster(args: argparse.Namespace, prefix: str) -> Iterator[tuple[Path, Path, Path]]:
-    """``(checkpoint, cluster file, scratch directory)`` for one run; what it started stops on exit."""
+def checkpoint_and_cluster(args: argparse.Namespace, prefix: str, seed: int = 0) -> Iterator[tuple[Path, Path, Path]]:
+    """``(checkpoint, cluster file, scratch directory)`` for one run (the preset's weights drawn from ``seed``);
+    what it started stops on exit."""
     import torch
 
     from kvtier.engine.checkpoint import make_checkpoint
@@ -39,7 +40,7 @@ def checkpoint_and_cluster(args: argparse.Namespace, prefix: str) -> Iterator[tu
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         scratch = Path(tmp)
-        checkpoint = args.checkpoint or make_checkpoint(scratch / args.preset, args.preset, seed=0)
+        checkpoint = args.checkpoint or make_checkpoint(scratch / args.preset, args.preset, seed=seed)
         config = getattr(args, "config", None)
         if config is not None:
             yield checkpoint, Path(config), scratch

@@ -3,8 +3,9 @@
     kvbench [--config PATH] fetch [--block-size SIZE] [--blocks N] [--rounds R] [--workers W] [--json]
 
 Without ``--config`` a temporary local 12-node cluster is started (real node processes). Two sets of ``N`` blocks
-are stored; a ``kvtier-fetcher`` process is started with a pool of exactly ``N`` slots, so fetching the sets in
-turn misses the pool every time (each fetch evicts the other set): every timed fetch reads the store. Per round,
+are stored; a ``kvtier-fetcher`` process is started with a pool of exactly ``N`` slots for the benchmark's tenant
+(the cluster token's; each tenant of the cluster file has an equal share), so fetching the sets in turn misses the
+pool every time (each fetch evicts the other set): every timed fetch reads the store. Per round,
 in the same process and one after the other:
 
 1. *baseline*: ``Client.get_into`` of one set into preallocated private buffers (what an engine without the fetcher
@@ -39,7 +40,7 @@ from kvtier.kvstore.local import NodeStartError
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.tools.benchutil import temp_cluster
 from kvtier.tools.cliutil import Subcommands
-from kvtier.tools.kvbench.common import BenchError, UsageError, VerifyError
+from kvtier.tools.kvbench.common import BenchError, UsageError, VerifyError, cluster_config
 from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.fetch_protocol import BlockStatus
 from kvtier.transfer.fetcher import LocalFetcher
@@ -62,11 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if block <= 0 or args.blocks <= 0 or args.rounds <= 0:
         raise UsageError("--block-size, --blocks and --rounds must be positive")
     if getattr(args, "config", None):
-        try:
-            config = cluster_mod.load(args.config)
-        except cluster_mod.ConfigError as exc:
-            raise UsageError(str(exc)) from None
-        result = _bench(config, block, args)
+        result = _bench(cluster_config(args), block, args)
     else:
         try:
             with temp_cluster(capacity_bytes=max(1 << 30, 8 * args.blocks * block // 10)) as local:
@@ -129,7 +126,10 @@ def _start_fetcher(
     shm = f"kvbench-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         sock = Path(tmp) / "fetcher.sock"
-        return LocalFetcher(config.path, shm, sock, f"{n * block}B", f"{block}B", args.workers).start()
+        token_file = getattr(args, "token_file", None)  # the token kvbench itself was given, for a client file
+        extra = ["--token-file", str(token_file)] if token_file else []
+        size = n * block * len(config.tenants)  # N slots for this tenant's share
+        return LocalFetcher(config.path, shm, sock, f"{size}B", f"{block}B", args.workers, extra).start()
     except RuntimeError as exc:
         raise BenchError(str(exc)) from None
 

@@ -19,7 +19,15 @@ from kvtier.kvstore.codec import DATA_SHARDS, PARITY_SHARDS
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.transport import AuthError
 from kvtier.tools.benchutil import raw_stream_gbps, temp_cluster
-from kvtier.tools.kvbench.common import PROG, BenchError, ProgressView, UsageError, VerifyError, last_line
+from kvtier.tools.kvbench.common import (
+    PROG,
+    BenchError,
+    ProgressView,
+    UsageError,
+    VerifyError,
+    cluster_config,
+    last_line,
+)
 from kvtier.tools.kvbench.phases import (
     KEY_BYTES,
     Calls,
@@ -142,10 +150,7 @@ def _probe_cluster(config: cluster_mod.ClusterConfig, path: str) -> list[str]:
 def run_kvtier(args: argparse.Namespace, spec: Spec, progress: ProgressView) -> tuple[dict[str, Any], dict[str, Any]]:
     """The kvtier run; returns (its result, the cluster description)."""
     if args.config is not None:
-        try:
-            config = cluster_mod.load(args.config)
-        except cluster_mod.ConfigError as exc:
-            raise UsageError(str(exc)) from None
+        config = cluster_config(args)
         for warning in _probe_cluster(config, args.config):
             print(f"{PROG}: {warning}", file=sys.stderr)
         # keep well under the GC's low watermark, so nothing of ours is evicted before it is read back

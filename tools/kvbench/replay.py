@@ -1,5 +1,12 @@
 """``kvbench replay TRACE``: replay a request trace against a simulated store (``tools.replay``) or, with
-``--mode live``, against the running cluster of ``kvbench --config PATH`` (``tools.replay_live``)."""
+``--mode live``, against the running cluster of ``kvbench --config PATH`` (``tools.replay_live``).
+
+The simulated store's capacity is ``--capacity-tokens`` (a bare LRU of that many tokens), or a cluster's, as its
+nodes enforce it (``tools.capacity``: erasure coding, slot rounding, per-primary budgets): the cluster file of
+``kvbench --config PATH`` or ``--node-capacity SIZE`` (``--nodes`` like ``kvstore init``), for blocks of
+``--block-tokens × --bytes-per-token``, with that cluster's ``[gc]`` watermarks unless ``--watermarks`` is given,
+one LRU over the whole cluster or, with ``--per-primary``, one per primary. Live replay reports the same capacity
+for its cluster."""
 
 from __future__ import annotations
 
@@ -10,12 +17,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.transport import AuthError
 from kvtier.kvstore.units import format_duration, format_size, parse_duration, parse_size
+from kvtier.tools.capacity import Capacity, cluster_capacity, local_capacity
 from kvtier.tools.cliutil import Subcommands
-from kvtier.tools.kvbench.common import UsageError
+from kvtier.tools.kvbench.common import UsageError, cluster_config
 from kvtier.tools.replay import ReplayResult, replay
 from kvtier.tools.replay_live import replay_live
 from kvtier.tools.traces import DEFAULT_BLOCK_TOKENS, DEFAULT_TTL_CLASS, Request, TraceError, load_trace
@@ -34,6 +41,24 @@ def register(commands: Subcommands) -> None:
     parser.add_argument(
         "--capacity-tokens", default="inf", metavar="N|inf", help="store capacity in tokens (default: inf)"
     )
+    parser.add_argument(
+        "--node-capacity",
+        metavar="SIZE",
+        help="sim: a cluster of --nodes nodes of SIZE each (as `kvstore init` writes it); its real block capacity",
+    )
+    parser.add_argument("--nodes", type=int, default=12, help="with --node-capacity: nodes (a multiple of 12)")
+    parser.add_argument(
+        "--one-lru",
+        action="store_true",
+        help="sim with a cluster's capacity: one LRU over every primary's blocks, instead of one per primary (faster, "
+        "and optimistic where primaries hold few blocks: it ignores that each fills on its own)",
+    )
+    parser.add_argument(
+        "--salt",
+        metavar="HEX",
+        help="salt of the blocks' keys, which decides their primaries: give sim and live the same to compare them "
+        "(default: none in sim, random in live)",
+    )
     parser.add_argument("--block-tokens", default=str(DEFAULT_BLOCK_TOKENS), metavar="N", help="tokens per block")
     parser.add_argument(
         "--ttl",
@@ -43,7 +68,11 @@ def register(commands: Subcommands) -> None:
         help="TTL of a class, e.g. chatbot=7d (repeatable; default: no expiry). Requests without a ttl_class are "
         f"{DEFAULT_TTL_CLASS!r}",
     )
-    parser.add_argument("--watermarks", metavar="HIGH,LOW", help="GC hysteresis, e.g. 0.9,0.8 (default: plain LRU)")
+    parser.add_argument(
+        "--watermarks",
+        metavar="HIGH,LOW",
+        help="GC hysteresis, e.g. 0.9,0.8 (default: the cluster's with --config/--node-capacity, else plain LRU)",
+    )
     parser.add_argument(
         "--bytes-per-token", default="0", metavar="SIZE", help="KV bytes per token for bytes moved, e.g. 70KiB"
     )
@@ -78,6 +107,15 @@ def _parse_watermarks(text: str | None) -> tuple[float, float] | None:
     return high, low
 
 
+def _parse_salt(text: str | None) -> bytes | None:
+    if text is None:
+        return None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise UsageError(f"--salt {text!r}: use hex digits, e.g. 5a17") from None
+
+
 def _parse_ttls(items: list[str]) -> dict[str, float] | None:
     ttl: dict[str, float] = {}
     for item in items:
@@ -107,6 +145,8 @@ def _parse_args(args: argparse.Namespace) -> dict[str, Any]:
         "watermarks": _parse_watermarks(args.watermarks),
         "ttl": _parse_ttls(args.ttl),
         "bytes_per_token": bytes_per_token,
+        "per_primary": not args.one_lru,
+        "salt": _parse_salt(args.salt),
     }
 
 
@@ -124,12 +164,13 @@ def run_replay(args: argparse.Namespace) -> int:
         options = _parse_args(args)
         if args.mode == "live":
             return _run_live(args, options)
+        options["store"] = _store_capacity(args, options)
         if args.sweep is not None:
             capacities = [_parse_capacity(part, "--sweep") for part in args.sweep.split(",") if part.strip()]
             if not capacities:
                 raise UsageError("--sweep needs at least one capacity, e.g. 1000000,10000000,inf")
         else:
-            capacities = [_parse_capacity(args.capacity_tokens, "--capacity-tokens")]
+            capacities = [None if options["store"] else _parse_capacity(args.capacity_tokens, "--capacity-tokens")]
         try:
             requests = load_trace(args.trace)
         except FileNotFoundError:
@@ -159,6 +200,35 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_capacity(args: argparse.Namespace, options: dict[str, Any]) -> Capacity | None:
+    """The cluster capacity a sim replay uses (``--config`` or ``--node-capacity``), or None for
+    ``--capacity-tokens``; UsageError for options that contradict each other."""
+    config_path = getattr(args, "config", None)
+    if config_path is None and args.node_capacity is None:
+        if args.one_lru:
+            raise UsageError("--one-lru goes with a cluster's capacity (kvbench --config PATH, or --node-capacity)")
+        options["per_primary"] = False
+        return None
+    if config_path is not None and args.node_capacity is not None:
+        raise UsageError("give --node-capacity or kvbench --config PATH, not both")
+    given = [name for name, on in (("--capacity-tokens", _finite(args)), ("--sweep", args.sweep is not None)) if on]
+    if given:
+        raise UsageError(f"{', '.join(given)}: the capacity is the cluster's (--config or --node-capacity)")
+    block_bytes = options["block_tokens"] * options["bytes_per_token"]
+    if not block_bytes:
+        raise UsageError("a cluster's capacity depends on the block's size: give --bytes-per-token, e.g. 64KiB")
+    try:
+        if config_path is not None:
+            return cluster_capacity(cluster_config(args), block_bytes)
+        return local_capacity(parse_size(args.node_capacity), block_bytes, args.nodes)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _finite(args: argparse.Namespace) -> bool:
+    return args.capacity_tokens.strip().lower() != "inf"
+
+
 def _run_live(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """``--mode live``: the running cluster's own capacity, watermarks and TTLs decide (tools.replay_live)."""
     config_path = getattr(args, "config", None)
@@ -168,7 +238,9 @@ def _run_live(args: argparse.Namespace, options: dict[str, Any]) -> int:
         name
         for name, given in (
             ("--sweep", args.sweep is not None),
-            ("--capacity-tokens", args.capacity_tokens.strip().lower() != "inf"),
+            ("--capacity-tokens", _finite(args)),
+            ("--node-capacity", args.node_capacity is not None),
+            ("--one-lru", args.one_lru),
             ("--watermarks", args.watermarks is not None),
             ("--ttl", bool(args.ttl)),
         )
@@ -176,18 +248,19 @@ def _run_live(args: argparse.Namespace, options: dict[str, Any]) -> int:
     ]
     if simulated:
         raise UsageError(f"{', '.join(simulated)}: --mode live uses the cluster's own capacity, watermarks and TTLs")
+    config = cluster_config(args)
     try:
-        config = cluster_mod.load(config_path)
         requests = load_trace(args.trace)
     except FileNotFoundError:
         raise UsageError(f"trace file not found: {args.trace}") from None
-    except cluster_mod.ConfigError as exc:
-        raise UsageError(str(exc)) from None
     try:
         with Client(config) as client:
-            result = replay_live(requests, client, options["block_tokens"], options["bytes_per_token"])
+            block_tokens, bytes_per_token = options["block_tokens"], options["bytes_per_token"]
+            result = replay_live(requests, client, block_tokens, bytes_per_token, salt=options["salt"])
     except AuthError as exc:
         raise UsageError(f"the cluster rejected the token in {config_path}: {exc}") from None
+    store = cluster_capacity(config, options["block_tokens"] * options["bytes_per_token"])
+    options = {**options, "store": store, "watermarks": store.watermarks}
     row = {**_row(args.trace, None, options, result), "mode": "live", "cluster": str(config_path)}
     if args.json:
         print(json.dumps(row))
@@ -209,17 +282,20 @@ def _run_all(
         for capacity in capacities:
             label = "inf" if capacity is None else f"{capacity:,}"
             stream = progress.track(requests, description=f"replay, capacity {label} tokens")
-            results.append(replay(stream, capacity_tokens=capacity, **options))
+            results.append(replay(stream, capacity_tokens=capacity, **{**options, "salt": options["salt"] or b""}))
         return results
 
 
 def _row(trace: str, capacity: int | None, options: dict[str, Any], result: ReplayResult) -> dict[str, Any]:
-    watermarks = options["watermarks"]
+    store = options.get("store")
+    watermarks = options["watermarks"] or (store.watermarks if store else None)
     return {
         **result.to_dict(),
         "trace": trace,
         "mode": "sim",
-        "capacity_tokens": capacity,
+        "capacity_tokens": capacity if store is None else store.blocks * options["block_tokens"],
+        "store": store.to_dict() if store else None,
+        "per_primary": bool(options.get("per_primary")),
         "block_tokens": options["block_tokens"],
         "watermarks": list(watermarks) if watermarks else None,
         "ttl_s": options["ttl"],
@@ -229,6 +305,7 @@ def _row(trace: str, capacity: int | None, options: dict[str, Any], result: Repl
 
 _TABLE_COLUMNS = (  # (result key, row name for one run, column header for a sweep)
     ("capacity_tokens", "capacity (tokens)", "capacity"),
+    ("capacity_blocks", "capacity (blocks)", "blocks"),
     ("token_hit_ratio", "token hit ratio", "tok hit"),
     ("block_hit_ratio", "block hit ratio", "blk hit"),
     ("ideal_token_hit_ratio", "ideal token hit ratio", "ideal"),
@@ -262,14 +339,23 @@ def _print_table(rows: list[dict[str, Any]], trace: str, options: dict[str, Any]
     from rich.table import Table
 
     settings = [f"{rows[0]['requests']:,} requests", f"{options['block_tokens']}-token blocks"]
-    if options["watermarks"]:
-        settings.append("watermarks {:g}/{:g}".format(*options["watermarks"]))
+    if rows[0]["watermarks"]:
+        settings.append("watermarks {:g}/{:g}".format(*rows[0]["watermarks"]))
     if options["ttl"]:
         settings.append("TTL " + ", ".join(f"{c}={format_duration(s)}" for c, s in options["ttl"].items()))
-    title = f"replay (sim) of {trace}\n" + ", ".join(settings)
+    title = f"replay ({rows[0]['mode']}) of {trace}\n" + ", ".join(settings)
+    caption = None
+    store = rows[0]["store"]
+    if store:  # how the cluster's bytes become blocks (tools.capacity)
+        lru = "an LRU per primary" if rows[0]["per_primary"] else "one LRU over them"
+        caption = (
+            f"{store['primaries']} primaries × {'–'.join(map(str, sorted(set(store['blocks_per_primary']))))} "
+            f"blocks of {format_size(store['block_bytes'])} (12 shards of {format_size(store['shard_bytes'])} in "
+            f"{format_size(store['slot_bytes'])} slots), {lru}"
+        )
     columns = [c for c in _TABLE_COLUMNS if options["bytes_per_token"] or not c[0].startswith("bytes_")]
     if len(rows) == 1:
-        table = Table(title=title)
+        table = Table(title=title, caption=caption)
         table.add_column("metric")
         table.add_column("value", justify="right")
         for key, name, _ in columns:

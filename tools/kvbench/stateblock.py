@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore import cluster_map
 from kvtier.kvstore.protocol import HEADER
 from kvtier.kvstore.sockio import sendmsg_all
 from kvtier.tools.benchutil import latency_percentiles
@@ -202,7 +203,7 @@ def _raw_server(size: str) -> None:
 
 
 def _host_a(config_path: str, size: str, directory_port: str) -> None:
-    config = cluster_mod.load(Path(config_path))
+    config = cluster_map.load(Path(config_path))
     n = int(size)
     shm = f"kvbench-sb-{os.getpid()}-{secrets.token_hex(4)}"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave through the ``with``: the segment is removed

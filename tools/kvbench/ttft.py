@@ -6,13 +6,14 @@
                                  [--json] [--json-out FILE]
 
 A real cluster (``--config``, or a temporary local one of 12 node processes of ``--node-capacity`` each) and the
-engine in this process. ``--through fetcher`` starts a ``kvtier-fetcher`` (a pool of ``--pool``) for the run and
-moves blocks through its shared-memory pool (blocks the prefix run put are then host-memory hits); ``client``
-reads them from the nodes. For every prompt length ``L``, hit ratio ``r`` and repeat: a fresh random prompt of
-``L`` tokens; its first ``h`` tokens (``r·L`` rounded to a multiple of 128, at most ``L − 134``) are prefilled
-once so the store holds their blocks and the StateBlock at ``h``; then, alternately, TTFT **without reuse**
-(``reuse=False``: full prefill) and **with reuse** (exact: ``h`` tokens fetched, ``L − h`` computed). Medians
-over the repeats. On a GPU every time is taken after the device has finished (the engine synchronizes).
+engine in this process. ``--through fetcher`` starts a ``kvtier-fetcher`` (a pool of ``--pool``, its slots the
+model's block size) for the run and moves blocks through its shared-memory pool (blocks the prefix run put are then
+host-memory hits); ``client`` reads them from the nodes. For every prompt length ``L``, hit ratio ``r`` and repeat:
+a fresh random prompt of ``L`` tokens; its first ``h`` tokens (``r·L`` rounded to a multiple of 128, at most
+``L − 134``) are prefilled once so the store holds their blocks and the StateBlock at ``h``; then, alternately, TTFT
+**without reuse** (``reuse=False``: full prefill) and **with reuse** (exact: ``h`` tokens fetched, ``L − h``
+computed). Medians over the repeats. On a GPU every time is taken after the device has finished (the engine
+synchronizes).
 
 Beside each point its **bound**: the hit bytes at the store's ``get_into`` rate plus that run's own suffix
 compute time. The rate is measured at each point right after its runs: the point's last prefix read whole (page-
@@ -20,6 +21,14 @@ sized blocks into touched host buffers), the faster of two reads. Reported: TTFT
 ``speedup`` (the median over repeats of without / with, each pair measured back to back, so that load from other
 processes cancels) and ``vs_bound`` (with / bound). Targets: ``vs_bound`` ≤ 1.25; at 96 % on the CPU,
 ``speedup`` ≥ 10.
+
+Through the fetcher every repeat has two hits: the prefix is stored through the store client alone (the fetcher's
+pool does not hold it), so the first request with reuse is a **cold** store hit (the fetcher reads the blocks into
+its pool, promoting them, and swap-in moves them to the device) and the next one, the same prefix with a new suffix
+(the cold request stored StateBlocks past the prefix), a **warm** host-pool hit. The warm
+hit's bound is its suffix compute plus the hit bytes at the **link** rate: one contiguous copy from pinned host
+memory to the device (on a CPU engine, one host memcpy) of up to 1 GiB, measured at each point, the best of three.
+Target: warm ``vs_link`` ≤ 1.15.
 """
 
 from __future__ import annotations
@@ -38,10 +47,11 @@ import numpy as np
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import BenchError, UsageError
 from kvtier.tools.kvbench.enginebench import add_model_arguments, checkpoint_and_cluster, describe
+from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.fetcher import LocalFetcher
 
 if TYPE_CHECKING:  # the engine needs torch; kvbench's other commands must run without it
-    from kvtier.engine.engine import Engine
+    from kvtier.engine.engine import Engine, Result
 
 
 def register(commands: Subcommands) -> None:
@@ -79,19 +89,22 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"command": "ttft", "points": []}
     with checkpoint_and_cluster(args, "kvbench-ttft-") as (checkpoint, config, scratch):
         fetcher = None
-        if args.through == "fetcher":
-            shm = f"kvbench-ttft-{secrets.token_hex(4)}"
-            fetcher = LocalFetcher(config, shm, scratch / "fetcher.sock", args.pool, "1MiB").start()
         try:
             engine = Engine.from_pretrained(
                 checkpoint,
                 device=args.device,
                 dtype=getattr(torch, args.dtype),
                 store=config,
-                fetcher=fetcher.socket_path if fetcher else None,
                 cache_tokens=2 * max(lengths) + 1024,
                 chunk_tokens=args.chunk_tokens,
             )
+            if args.through == "fetcher":  # its slots sized to this model's blocks
+                _hold_states_past_prefixes(engine, lengths, hits)
+                shm = f"kvbench-ttft-{secrets.token_hex(4)}"
+                slots = f"{engine.cache.page_bytes}B"
+                fetcher = LocalFetcher(config, shm, scratch / "fetcher.sock", args.pool, slots).start()
+                assert engine.store is not None
+                engine.attach_store(engine.store, FetchClient(fetcher.socket_path, engine.store.client.config.token))
             result["settings"] = {
                 "checkpoint": describe(args),
                 "prompt_tokens": lengths,
@@ -105,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                 "through": args.through,
             }
             for length in lengths:
-                for point in _bench(engine, length, hits, args.repeats):
+                for point in _bench(engine, length, hits, args.repeats, fetcher is not None):
                     result["points"].append(point)
                     if args.json_out:  # after every point: a run cut short keeps what it measured
                         args.json_out.write_text(json.dumps(result, indent=2))
@@ -119,52 +132,148 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hold_states_past_prefixes(engine: Engine, lengths: list[int], hits: list[float]) -> None:
+    """Through the fetcher a prompt's cold request stores a StateBlock every 128 tokens past its prefix before the
+    warm request needs the one at the prefix: give the engine's own StateBlock LRU room for all of them (the 8 B
+    checkpoint's 3,072-token suffix at 77,824 tokens stores 24 of 13 MB; the default 256 MiB would drop the one at
+    the prefix)."""
+    from kvtier.engine.sliding import STATE_INTERVAL
+    from kvtier.engine.stateblocks import LocalStateBlocks
+
+    if not isinstance(engine.state_blocks, LocalStateBlocks):
+        return
+    past = max(((n - hit_tokens(r, n)) // STATE_INTERVAL for n in lengths for r in hits if hit_tokens(r, n)), default=0)
+    needed = (past + 2) * engine.state_bytes
+    if needed > engine.state_blocks.capacity_bytes:
+        engine.state_blocks = LocalStateBlocks(needed)
+
+
 def hit_tokens(ratio: float, length: int) -> int:
     h = round(ratio / 100 * length / 128) * 128
     return min(h, (length - 134) // 128 * 128)
 
 
-def _bench(engine: Engine, length: int, hits: list[float], repeats: int) -> Iterator[dict[str, Any]]:
-    """One point per hit ratio, each as soon as it is measured."""
+def _bench(engine: Engine, length: int, hits: list[float], repeats: int, pooled: bool) -> Iterator[dict[str, Any]]:
+    """One point per hit ratio, each as soon as it is measured; ``pooled``: the engine moves blocks through a
+    fetcher, and each repeat also measures the cold store hit and the warm pool hit (see the module docstring)."""
     vocab = engine.config.vocab_size
     rng = np.random.default_rng(length)
-    engine.generate([rng.integers(0, vocab, length).tolist()], 1, reuse=False)  # warm-up
+    engine.generate([rng.integers(0, vocab, length).tolist()], 1, reuse=False)  # warm-up: compute
+    warm = rng.integers(0, vocab, 512).tolist()  # warm-up: one hit, so that what a first hit sets up once (the
+    _store_prefix(engine, warm[:256], pooled)  # pinned staging buffer, the fetcher's segment and its mapping) is
+    _exact(engine, warm, 256)  # not in the first point's times
     for ratio in hits:
         h = hit_tokens(ratio, length)
-        cold, warm, bound_compute, fetch = [], [], [], []
+        runs: dict[str, list[float]] = {"recompute": [], "reuse": [], "cold": [], "compute": [], "fetch": []}
         prefix: list[int] = []
         for _ in range(repeats):
             prompt = rng.integers(0, vocab, length).tolist()
             if h:
-                engine.generate([prompt[:h]], 1)
+                _store_prefix(engine, prompt[:h], pooled)
                 prefix = prompt[:h]
-            cold.append(engine.generate([prompt], 1, reuse=False)[0].ttft_s)
-            r = engine.generate([prompt], 1)[0]
-            if r.hit_tokens != h or r.replayed:
-                raise BenchError(f"expected an exact hit of {h} tokens, got {r.hit_tokens} (replayed={r.replayed})")
-            warm.append(r.ttft_s)
-            bound_compute.append(r.timings["compute_s"])
-            fetch.append(r.timings["lookup_fetch_s"])
+            runs["recompute"].append(engine.generate([prompt], 1, reuse=False)[0].ttft_s)
+            if pooled:  # the first hit reads the store through the fetcher (and promotes), the second is the pool's
+                before = _pool_counts(engine)
+                runs["cold"].append(_exact(engine, prompt, h).ttft_s)
+                between = _pool_counts(engine)
+                # a new suffix: the cold request stored StateBlocks past h, which the same prompt would hit
+                prompt = prompt[:h] + rng.integers(0, vocab, length - h).tolist()
+            r = _exact(engine, prompt, h)
+            if pooled and h:
+                _check_hits(h // engine.block_tokens, before, between, _pool_counts(engine))
+            runs["reuse"].append(r.ttft_s)
+            runs["compute"].append(r.timings["compute_s"])
+            runs["fetch"].append(r.timings["lookup_fetch_s"])
         rate = _get_rate(engine, prefix)
         hit_bytes = h // engine.block_tokens * engine.cache.page_bytes
-        reuse_s, compute_s = statistics.median(warm), statistics.median(bound_compute)
+        reuse_s, compute_s = statistics.median(runs["reuse"]), statistics.median(runs["compute"])
         bound = hit_bytes / rate + compute_s if h else compute_s
-        yield (
-            {
-                "prompt_tokens": length,
-                "hit_percent": ratio,
-                "hit_tokens": h,
-                "ttft_reuse_s": reuse_s,
-                "ttft_recompute_s": statistics.median(cold),
-                "lookup_fetch_s": statistics.median(fetch),
-                "compute_s": compute_s,
-                "speedup": statistics.median(c / w for c, w in zip(cold, warm, strict=True)),
-                "hit_bytes": hit_bytes,
-                "get_into_bytes_per_s": rate if h else None,
-                "bound_s": bound,
-                "vs_bound": reuse_s / bound,
+        point = {
+            "prompt_tokens": length,
+            "hit_percent": ratio,
+            "hit_tokens": h,
+            "ttft_reuse_s": reuse_s,
+            "ttft_recompute_s": statistics.median(runs["recompute"]),
+            "lookup_fetch_s": statistics.median(runs["fetch"]),
+            "compute_s": compute_s,
+            "speedup": statistics.median(c / w for c, w in zip(runs["recompute"], runs["reuse"], strict=True)),
+            "hit_bytes": hit_bytes,
+            "get_into_bytes_per_s": rate if h else None,
+            "bound_s": bound,
+            "vs_bound": reuse_s / bound,
+        }
+        if pooled:
+            link = _link_rate(engine, hit_bytes)
+            link_bound = compute_s + (hit_bytes / link if h else 0.0)
+            point |= {
+                "ttft_cold_s": statistics.median(runs["cold"]),
+                "link_bytes_per_s": link if h else None,
+                "link_bound_s": link_bound,
+                "vs_link": reuse_s / link_bound,
             }
+        yield point
+
+
+def _store_prefix(engine: Engine, prefix: list[int], pooled: bool) -> None:
+    """Prefill ``prefix`` so the store holds its blocks and the engine its StateBlock; ``pooled``: through the store
+    client alone (the fetcher's own fallback), so that the fetcher's pool does not hold them."""
+    from kvtier.engine.fetch import FetcherPages
+
+    through = engine.transfer
+    if pooled:
+        assert isinstance(through, FetcherPages)
+        engine.transfer = through.fallback
+    try:
+        engine.generate([prefix], 1)
+    finally:
+        engine.transfer = through
+
+
+def _pool_counts(engine: Engine) -> tuple[int, int]:
+    """(blocks the fetcher's pool answered, blocks it read from the store) for this engine's tenant so far."""
+    stats = engine.transfer.client.stats()  # type: ignore[union-attr]
+    return stats["blocks_hit"], stats["blocks_fetched"]
+
+
+def _check_hits(blocks: int, before: tuple[int, int], between: tuple[int, int], after: tuple[int, int]) -> None:
+    """BenchError unless the cold request read its ``blocks`` from the store and the warm one found them pooled."""
+    fetched, hit = between[1] - before[1], after[0] - between[0]
+    if fetched < blocks or hit < blocks or after[1] != between[1]:
+        raise BenchError(
+            f"expected the cold hit to read {blocks} blocks from the store and the warm one to find them in the pool;"
+            f" read {fetched} cold, pooled {hit} and read {after[1] - between[1]} warm"
         )
+
+
+def _exact(engine: Engine, prompt: list[int], h: int) -> Result:
+    r = engine.generate([prompt], 1)[0]
+    if r.hit_tokens != h or r.replayed:
+        raise BenchError(f"expected an exact hit of {h} tokens, got {r.hit_tokens} (replayed={r.replayed})")
+    return r
+
+
+def _link_rate(engine: Engine, hit_bytes: int) -> float:
+    """Bytes per second of one contiguous copy of ``min(hit_bytes, 1 GiB)`` from pinned host memory to the engine's
+    device (a CPU engine: one host memcpy), the best of three; inf for nothing to copy."""
+    import torch
+
+    n = min(hit_bytes, 1 << 30)
+    if not n:
+        return float("inf")
+    device = engine.cache.pages.device
+    on_gpu = device.type == "cuda"
+    src = torch.ones(n, dtype=torch.uint8, pin_memory=on_gpu)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return n / best
 
 
 def _get_rate(engine: Engine, prefix: list[int]) -> float:
@@ -196,13 +305,23 @@ def _text(result: dict[str, Any], length: int) -> str:
         f"{'hit %':>6} {'hit tok':>8} {'reuse ms':>9} {'fetch ms':>9} {'recompute ms':>13} {'speedup':>8} "
         f"{'get_into GB/s':>14} {'bound ms':>9} {'vs bound':>9}",
     ]
+    pooled = s["through"] == "fetcher"
+    if pooled:
+        lines[0] += "; reuse = a warm pool hit, cold = a store hit through the fetcher"
+        lines[1] += f" {'cold ms':>8} {'link GB/s':>10} {'link bound':>11} {'vs link':>8}"
     for p in result["points"]:
         if p["prompt_tokens"] != length:
             continue
         rate = p["get_into_bytes_per_s"]
-        lines.append(
+        line = (
             f"{p['hit_percent']:>6.0f} {p['hit_tokens']:>8} {p['ttft_reuse_s'] * 1e3:>9.1f} "
             f"{p['lookup_fetch_s'] * 1e3:>9.1f} {p['ttft_recompute_s'] * 1e3:>13.1f} {p['speedup']:>7.1f}x "
             f"{(rate or 0) / 1e9:>14.2f} {p['bound_s'] * 1e3:>9.1f} {p['vs_bound']:>9.2f}"
         )
+        if pooled:
+            line += (
+                f" {p['ttft_cold_s'] * 1e3:>8.1f} {(p['link_bytes_per_s'] or 0) / 1e9:>10.2f} "
+                f"{p['link_bound_s'] * 1e3:>11.1f} {p['vs_link']:>8.2f}"
+            )
+        lines.append(line)
     return "\n".join(lines)

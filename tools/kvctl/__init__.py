@@ -1,6 +1,6 @@
 """``kvctl``: the operator's command line for a running kvtier cluster.
 
-    kvctl [--config PATH] [--token TOKEN] [--json] [--timeout S] COMMAND ...
+    kvctl [--config PATH] [--token TOKEN | --token-file PATH] [--json] [--timeout S] COMMAND ...
 
     status                                   cluster summary: nodes up/down, capacity, usage, blocks, codec, TTLs
     nodes                                    per node: address, state, usage, shards, blocks, GC state
@@ -14,13 +14,22 @@
     evict [--class C] [--older-than D] [--dry-run]
                                              remove blocks of a class and/or created longer ago than D
     gc run [--repair]                        one GC cycle on every node now; per-node GC stats
-    repair                                   restore every block's 12 shards (a GC cycle with repair, all nodes)
+    repair [--rebuild]                       restore every block's 12 shards (a GC cycle with repair, all nodes)
+    scrub                                    check every shard's crc32c now; rewrite the corrupt ones
     drain NODE [--undo]                      stop NODE taking new shards, repair the others, say when it can go
     top [--interval S] [--count N]           live node usage and request rates (Ctrl-C leaves)
+    map                                      (etcd) the cluster map: hosts, nodes, states, groups, repair progress
+    host add NAME ADDRESS                    (etcd) a host nodes may live on
+    node replace ID --host H [--data-dir D]  (etcd) move a node to host H, empty; repair fills it
+    group add --hosts A,B,... [--nodes-per-host N]
+                                             (etcd) 12 new nodes as a placement group
+    tenant add NAME --token-out PATH         add a tenant; its new token goes to PATH (mode 0600)
+    export-client [--out PATH]               the cluster file without its tokens, for client hosts
 
-The cluster file comes from ``--config`` or ``$KVTIER_CONFIG``; the token defaults to the cluster file's
-``[cluster] token`` (the admin). Every command except ``stat`` and ``match`` needs the admin token: the nodes
-refuse the rest to a tenant. Global options may also follow the command (``kvctl status --json``).
+The cluster file comes from ``--config`` or ``$KVTIER_CONFIG``; the token from ``--token``, ``--token-file PATH``
+(mode 0600) or ``$KVTIER_TOKEN``, else the cluster file's ``[cluster] token`` (the admin). Every command except
+``stat`` and ``match`` needs the admin token: the nodes refuse the rest to a tenant. Global options may also
+follow the command (``kvctl status --json``).
 
 **Output.** Tables for people; with ``--json`` every command prints one JSON object (``top``: one per refresh,
 one per line) and nothing else on stdout.
@@ -32,8 +41,16 @@ every node (admin ``ttl_set``). A node that is down reads the file when it start
 any node is primary for blocks of the class, for the last class, and while a node is down (its blocks cannot be
 counted; ``--force`` removes anyway: that node's blocks of the class stop being served when it restarts).
 
-**Repair** counts are shard writes, summed over nodes: a block's primary and shard 1's node both hold its
-record and both repair it, so a shard missing when both look may be written (and counted) twice.
+**Repair** counts are shard writes, summed over nodes. Nodes repair by themselves too: a block committed
+short of shards (a node was down) is owed a repair by its primary, and a node started on an empty data dir
+rebuilds what it should hold from its peers; ``repair`` does it all now for every block with a record (any two
+lost nodes leave one of its three); ``repair --rebuild`` also scans every node's shards for blocks no record
+names any more (written before records were kept on three nodes, or three nodes lost): rebuilt from their
+shards, or removed everywhere when fewer than 10 are left.
+
+**Scrub** reads every shard on every node and checks it against its crc32c (the nodes do this by themselves
+once per ``gc.scrub_period_s``); corrupt shards are rewritten from the other 11, or owed if that cannot be
+done now.
 
 **Draining** (``drain NODE``): the node stops taking new shards (puts of blocks whose primary it is are refused
 meanwhile, as for a down primary), then every other node runs a GC cycle with repair, so each block has its
@@ -62,10 +79,11 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.tools.cliutil import Parser, Subcommands, report_errors
-from kvtier.tools.kvctl import drain, gc, lookup, status, top, ttl
+from kvtier.tools.kvctl import drain, gc, lookup, status, tenant, top, topology, ttl
 from kvtier.tools.kvctl.ctl import ENV_CONFIG, LONG_TIMEOUT_S, PROG, Ctl, Refused, UserError
 
-COMMAND_MODULES = (status, lookup, ttl, gc, drain, top)  # a new command group: its module, plus one entry here
+# a new command group: its module, plus one entry here
+COMMAND_MODULES = (status, lookup, ttl, gc, drain, top, topology, tenant)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = common.add_argument_group("global options (also accepted before the command)")
     g.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help=f"cluster file (default ${ENV_CONFIG})")
     g.add_argument("--token", default=argparse.SUPPRESS, help="token to use (default: the file's cluster token)")
+    g.add_argument("--token-file", metavar="PATH", default=argparse.SUPPRESS, help="file holding the token (0600)")
     g.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     g.add_argument("--timeout", type=float, metavar="S", default=argparse.SUPPRESS, help="per-request timeout")
 
@@ -83,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--config", metavar="PATH", default=None, help=f"the cluster file (default: ${ENV_CONFIG})")
-    parser.add_argument("--token", default=None, help="token (default: the cluster file's [cluster] token, the admin)")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="token (default: $KVTIER_TOKEN, else the cluster file's [cluster] token, the admin)",
+    )
+    parser.add_argument("--token-file", metavar="PATH", default=None, help="file holding the token (mode 0600)")
     parser.add_argument("--json", action="store_true", default=False, help="print one JSON object instead of tables")
     parser.add_argument(
         "--timeout",
@@ -103,13 +127,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def run() -> int:
+        from kvtier.kvstore.cluster import TOKEN_ENV
         from kvtier.kvstore.transport import AuthError
 
         ctl = Ctl(args)
         try:
             return args.run(ctl)
         except AuthError as exc:
-            whose = "--token" if args.token else f"the token in {args.config or os.environ.get(ENV_CONFIG)}"
+            whose = (
+                "--token"
+                if args.token
+                else f"the token in {args.token_file}"
+                if args.token_file
+                else f"${TOKEN_ENV}"
+                if os.environ.get(TOKEN_ENV)
+                else f"the token in {args.config or os.environ.get(ENV_CONFIG)}"
+            )
             raise UserError(
                 f"the nodes rejected {whose} ({exc}): use the cluster file's [cluster] token or a tenant's token"
             ) from None

@@ -104,17 +104,22 @@ class Ctl:
         if not path:
             raise UserError(f"no cluster file: pass --config PATH or set {ENV_CONFIG}")
         self.path = Path(path)
-        self.config = self._load(self.path)
+        self.config = self._load(self.path, args.token, args.token_file)
         self._client: Any = None
         self._console: Any = None
         self.command = args.command + (f" {args.action}" if getattr(args, "action", None) else "")
 
     @staticmethod
-    def _load(path: Path) -> Any:
+    def _load(path: Path, token: str | None, token_file: str | None) -> Any:
+        """The cluster file with the token to present: ``--token``, ``--token-file``, ``$KVTIER_TOKEN``, else the
+        file's own (the admin)."""
         from kvtier.kvstore import cluster as cluster_mod
+        from kvtier.kvstore import cluster_map
 
         try:
-            return cluster_mod.load(path)
+            if token is None and token_file is not None:
+                token = cluster_mod.read_token_file(token_file)
+            return cluster_map.load_client(path, token)
         except cluster_mod.ConfigError as exc:
             raise UserError(f"{exc}") from None
 
@@ -129,7 +134,7 @@ class Ctl:
                 timeout = LONG_TIMEOUT_S
             if timeout is not None:
                 config = dataclasses.replace(config, client=dataclasses.replace(config.client, op_timeout_s=timeout))
-            self._client = Client(config, token=self.args.token)
+            self._client = Client(config)
         return self._client
 
     @property
@@ -144,6 +149,8 @@ class Ctl:
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+        if self.config.feed is not None:
+            self.config.feed.close()
 
     def address(self, nid: int) -> str:
         node = self.config.nodes[nid]
@@ -160,7 +167,7 @@ class Ctl:
     def forbidden(self) -> UserError:
         return UserError(
             f"`{self.command}` needs the cluster (admin) token and the nodes refused this one: "
-            f"leave out --token to use the cluster file's [cluster] token"
+            f"leave out --token, --token-file and $KVTIER_TOKEN to use the cluster file's [cluster] token"
         )
 
     def sort(self, replies: dict[int, dict[str, Any]]) -> tuple[dict[int, dict], list[int], dict[int, str]]:

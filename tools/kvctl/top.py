@@ -10,14 +10,26 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.kvstore.cluster import LOCAL_HOSTS, NodeConfig
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvctl.ctl import Ctl, UserError, fmt_size, fraction, new_table, node_row
 
 
-def _scrape(host: str, port: int, timeout_s: float = 1.0) -> dict[str, float] | None:
+def _metrics_host(node: NodeConfig) -> str | None:
+    """Where a node's /metrics can be reached from here: its ``metrics_host``, or its data address when that is
+    every interface; None when it listens on loopback on another machine (only that machine can scrape it)."""
+    if node.metrics_host in ("0.0.0.0", "::", ""):
+        return node.host
+    loopback = node.metrics_host in LOCAL_HOSTS or node.metrics_host.startswith("127.")
+    if loopback and node.host not in LOCAL_HOSTS:
+        return None
+    return node.metrics_host
+
+
+def _scrape(host: str | None, port: int, timeout_s: float = 1.0) -> dict[str, float] | None:
     """Request and byte counters from a node's /metrics endpoint (None when it has none, or it fails or does not
     parse)."""
-    if not port:
+    if not port or host is None:
         return None
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as response:
@@ -55,7 +67,7 @@ class _Top:
             row.update(ops_total=None, ops_per_s=None, in_bytes_per_s=None, out_bytes_per_s=None)
             if nid in ok:
                 node = ctl.config.nodes[nid]
-                counters = _scrape(node.host, node.metrics_port)
+                counters = _scrape(_metrics_host(node), node.metrics_port)
                 if counters is not None:
                     row["ops_total"] = int(counters["requests"])
                     last = self.previous.get(nid)

@@ -4,11 +4,30 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Any
 
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvctl.ctl import PROG, Ctl, Refused, UserError, fmt_duration, new_table, user_duration
 
 _CLASS_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _rewrite_map_ttl(ctl: Ctl, action: str, name: str, value: str | None) -> tuple[dict[str, float], int]:
+    """Change one class in the etcd map's TTL table (one map transaction); the new table and map revision. Nodes
+    follow the map themselves."""
+    from kvtier.tools.kvctl.topology import edit_map
+
+    def edit(doc: dict[str, Any]) -> bool:
+        table = doc["ttl"]
+        if action == "remove":
+            table.pop(name, None)
+        else:
+            table[name] = user_duration(value)  # type: ignore[arg-type]
+        return True
+
+    revision = edit_map(ctl, edit)
+    doc, _ = ctl.config.feed.store.read()
+    return {k: float(v) for k, v in doc["ttl"].items()}, revision
 
 
 def _rewrite_ttl(ctl: Ctl, action: str, name: str, value: str | None) -> dict[str, float]:
@@ -78,7 +97,11 @@ def cmd_ttl(ctl: Ctl) -> int:
                 f"refused: node{'s' if len(unknown) > 1 else ''} {', '.join(map(str, unknown))} did not answer, so "
                 f"blocks of class {name!r} there cannot be counted; bring them up, or pass --force"
             )
-    table = _rewrite_ttl(ctl, a.action, name, value)
+    revision = 0
+    if ctl.config.feed is not None:
+        table, revision = _rewrite_map_ttl(ctl, a.action, name, value)
+    else:
+        table = _rewrite_ttl(ctl, a.action, name, value)
     pushed = ctl.client.admin("ttl_set", classes=table)
     applied, down2, failed2 = ctl.sort(pushed)
     result = {
@@ -87,6 +110,7 @@ def cmd_ttl(ctl: Ctl) -> int:
         "seconds": table.get(name),
         "ttl": table,
         "file": str(ctl.path),
+        "revision": revision,  # the etcd map's, after the change (0: a cluster file)
         "applied": sorted(applied),
         "down": down2,
         "failed": {str(k): v for k, v in failed2.items()},

@@ -1,0 +1,175 @@
+"""Membership: every node holds a lease in etcd and keeps it alive; a node whose lease lapses is marked down.
+
+Runs in the etcd thread of a node process (``kvtier.gc.nodeproc``), beside the node's :class:`MapFeed`.
+
+Register (each node, for itself):
+
+1. Grant a lease of the map's ``membership.lease_ttl_s``; put ``members/<id>`` (address, pid, start time) on it.
+2. Unless the map already says so, mark this node ``up``: a map transaction guarded by ``members/<id>`` existing,
+   so a node whose lease lapsed meanwhile is never marked up.
+3. Refresh the lease every third of its TTL, and check that the map still says ``up`` (2 again if not). While etcd
+   cannot be reached the node keeps serving and keeps trying; once a whole TTL passed without a refresh, or a
+   refresh finds the lease gone (it lapsed while this node was cut off), go back to 1: a node rejoins by itself
+   when its partition heals.
+
+Mark down (only the live member with the smallest id, so one writer at a time), whenever a member key goes and
+every half TTL: every node the map says is ``up`` that has no ``members/`` key is marked ``down``, each by a map
+transaction guarded by that key still not existing (a node that registered meanwhile stays up).
+
+A node stopped cleanly revokes its lease (``close``), so it is marked down at once rather than a TTL later.
+
+Node states in the map:
+
+| state | entered when | clients |
+|---|---|---|
+| new | ``kvstore init`` / ``kvctl group add`` wrote it | neither read from nor written to |
+| up | it registered (step 2) | read from and written to (unless ``filling``: written to only) |
+| down | its lease lapsed (mark down) or it stopped cleanly | neither: its shards are read around (parity) |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.kvstore.cluster_map import DEFAULT_LEASE_TTL_S, Doc, MapFeed, node_entry
+from kvtier.kvstore.etcd import ATTEMPT_S, EtcdUnavailable
+
+log = logging.getLogger("kvtier.membership")
+
+
+class Membership:
+    """One node's registration and its share of marking others down (see the module docstring)."""
+
+    def __init__(self, feed: MapFeed, node_id: int) -> None:
+        self.feed = feed
+        self.store = feed.store
+        self.etcd = feed.etcd
+        self.node_id = node_id
+        self.key = self.store.member_key(node_id)
+        self.registered = threading.Event()
+        self.lease_id: int | None = None
+        self.marked_down: list[tuple[int, float]] = []  # (node id, time) this node marked down
+        self._kick: asyncio.Event | None = None
+        feed.member_listeners.append(lambda: self._kick is not None and self.etcd.call_soon(self._kick.set))
+        self._tasks = [self.etcd.spawn(self._keep()), self.etcd.spawn(self._mark_loop())]
+
+    @property
+    def lease_ttl_s(self) -> float:
+        membership = self.feed.doc.get("membership") or {}
+        return float(membership.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))
+
+    async def _keep(self) -> None:
+        """Steps 1-3 of the module docstring, for as long as the node runs (again half a second after a failure)."""
+
+        async def registered() -> None:
+            await self._register()
+            await self._keep_alive()
+
+        def failed(exc: Exception) -> None:
+            self.registered.clear()
+            log.warning("node %d: registering in etcd failed (%s); retrying", self.node_id, exc)
+
+        await self.etcd.repeat(registered, lambda: 0.5, asyncio.Event(), failed)
+
+    async def _register(self) -> None:
+        ttl = self.lease_ttl_s
+        lease = await self.etcd.run(lambda c: c.lease(max(2, math.ceil(ttl))), ATTEMPT_S * 2)
+        node = self.feed.latest().nodes.get(self.node_id)
+        info = {"host": node.host if node else "", "port": node.port if node else 0, "pid": os.getpid()}
+        info["started"] = time.time()
+        await self.etcd.run(lambda c: c.put(self.key, json.dumps(info).encode(), lease=lease.id), ATTEMPT_S * 2)
+        self.lease_id = lease.id
+        await self._ensure_up()
+        self.registered.set()
+        log.info("node %d registered (lease %x, ttl %gs)", self.node_id, lease.id, ttl)
+
+    async def _keep_alive(self) -> None:
+        """Refresh until the lease is gone or a whole TTL passed without a refresh (it lapsed at etcd)."""
+        ttl = self.lease_ttl_s
+        refreshed = time.monotonic()
+        while not self.etcd.closed:
+            await asyncio.sleep(ttl / 3)
+            try:
+                reply = await self.etcd.run(lambda c: c.refresh_lease(self.lease_id), ttl / 3)
+            except EtcdUnavailable as exc:
+                if time.monotonic() - refreshed > ttl:
+                    log.warning("node %d: no lease refresh for %.1fs (%s): registering again", self.node_id, ttl, exc)
+                    self.registered.clear()
+                    return
+                continue
+            if reply is None or reply.TTL <= 0:
+                log.warning("node %d: its lease lapsed: registering again", self.node_id)
+                self.registered.clear()
+                return
+            refreshed = time.monotonic()
+            await self._ensure_up()
+
+    async def _ensure_up(self) -> None:
+        node = self.feed.latest().nodes.get(self.node_id)
+        if node is not None and node.state == "up":
+            return
+        mark_up = set_state(self.node_id, "up")
+        await self.etcd.run(
+            lambda c: self.store.aupdate(c, mark_up, lambda c: [c.transactions.version(self.key) > 0]),
+            ATTEMPT_S * 2,
+        )
+
+    async def _mark_loop(self) -> None:
+        self._kick = asyncio.Event()
+
+        def failed(exc: Exception) -> None:
+            log.info("node %d: marking lapsed nodes down failed (%s); retrying", self.node_id, exc)
+
+        await self.etcd.repeat(self._mark_down, lambda: self.lease_ttl_s / 2, self._kick, failed)
+
+    async def _mark_down(self) -> None:
+        live = set(self.feed.members)
+        if not self.registered.is_set() or self.node_id not in live or min(live) != self.node_id:
+            return
+        for nid, node in self.feed.latest().nodes.items():
+            if node.state != "up" or nid in live:
+                continue
+            key, mark = self.store.member_key(nid), set_state(nid, "down")
+            await self.etcd.run(
+                lambda c, key=key, mark=mark: self.store.aupdate(c, mark, lambda c: [c.transactions.version(key) == 0]),
+                ATTEMPT_S * 2,
+            )
+            self.marked_down.append((nid, time.time()))
+            log.warning("node %d: marked node %d down (its lease lapsed)", self.node_id, nid)
+
+    def close(self) -> None:
+        """Leave: revoke the lease (the node is marked down at once) and stop."""
+        for task in self._tasks:
+            task.cancel()
+        lease = self.lease_id
+        if lease is not None:
+
+            async def leave(c: Any) -> None:
+                await c.revoke_lease(lease)
+                guard = [c.transactions.version(self.key) == 0]
+                await self.store.aupdate(c, set_state(self.node_id, "down"), lambda c: guard)
+
+            with contextlib.suppress(Exception):
+                self.etcd.call(leave, timeout_s=3.0)
+
+
+def set_state(node_id: int, state: str) -> Callable[[Doc], bool]:
+    """A map edit (``MapStore.update``) setting ``node_id``'s state; no change if it has that state already."""
+
+    def edit(doc: Doc) -> bool:
+        entry = node_entry(doc, node_id)
+        if entry["state"] == state:
+            return False
+        entry["state"] = state
+        return True
+
+    return edit

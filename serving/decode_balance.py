@@ -1,0 +1,60 @@
+"""The decode balancer: balance request count and total KV length at once.
+
+A decode replica's step time grows with the requests it runs (each computes a token) and with the KV they hold
+(each token attends to its own cache): ``d(n, kv) = a + b·n + g·kv`` (``serving.cost``). A request of ``L``
+tokens placed on replica ``i`` makes its loads ``n_i + 1`` and ``kv_i + L``. Two rules, in order:
+
+1. **Balance both dimensions.** Each load is compared with the cluster's mean after the placement, and a
+   replica is a candidate when its larger ratio is within ``slack`` (25 %) of the best replica's:
+
+       ratio_i = max((n_i + 1) / n̄,  (kv_i + L) / kv̄)      n̄ = (Σn + 1) / R,  kv̄ = (Σkv + L) / R
+
+   so no replica is loaded far past the mean in either requests or KV.
+2. **Slow the fewest tokens.** Among the candidates, the one where the placement adds the least step time summed
+   over the requests it delays, ``n_i·(b + g·L)`` (its running requests each wait ``b + g·L`` longer a token)
+   plus the request's own step ``d(n_i + 1, kv_i + L)``. So a short request goes to a replica with few requests
+   even if its caches are long, and a long one to where its KV slows the fewest requests, unless that replica's
+   KV is already far above the mean (rule 1), when it goes to one with little cached KV.
+
+Ties go to the smaller ratio, then the lower id. Without a fitted cost model (``b = g = 0``) rule 2 ties and
+rule 1's best ratio decides. No cache affinity: every replica reads the same store. The worked example is in
+docs/serving.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.serving.cost import CostModel
+
+SLACK = 0.25
+
+
+def ratios(requests: Sequence[int], kv_tokens: Sequence[int], length: int) -> list[float]:
+    """Rule 1's ``ratio_i`` per replica for a request of ``length`` tokens."""
+    r = len(requests)
+    n_mean = (sum(requests) + 1) / r
+    kv_mean = (sum(kv_tokens) + length) / r
+    return [max((n + 1) / n_mean, (kv + length) / kv_mean if kv_mean else 0.0)
+            for n, kv in zip(requests, kv_tokens, strict=True)]  # fmt: skip
+
+
+def added_step_s(n: int, kv: int, length: int, cost: CostModel) -> float:
+    """Rule 2: step time the placement adds, summed over the replica's requests and the new one."""
+    return n * (cost.decode_b + cost.decode_g * length) + cost.decode_s(n + 1, kv + length)
+
+
+def pick_decode(
+    requests: Sequence[int], kv_tokens: Sequence[int], length: int, cost: CostModel | None = None,
+    slack: float = SLACK,
+) -> int:  # fmt: skip
+    """The replica for a request of ``length`` tokens (prompt plus its answer so far), given each replica's
+    running ``requests`` and the ``kv_tokens`` they hold (see the module doc)."""
+    if not requests:
+        raise ValueError("no decode replicas")
+    score = ratios(requests, kv_tokens, length)
+    best = min(score)
+    candidates = [i for i in range(len(score)) if score[i] <= best * (1 + slack)]
+    if cost is None:
+        return min(candidates, key=lambda i: (score[i], i))
+    return min(candidates, key=lambda i: (added_step_s(requests[i], kv_tokens[i], length, cost), score[i], i))

@@ -1,0 +1,108 @@
+"""The engine's worker loop in-process: every request it holds advances a step at a time, streamed tokens and
+answers equal ``generate``'s, chunked prefill under a step budget changes nothing, aborts release their pages,
+and a request waits for cache pages rather than failing half way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.engine.engine import Engine
+from kvtier.engine.sampling import Sampling, sample
+from kvtier.engine.worker import WorkerLoop
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(i * 31 + seed * 17) % 500 + 5 for i in range(n)]
+
+
+def run(engine: Engine, requests: list[dict[str, Any]], role: str = "both", **kw: Any) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    loop = WorkerLoop(engine, role, events.append, **kw)
+    for r in requests:
+        loop.submit(r)
+    loop.submit(None)
+    loop.run()
+    return events
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Engine:
+    return Engine.from_pretrained(checkpoint)
+
+
+def test_concurrent_requests_stream_the_same_tokens_as_generate(engine: Engine) -> None:
+    prompts = [prompt(300, 1), prompt(700, 2), prompt(40, 3)]
+    events = run(engine, [{"id": i, "prompt": p, "max_new_tokens": 6, "stream": True} for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        expected = engine.generate([p], 6, reuse=False)[0].tokens
+        assert [e["token"] for e in events if e.get("id") == i and "token" in e] == expected
+        assert next(e for e in events if e.get("id") == i and "tokens" in e)["tokens"] == expected
+    assert engine.cache.free_pages == engine.cache.num_pages
+
+
+def test_chunked_prefill_under_a_step_budget_gives_the_same_answer(engine: Engine) -> None:
+    p = prompt(1500, 4)
+    chunks: list[int] = []
+
+    def planner(left: int, cached: int, time_left_s: float) -> int:
+        chunks.append(left)
+        return 512
+
+    events = run(engine, [{"id": "a", "prompt": p, "max_new_tokens": 4}], plan_chunk=planner, step_budget_s=0.0)
+    assert chunks == [1500, 988, 476]  # three steps of one 512-token chunk (the last is what is left)
+    assert events[-1]["tokens"] == engine.generate([p], 4, reuse=False)[0].tokens
+
+
+def test_a_short_prompt_is_computed_before_a_long_one_that_came_first(engine: Engine) -> None:
+    order: list[int] = []
+    run(engine, [{"id": "long", "prompt": prompt(2000, 5), "max_new_tokens": 1},
+                 {"id": "short", "prompt": prompt(100, 6), "max_new_tokens": 1}],
+        plan_chunk=lambda left, cached, t: order.append(left) or 512, step_budget_s=10.0)  # fmt: skip
+    assert order[:2] == [100, 2000]
+
+
+def test_an_abort_releases_a_running_request_and_answers_once(engine: Engine) -> None:
+    events: list[dict[str, Any]] = []
+    loop = WorkerLoop(engine, "both", events.append)
+    loop.submit({"id": "x", "prompt": prompt(200, 7), "max_new_tokens": 10_000, "stream": True})
+    loop._take(block=True)
+    loop._start_waiting()
+    for _ in range(3):
+        loop._step()
+    loop.submit({"abort": "x"})
+    loop.submit({"abort": "never-seen"})
+    loop.submit(None)
+    loop.run()
+    assert [e for e in events if "token" not in e] == [{"id": "x", "aborted": True}]
+    assert engine.cache.free_pages == engine.cache.num_pages
+
+
+def test_a_request_waits_for_pages_instead_of_failing(checkpoint: Path) -> None:
+    small = Engine.from_pretrained(checkpoint, cache_tokens=640)  # 10 pages of 64 tokens
+    requests = [{"id": i, "prompt": prompt(200, 10 + i), "max_new_tokens": 100} for i in range(3)]  # 5 pages each
+    events = run(small, requests)
+    assert sorted(e["id"] for e in events) == [0, 1, 2] and all("tokens" in e for e in events)
+    assert [e["id"] for e in events][-1] == 2  # it started when one of the first two finished
+    too_big = run(small, [{"id": "big", "prompt": prompt(600, 1), "max_new_tokens": 100}])
+    assert too_big == [{"id": "big", "error": too_big[0]["error"]}] and "cache holds 640" in too_big[0]["error"]
+
+
+def test_bad_requests_are_one_error_line_each(engine: Engine) -> None:
+    events = run(engine, ['{"id": 1, "prompt": "text"}', "not json", '{"id": 2, "prompt": [1], "max_new_tokens": -1}',
+                          '{"id": 3, "prompt": [9999]}'])  # fmt: skip
+    assert [e["id"] for e in events] == [1, None, 2, 3] and all("error" in e for e in events)
+    assert "outside" in events[3]["error"] or "0…511" in events[3]["error"]
+
+
+def test_sampling_is_a_pure_function_of_seed_and_index(engine: Engine) -> None:
+    logits = engine.logits(prompt(50, 9))[-1]
+    s = Sampling(temperature=0.9, top_p=0.8, seed=5)
+    assert sample(logits, s, 3) == sample(logits, s, 3)
+    assert len({sample(logits, Sampling(1.5, 1.0, seed), 0) for seed in range(40)}) > 1
+    assert sample(logits, Sampling(), 0) == int(logits.argmax())
+    assert sample(logits, Sampling(2.0, top_p=1e-9, seed=1), 0) == int(logits.argmax())  # top_p keeps one token
