@@ -20,6 +20,7 @@ that repeats the answer reuses it too.
 
 from __future__ import annotations
 
+import array
 import math
 import os
 import secrets
@@ -43,7 +44,7 @@ from kvtier.engine.sequence import Sequence
 from kvtier.engine.sliding import STATE_INTERVAL, SlidingState, state_block_bytes
 from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
 from kvtier.engine.store import BlockStore
-from kvtier.kvstore.keys import Namespace, chain
+from kvtier.kvstore.keys import Namespace, TokenInput, chain
 from kvtier.transfer.conn import parse_addr
 from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.stateblock import StateBlockHost
@@ -97,6 +98,7 @@ class Engine:
         self.state_blocks = state_blocks if state_blocks is not None else LocalStateBlocks()
         self._state_host: StateBlockHost | None = None
         self.state_bytes = state_block_bytes(self.config, self.cache.pages.element_size())
+        self._state_buf: torch.Tensor | None = None
 
     def attach_store(self, store: BlockStore, fetcher: FetchClient | None = None) -> None:
         """Reuse and keep prefix KV in ``store`` (its namespace must be this engine's); blocks move through
@@ -194,7 +196,7 @@ class Engine:
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """Logits [len(tokens), vocab] of one full forward: no cache, no store."""
-        return forward_logits(self.model, self._tensor(tokens))
+        return forward_logits(self.model, torch.from_numpy(self._ids(tokens).astype(np.int64)).to(self.device))
 
     def generate(
         self,
@@ -212,7 +214,7 @@ class Engine:
         Raises PromptError for a prompt the model cannot take (every prompt is checked before any work).
         """
         for p in prompts:
-            self._tensor(p)
+            self._ids(p)
         results = []
         for p in prompts:
             with self.start(p, max_new_tokens, sampling, reuse, resume) as g:
@@ -234,17 +236,17 @@ class Engine:
 
         ``first_token``: the answer's first token as a prefill worker chose it (P/D), used instead of sampling
         one from this engine's logits. Raises PromptError for a prompt the model cannot take."""
-        self.check_prompt(prompt)
+        ids = self._ids(prompt)
         if max_new_tokens < 0:
             raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        seq = Sequence(list(prompt), SlidingState(self.config, 0, self.dtype, self.device))
+        seq = Sequence(list(prompt), ids, SlidingState(self.config, 0, self.dtype, self.device))
         budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
         return Generation(self, seq, budget, sampling, reuse, resume, first_token)
 
     def check_prompt(self, prompt: list[int]) -> None:
         """Raise PromptError (one line) if the model cannot take ``prompt``: empty, longer than its context, or
         token ids outside its vocabulary."""
-        self._tensor(prompt)
+        self._ids(prompt)
 
     # -- one request ----------------------------------------------------------------------------------
 
@@ -252,7 +254,7 @@ class Engine:
         """Look the prompt up, fetch what the hit rule reuses and rebuild the sliding state (the first part of
         prefill); returns the prompt's keys (empty without reuse) and the blocks ``match`` found."""
         start = time.perf_counter()
-        keys = self.store.keys(seq.prompt) if self.store is not None and reuse else []
+        keys = self.store.keys(seq.ids) if self.store is not None and reuse else []
         matched = self.store.match(keys) if keys else 0
         h, state = self._reuse(seq, keys, matched, resume)
         fetched = self._clock()
@@ -296,8 +298,8 @@ class Engine:
         up short re-plans with the blocks that landed."""
         if not matched or self.transfer is None or self.store is None:
             return 0, None
-        state_keys = chain(self.state_namespace, np.asarray(seq.prompt, dtype=np.uint32), self.store.hash_algo)
-        buf = torch.empty(self.state_bytes, dtype=torch.uint8)
+        state_keys = chain(self.state_namespace, seq.ids, self.store.hash_algo)
+        buf = self._state_buffer
         found: dict[int, bool] = {}
 
         def has_state(h: int) -> bool:
@@ -313,14 +315,14 @@ class Engine:
                 return 0, None
             n = p.hit_tokens // self.block_tokens
             self.runner.ensure_pages(seq, p.hit_tokens)
-            landed = self.transfer.fetch(keys[:n], seq.pages[:n], seq.prompt[: n * self.block_tokens])
+            landed = self.transfer.fetch(keys[:n], seq.pages[:n], seq.ids[: n * self.block_tokens])
             if landed == n:
                 exact = p.reuse is Reuse.EXACT and self.config.sliding_layers
                 return p.hit_tokens, (buf if exact and has_state(p.hit_tokens) else None)
             block_hit = landed * self.block_tokens
 
     def _publish(
-        self, seq: Sequence, tokens: list[int], keys: list[bytes], first: int, states: dict[int, torch.Tensor]
+        self, seq: Sequence, tokens: TokenInput, keys: list[bytes], first: int, states: dict[int, torch.Tensor]
     ) -> None:
         """Blocks ``first…`` of ``keys`` (the chain over ``tokens``, whose KV ``seq``'s pages hold) to the store,
         ``states`` to the StateBlock pool. Only for exactly computed sequences (``seq.publishing``)."""
@@ -331,16 +333,35 @@ class Engine:
             for m, data in states.items():
                 self.state_blocks.put(self._state_key(state_keys, m), memoryview(data.cpu().numpy()))
 
-    def _tensor(self, tokens: list[int]) -> torch.Tensor:
+    def _ids(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """``tokens`` as uint32 (what keys are chained over), or PromptError (one line) if the model cannot take
+        them: empty, longer than its context, or ids outside its vocabulary."""
         n, limit, vocab = len(tokens), self.config.max_position_embeddings, self.config.vocab_size
         if n == 0:
             raise PromptError("empty prompt: give at least one token")
         if n > limit:
             raise PromptError(f"prompt of {n} tokens is longer than the model's context of {limit} tokens")
-        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        if int(t.min()) < 0 or int(t.max()) >= vocab:
-            raise PromptError(f"token ids must be in 0…{vocab - 1}; got {int(t.min())}…{int(t.max())}")
-        return t
+        try:  # through array.array: a third of numpy's time for a list of ints (3.9 ms at 77K tokens)
+            ids = (
+                tokens.astype(np.int64)
+                if isinstance(tokens, np.ndarray)
+                else np.frombuffer(array.array("q", tokens), np.int64)
+            )
+        except (TypeError, OverflowError) as e:
+            raise PromptError(f"token ids must be integers in 0…{vocab - 1}: {e}") from None
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            raise PromptError(f"token ids must be in 0…{vocab - 1}; got {lo}…{hi}")
+        return ids.astype(np.uint32)
+
+    @property
+    def _state_buffer(self) -> torch.Tensor:
+        """Where a StateBlock lands on its way to the device: one buffer, pinned on a GPU engine (a fresh pageable
+        one cost 2 ms of page faults and 2.5 ms of copy per request at 13 MB)."""
+        if self._state_buf is None:
+            pin = self.device.type == "cuda" and self.state_bytes > 0
+            self._state_buf = torch.empty(self.state_bytes, dtype=torch.uint8, pin_memory=pin)
+        return self._state_buf
 
 
 class Generation:
@@ -424,7 +445,7 @@ class Generation:
         seq.ttft_s = now - self._started
         if seq.publishing:
             first = max(self._matched, seq.hit_tokens // engine.block_tokens)
-            engine._publish(seq, seq.prompt, self._keys, first, self._states)
+            engine._publish(seq, seq.ids, self._keys, first, self._states)
         self._states = {}
         self.first_logits = logits
         if self.budget == 0:

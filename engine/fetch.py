@@ -31,7 +31,7 @@ import torch
 
 from kvtier.engine.paged_cache import PagedKVCache
 from kvtier.engine.store import BlockStore
-from kvtier.kvstore.keys import header_digests
+from kvtier.kvstore.keys import TokenInput
 from kvtier.kvstore.transport import AuthError
 from kvtier.transfer.availability import Availability
 from kvtier.transfer.fetch_client import Blocks, FetchClient, FetcherError
@@ -44,12 +44,12 @@ UNAVAILABLE = (FetcherError, AuthError)  # the fetcher is away, or refuses this 
 
 
 class PageTransfer(Protocol):
-    def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+    def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
         """Fill ``pages`` with the blocks ``keys`` (chained from ``tokens``); returns how many leading pages
         now hold their block. Pages past that hold unspecified bytes."""
         ...
 
-    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
         """Put the blocks ``keys`` from ``pages``; returns how many are stored."""
         ...
 
@@ -78,7 +78,7 @@ class StorePages:
             self._buffer = torch.empty((self.rows, self.cache.page_bytes), dtype=torch.uint8, pin_memory=True)
         return self._buffer
 
-    def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+    def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
         if self.on_host:
             return self.store.get_into(keys, [_view(self.cache.block(p)) for p in pages], tokens)
         landed = 0
@@ -90,7 +90,7 @@ class StorePages:
                 break
         return landed
 
-    def _fetch_group(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+    def _fetch_group(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
         """One store read into the buffer on a thread of its own, this thread copying each lane to the device as
         it lands; returns when the copies are done (the buffer is free again)."""
         rows = self._staging[: len(keys)]
@@ -116,7 +116,7 @@ class StorePages:
             torch.cuda.current_stream().synchronize()
         return got[0] if got else 0
 
-    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
         if self.on_host:
             return self.store.put(keys, [_view(self.cache.block(p)) for p in pages], tokens)
         stored = 0
@@ -148,11 +148,11 @@ class FetcherPages:
         except UNAVAILABLE as e:  # the engine starts anyway, and uses the fetcher once it is there
             self.availability.failed(e)
 
-    def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+    def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
         if not keys:
             return 0
         try:
-            with self.client.fetch(keys, self.cache.page_bytes, headers=self._headers(keys, tokens)) as blocks:
+            with self.client.fetch(keys, self.cache.page_bytes, headers=self.store.headers(keys, tokens)) as blocks:
                 n = blocks.leading(blocks.ok())  # the answers as arrays: no Python object per block
                 if n:
                     assert blocks.segment is not None
@@ -175,7 +175,7 @@ class FetcherPages:
             return n + got
         return landed
 
-    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: Sequence[int]) -> int:
+    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
         """Swap pages out into outbox slots and have the fetcher store them, as many at a time as the outbox gives
         (it copies them into its cache, so the next request for them is a host hit); what it cannot take goes
         through the store client."""
@@ -195,7 +195,7 @@ class FetcherPages:
                 swap_out(self.cache.pages, np.asarray(pages[at], dtype=np.int32), self._slot_rows(slots.segment), ids)
                 if self.cache.pages.device.type != "cpu":
                     torch.cuda.current_stream().synchronize()
-                stored += sum(self.client.put(keys[at], slots[:n], headers=self._headers(keys[at], tokens)))
+                stored += sum(self.client.put(keys[at], slots[:n], headers=self.store.headers(keys[at], tokens)))
                 done += n
         except UNAVAILABLE as e:
             self.availability.failed(e)
@@ -225,14 +225,6 @@ class FetcherPages:
         if why not in self._refusals:
             self._refusals.add(why)
             log.error("the fetcher cannot stage these blocks, they go through the store client: %s", why)
-
-    def _headers(self, keys: Sequence[bytes], tokens: Sequence[int]) -> list[bytes]:
-        """Header digests of ``keys``, any blocks of the chain over ``tokens`` (digests bind each block's parent,
-        so they are computed along the whole chain and picked out)."""
-        arr = np.asarray(tokens, dtype=np.uint32)
-        full = self.store.keys(arr)
-        digests = dict(zip(full, header_digests(self.store.namespace, arr, full), strict=True))
-        return [digests[k] for k in keys]
 
     def _slot_rows(self, segment: Region) -> torch.Tensor:
         """``segment``'s slots as ``uint8 [slots, stride]`` as the device sees them: a CPU view, or on a GPU the

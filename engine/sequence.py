@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.engine.sliding import SlidingState
@@ -12,6 +13,7 @@ from kvtier.engine.sliding import SlidingState
 @dataclass
 class Sequence:
     prompt: list[int]
+    ids: np.ndarray  # the prompt as uint32, converted once (what keys are chained over)
     sliding: SlidingState
     pages: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from kvtier.kvstore.client import CapacityError, Client, connect
-from kvtier.kvstore.keys import Namespace, chain
+from kvtier.kvstore.keys import Namespace, TokenInput, chain, header_digests, token_bytes
 from kvtier.kvstore.protocol import ProtocolError
 from kvtier.kvstore.transport import AuthError
 from kvtier.transfer.availability import Availability
@@ -25,8 +26,20 @@ log = logging.getLogger("kvtier.engine")
 STORE_ERRORS = (OSError, ProtocolError, AuthError)  # the store is away, or refuses this engine
 
 
+@dataclass
+class _Chain:
+    """The keys of one token sequence's full blocks and, once asked for, their header digests."""
+
+    data: bytes  # the tokens, as uint32 bytes
+    keys: list[bytes]
+    digests: dict[bytes, bytes] = field(default_factory=dict)  # by key; empty until first asked for
+
+
 class BlockStore:
-    """Blocks of one namespace in one cluster. Methods never raise for the store's sake (see module doc)."""
+    """Blocks of one namespace in one cluster. Methods never raise for the store's sake (see module doc).
+
+    The chain of the last tokens given is kept: one request's lookup, fetch and header checks chain the same
+    prompt (or a prefix of it), which costs ~5 µs a block in Python (7 ms at 77K tokens, each time)."""
 
     def __init__(self, client: Client, namespace: Namespace) -> None:
         self.client = client
@@ -34,14 +47,34 @@ class BlockStore:
         self.hash_algo = client.config.hash_algo
         self.availability = Availability("the store", "the engine recomputes what it cannot reach", log)
         self._full_logged = False
+        self._last: _Chain | None = None
 
     @classmethod
     def open(cls, cluster_file: str | Path, namespace: Namespace, token: str | None = None) -> BlockStore:
         return cls(connect(cluster_file, token=token, namespace=namespace), namespace)
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
+    def keys(self, tokens: TokenInput) -> list[bytes]:
         """Chain keys of every full block of ``tokens``."""
-        return chain(self.namespace, np.asarray(tokens, dtype=np.uint32), self.hash_algo)
+        data = token_bytes(np.asarray(tokens, dtype=np.uint32))
+        return self._chain(data).keys[: len(data) // (4 * self.namespace.block_tokens)]
+
+    def headers(self, keys: Sequence[bytes], tokens: TokenInput) -> list[bytes]:
+        """Header digests of ``keys``, blocks of the chain over ``tokens`` (ValueError for a key that is not)."""
+        chained = self._chain(token_bytes(np.asarray(tokens, dtype=np.uint32)))
+        if not chained.digests:
+            digests = header_digests(self.namespace, chained.data, chained.keys)
+            chained.digests = dict(zip(chained.keys, digests, strict=True))
+        try:
+            return [chained.digests[k] for k in keys]
+        except KeyError:
+            raise ValueError("keys that are not blocks of the given tokens in this namespace") from None
+
+    def _chain(self, data: memoryview) -> _Chain:
+        """The kept chain if ``data`` is a prefix of its tokens, else the chain of ``data`` (kept from now on)."""
+        last = self._last
+        if last is None or not last.data.startswith(data):
+            last = self._last = _Chain(bytes(data), chain(self.namespace, data, self.hash_algo))
+        return last
 
     def match(self, keys: Sequence[bytes]) -> int:
         """Leading keys stored (0 when the store cannot answer)."""
@@ -62,7 +95,7 @@ class BlockStore:
         self,
         keys: Sequence[bytes],
         buffers: Sequence[memoryview],
-        tokens: Sequence[int],
+        tokens: TokenInput,
         on_landed: Callable[[int, int], None] | None = None,
     ) -> int:
         """Read blocks into ``buffers``; returns how many *leading* blocks landed (header-checked against
@@ -71,7 +104,7 @@ class BlockStore:
         if not keys:
             return 0
         try:
-            got = self.client.get_into(keys, buffers, tokens=np.asarray(tokens, dtype=np.uint32), on_landed=on_landed)
+            got = self.client.get_into(keys, buffers, headers=self.headers(keys, tokens), on_landed=on_landed)
         except STORE_ERRORS as e:
             self.availability.failed(e)
             return 0
@@ -81,7 +114,7 @@ class BlockStore:
             self.availability.answered()
         return landed
 
-    def put(self, keys: Sequence[bytes], buffers: Sequence[memoryview], tokens: Sequence[int]) -> int:
+    def put(self, keys: Sequence[bytes], buffers: Sequence[memoryview], tokens: TokenInput) -> int:
         """Store blocks (``tokens``: the prompt the keys were chained from); returns how many are stored."""
         if not keys:
             return 0

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.stateblocks import LocalStateBlocks
 from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.keys import chain, header_digests
 from kvtier.tools.kvbench import main as kvbench
 from kvtier.transfer.fetcher import LocalFetcher
 
@@ -111,6 +113,16 @@ def test_a_prompt_longer_than_the_context_is_one_clear_error(checkpoint: Path, e
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("bad", [[1, 2.5, 3], [1, -1], [1, 2**40]], ids=["float", "negative", "huge"])
+def test_token_ids_that_are_not_vocabulary_ids_are_one_clear_error(
+    checkpoint: Path, engine: MakeEngine, bad: list
+) -> None:
+    e = engine(checkpoint, None)
+    with pytest.raises(PromptError, match="token ids must be") as info:
+        e.generate([bad], 1)
+    assert "\n" not in str(info.value)
+
+
 # -- with the store -------------------------------------------------------------------------------------
 
 
@@ -125,6 +137,20 @@ def test_exact_reuse_gives_the_same_logits_and_tokens_as_no_reuse(
     assert (cold.hit_tokens, warm.hit_tokens, warm.replayed) == (0, 1792, False)
     assert warm.tokens == cold.tokens == plain.tokens
     assert (warm.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
+
+
+def test_the_block_store_answers_keys_and_headers_of_any_prefix_from_the_chain_it_keeps(
+    checkpoint: Path, cluster_file: Path, engine: MakeEngine
+) -> None:
+    store = engine(checkpoint, cluster_file).store
+    assert store is not None
+    tokens, other = np.array(prompt(2000, seed=5), np.uint32), np.array(prompt(1000, seed=6), np.uint32)
+    full = chain(store.namespace, tokens, store.hash_algo)
+    assert store.keys(tokens) == full and store.keys(tokens[:700]) == full[:10]  # 700 tokens: 10 full blocks
+    assert store.headers(full[3:9], tokens[:640]) == header_digests(store.namespace, tokens, full)[3:9]
+    assert store.keys(other) == chain(store.namespace, other, store.hash_algo)  # another prompt: chained anew
+    with pytest.raises(ValueError, match="not blocks of the given tokens"):
+        store.headers(full[:2], other)
 
 
 def test_a_later_turn_reuses_the_earlier_turn_exactly(checkpoint: Path, cluster_file: Path, engine: MakeEngine) -> None:
