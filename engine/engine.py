@@ -95,7 +95,7 @@ class Engine:
         self.transfer: PageTransfer | None = None
         if store is not None:
             self.attach_store(store)
-        self.state_blocks = state_blocks if state_blocks is not None else LocalStateBlocks()
+        self.state_blocks = state_blocks if state_blocks is not None else LocalStateBlocks(device=self.device)
         self._state_host: StateBlockHost | None = None
         self.state_bytes = state_block_bytes(self.config, self.cache.pages.element_size())
         self._state_buf: torch.Tensor | None = None
@@ -299,14 +299,13 @@ class Engine:
         if not matched or self.transfer is None or self.store is None:
             return 0, None
         state_keys = chain(self.state_namespace, seq.ids, self.store.hash_algo)
-        buf = self._state_buffer
-        found: dict[int, bool] = {}
+        found: dict[int, torch.Tensor | None] = {}
 
         def has_state(h: int) -> bool:
-            if h not in found:  # a lookup fills ``buf``: the last one asked is the one a plan uses
+            if h not in found:  # (a lookup may fill the one staging buffer: only the last one asked is kept)
                 found.clear()
-                found[h] = self.state_blocks.get_into(self._state_key(state_keys, h), memoryview(buf.numpy()))
-            return found[h]
+                found[h] = self._state(self._state_key(state_keys, h))
+            return found[h] is not None
 
         block_hit = matched * self.block_tokens
         while True:
@@ -318,7 +317,7 @@ class Engine:
             landed = self.transfer.fetch(keys[:n], seq.pages[:n], seq.ids[: n * self.block_tokens])
             if landed == n:
                 exact = p.reuse is Reuse.EXACT and self.config.sliding_layers
-                return p.hit_tokens, (buf if exact and has_state(p.hit_tokens) else None)
+                return p.hit_tokens, (found[p.hit_tokens] if exact and has_state(p.hit_tokens) else None)
             block_hit = landed * self.block_tokens
 
     def _publish(
@@ -330,8 +329,16 @@ class Engine:
         self.transfer.store_pages(keys[first:], seq.pages[first : len(keys)], tokens)
         if states:
             state_keys = chain(self.state_namespace, np.asarray(tokens, dtype=np.uint32), self.store.hash_algo)
+            local = isinstance(self.state_blocks, LocalStateBlocks)  # (takes the tensor as it is, on its device)
             for m, data in states.items():
-                self.state_blocks.put(self._state_key(state_keys, m), memoryview(data.cpu().numpy()))
+                self.state_blocks.put(self._state_key(state_keys, m), data if local else memoryview(data.cpu().numpy()))
+
+    def _state(self, key: bytes) -> torch.Tensor | None:
+        """The StateBlock ``key`` (flat uint8), or None if the pool does not hold it."""
+        if isinstance(self.state_blocks, LocalStateBlocks):
+            return self.state_blocks.get(key)
+        buf = self._state_buffer
+        return buf if self.state_blocks.get_into(key, memoryview(buf.numpy())) else None
 
     def _ids(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """``tokens`` as uint32 (what keys are chained over), or PromptError (one line) if the model cannot take

@@ -152,7 +152,8 @@ class FetcherPages:
         if not keys:
             return 0
         try:
-            with self.client.fetch(keys, self.cache.page_bytes, headers=self.store.headers(keys, tokens)) as blocks:
+            blocks = self.client.fetch(keys, self.cache.page_bytes, headers=self.store.headers(keys, tokens))
+            try:
                 n = blocks.leading(blocks.ok())  # the answers as arrays: no Python object per block
                 if n:
                     assert blocks.segment is not None
@@ -162,6 +163,8 @@ class FetcherPages:
                         torch.cuda.current_stream().synchronize()  # before the pins are released
                 landed = blocks.leading(blocks.valid()[:n])  # a slot reused meanwhile is a miss from there
                 unstaged = self._unstaged(blocks, n) if landed == n else False
+            finally:  # the pins, dropped without waiting for the fetcher's answer
+                self.client.release_later(blocks)
         except UNAVAILABLE as e:
             self.availability.failed(e)
             return self.fallback.fetch(keys, pages, tokens)

@@ -113,6 +113,31 @@ def test_a_second_fetch_is_a_host_memory_hit_and_contacts_no_node(cluster: Local
         assert stats["hits"] == 4 and stats["misses"] == 4 and stats["hit_ratio"] == 0.5
 
 
+def test_a_release_sent_without_waiting_is_served_before_the_clients_next_request(
+    cluster: LocalCluster, start_fetcher
+) -> None:
+    fetcher = start_fetcher()
+    keys, _ = stored_blocks(cluster, 3)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        client.release_later(client.fetch(keys, BLOCK))
+        client.release_later(client.fetch(keys[:2], BLOCK))  # two replies owed, read before the next one's
+        assert client.stats()["pinned"] == 0
+
+
+def test_a_release_whose_connection_died_meanwhile_costs_the_next_request_nothing(
+    cluster: LocalCluster, start_fetcher
+) -> None:
+    fetcher = start_fetcher()
+    keys, _ = stored_blocks(cluster, 2)
+    with FetchClient(fetcher.socket_path, cluster.config.token) as client:
+        got = client.fetch(keys, BLOCK)
+        fetcher.stop()  # the pins go with the fetcher
+        client.release_later(got)
+        fetcher = start_fetcher()
+        again = client.fetch(keys, BLOCK)  # on a new connection to the new fetcher
+        assert again.ok().all() and client.stats()["pinned"] == 2
+
+
 def test_a_fetchs_answers_as_arrays_match_its_blocks_and_release_their_pins(
     cluster: LocalCluster, start_fetcher
 ) -> None:

@@ -67,6 +67,7 @@ class FrameConn:
         self.sock: socket.socket | None = None
         self.reader = FrameReader()
         self.hello: dict[str, Any] = {}
+        self.owed = 0  # replies not read yet, of requests sent by :meth:`post`
 
     def open(self) -> socket.socket:
         """Connect and authenticate (once). Raises AuthError for a refused token, ``error`` otherwise."""
@@ -117,8 +118,34 @@ class FrameConn:
             raise self.error(f"{self.what} refused the request: {frame.meta.get('message', '')}")
         return frame
 
+    def post(self, opcode: int, meta: dict[str, Any]) -> None:
+        """Send a request whose reply nobody waits for: it is read (and dropped) before the next request is sent,
+        so the peer has served it before it serves the next one. Nothing happens without a connection, and a
+        connection that fails now is closed quietly: for the requests posted (RELEASE), a connection's end does
+        what they ask. An ERROR reply to one fails the next request."""
+        if self.sock is None:
+            return
+        try:
+            self.sock.sendall(encode_head(opcode, next(_ids), meta))
+        except OSError:
+            self.close()
+            return
+        self.owed += 1
+
+    def _settle(self, sock: socket.socket) -> None:
+        """Read the replies owed for posted requests."""
+        while self.owed:
+            frame = recv_frame(sock, self.reader)
+            if frame is None:
+                raise ConnectionResetError("connection closed")
+            self.owed -= 1
+            if frame.opcode == Op.ERROR:
+                self.close()
+                raise self.error(f"{self.what} refused an earlier request: {frame.meta.get('message', '')}")
+
     def _exchange(self, opcode: int, meta: dict[str, Any], payload: Sequence[memoryview], sink: Sink | None) -> Frame:
         sock = self.open()
+        self._settle(sock)
         head = encode_head(opcode, next(_ids), meta, sum(len(p) for p in payload))
         sendmsg_all(sock, [head, *payload])
         frame = recv_frame(sock, self.reader, None if sink is None else _sinker(sink))
@@ -130,6 +157,7 @@ class FrameConn:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        self.owed = 0
 
 
 def _sinker(sink: Sink) -> Callable[[FrameReader], None]:

@@ -436,6 +436,13 @@ class FetchClient(_Protocol):
         call = self._release_call(blocks)
         return self._run(call) if self._conn.sock is not None else 0
 
+    def release_later(self, blocks: Sequence[Block]) -> None:
+        """:meth:`release` without waiting for the reply (a round trip, ~1 ms, off a request's critical path): the
+        fetcher has dropped the pins before it serves this client's next request, or at once if the connection
+        ends; another connection may still find them held for a moment."""
+        call = self._release_call(blocks)
+        self._conn.post(call.opcode, call.meta)
+
     def alloc(self, n: int, block_bytes: int) -> Blocks:
         """Up to ``n`` slots of the tenant's outbox to write blocks of ``block_bytes`` into (ALLOCATED, writable;
         FULL past the outbox's free slots)."""

@@ -145,7 +145,7 @@ def _hold_states_past_prefixes(engine: Engine, lengths: list[int], hits: list[fl
     past = max(((n - hit_tokens(r, n)) // STATE_INTERVAL for n in lengths for r in hits if hit_tokens(r, n)), default=0)
     needed = (past + 2) * engine.state_bytes
     if needed > engine.state_blocks.capacity_bytes:
-        engine.state_blocks = LocalStateBlocks(needed)
+        engine.state_blocks = LocalStateBlocks(needed, engine.device)
 
 
 def hit_tokens(ratio: float, length: int) -> int:
