@@ -69,6 +69,7 @@ class StorePages:
         pages = cache.pages.shape[0]
         self.rows = max(1, min(staging_bytes // cache.page_bytes, -(-pages // 2)))  # blocks the buffer holds
         self._buffer: torch.Tensor | None = None
+        self._views: list[memoryview] = []  # its rows as the store reads into them (made once: 5 ms at 1,168)
 
     @property
     def _staging(self) -> torch.Tensor:
@@ -76,6 +77,7 @@ class StorePages:
         it)."""
         if self._buffer is None:
             self._buffer = torch.empty((self.rows, self.cache.page_bytes), dtype=torch.uint8, pin_memory=True)
+            self._views = [_view(r) for r in self._buffer]
         return self._buffer
 
     def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
@@ -94,12 +96,12 @@ class StorePages:
         """One store read into the buffer on a thread of its own, this thread copying each lane to the device as
         it lands; returns when the copies are done (the buffer is free again)."""
         rows = self._staging[: len(keys)]
+        views = self._views[: len(keys)]
         spans: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         got: list[int] = []
 
         def read() -> None:
             try:
-                views = [_view(r) for r in rows]
                 got.append(self.store.get_into(keys, views, tokens, on_landed=lambda lo, hi: spans.put((lo, hi))))
             finally:
                 spans.put(None)
@@ -126,7 +128,7 @@ class StorePages:
             rows = buf[: len(group)]
             index = torch.tensor(group).to(self.cache.pages.device, non_blocking=True)
             rows.copy_(self.cache.pages.index_select(0, index).view(len(group), -1).view(torch.uint8))
-            stored += self.store.put(keys[start : start + len(group)], [_view(r) for r in rows], tokens)
+            stored += self.store.put(keys[start : start + len(group)], self._views[: len(group)], tokens)
         return stored
 
 
