@@ -3,7 +3,6 @@ shards of live blocks rewritten before the call returns; see docs/design.md §5.
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -172,8 +171,8 @@ class Reads(Writes):
         Returns per block whether it was read; a miss (including a stored block of another length) leaves
         that buffer's contents unspecified. ``on_landed(lo, hi)``: told as soon as blocks ``lo..hi-1`` are
         done (read or missed; nothing writes into their buffers any more), before this returns: once for the
-        whole read, or once per piece of a lane (``[client] landed_piece_bytes``), from the thread that read it
-        (lanes run at once: it must be thread-safe). A lane that raised is not told of the piece it raised in.
+        whole read, or once per lane, from the thread that read it (lanes run at once: it must be thread-safe).
+        A lane that raised is not told.
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
@@ -211,18 +210,17 @@ class Reads(Writes):
         serves each lane on a thread of its own) on a thread of this client's. The compiled receive releases the
         GIL, so the lanes' copies and checksums run on as many cores. Returns when every lane is done, also when
         one raised (no lane writes into the caller's buffers after this returns)."""
-        bounds = _even_runs(lengths, 0, len(keys), lanes)
-        helpers, threads = self._lane_clients(len(bounds) - 1)
+        cuts = np.searchsorted(np.cumsum(lengths), np.arange(1, lanes) * (lengths.sum() / lanes)).tolist()
+        bounds = list(zip([0, *cuts], [*cuts, len(keys)], strict=True))
+        helpers, threads = self._lane_clients(lanes - 1)
         running: list[Future[list[bool]]] = []
-        piece_bytes = self.config.client.landed_piece_bytes
 
         def lane(reads: Reads, lo: int, hi: int) -> list[bool]:
-            found: list[bool] = []
-            pieces = 1 if on_landed is None else max(1, round(int(lengths[lo:hi].sum()) / piece_bytes))
-            for a, b in _even_runs(lengths, lo, hi, pieces):
-                found += reads._read_moving(keys[a:b], views[a:b], False, headers[a:b] if headers is not None else None)
-                if on_landed is not None:
-                    on_landed(a, b)
+            found = reads._read_moving(
+                keys[lo:hi], views[lo:hi], False, headers[lo:hi] if headers is not None else None
+            )
+            if on_landed is not None:
+                on_landed(lo, hi)
             return found
 
         try:
@@ -439,14 +437,6 @@ class Reads(Writes):
         for i, scratch in tails.items():
             region = layout.region(buf, i)
             region[:] = scratch[: len(region)]
-
-
-def _even_runs(lengths: np.ndarray, lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
-    """Blocks ``lo..hi-1`` cut into at most ``parts`` runs of consecutive blocks of about equal bytes (none empty)."""
-    ends = np.cumsum(lengths[lo:hi])
-    cuts = (np.searchsorted(ends, np.arange(1, parts) * (ends[-1] / parts)) + lo).tolist() if hi > lo else []
-    edges = sorted({lo, *cuts, hi})
-    return list(itertools.pairwise(edges))
 
 
 def _rows(mask: np.ndarray) -> slice | np.ndarray:

@@ -148,9 +148,6 @@ class ClientConfig:
     # than the two here receives on several at once: 0 = one lane per two cores (one on a small host), at most 16
     read_lanes: int = 0
     read_lane_min_bytes: int = 32 << 20  # a lane carries at least this much, so small reads stay on one thread
-    # a lane whose landings someone is told of (get_into's on_landed) reads its run in pieces of about this much,
-    # telling each as it lands: the caller's copy of the first pieces overlaps the reading of the rest
-    landed_piece_bytes: int = 64 << 20
     # a read still short of 10 shards this long after it was sent asks the holders not asked yet (parity) as well,
     # so a slow node or link costs at most this much (0: only once the first round has finished)
     hedge_after_s: float = 1.0
@@ -465,11 +462,8 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
         raise ConfigError(f"[client] read_fanout must be between 10 and {TOTAL_SHARDS}")
     if not 10 <= client.min_write_shards <= TOTAL_SHARDS:
         raise ConfigError(f"[client] min_write_shards must be between 10 and {TOTAL_SHARDS}")
-    if not 0 <= client.read_lanes <= MAX_READ_LANES or min(client.read_lane_min_bytes, client.landed_piece_bytes) < 1:
-        raise ConfigError(
-            f"[client] read_lanes must be 0 (auto) to {MAX_READ_LANES}; read_lane_min_bytes and landed_piece_bytes"
-            " positive"
-        )
+    if not 0 <= client.read_lanes <= MAX_READ_LANES or client.read_lane_min_bytes < 1:
+        raise ConfigError(f"[client] read_lanes must be 0 (auto) to {MAX_READ_LANES}, read_lane_min_bytes positive")
     limits = _limits(file.limits)
 
     return ClusterConfig(

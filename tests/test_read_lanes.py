@@ -18,11 +18,9 @@ def store(make_cluster) -> LocalCluster:
     return make_cluster()
 
 
-def lane_client(local: LocalCluster, lanes: int, piece_bytes: int = 64 << 20) -> Client:
-    """A client whose reads of 1 MB or more run in ``lanes`` lanes (told of in pieces of ``piece_bytes``)."""
-    settings = dataclasses.replace(
-        local.config.client, read_lanes=lanes, read_lane_min_bytes=1 << 20, landed_piece_bytes=piece_bytes
-    )
+def lane_client(local: LocalCluster, lanes: int) -> Client:
+    """A client whose reads of 1 MB or more run in ``lanes`` lanes."""
+    settings = dataclasses.replace(local.config.client, read_lanes=lanes, read_lane_min_bytes=1 << 20)
     return Client(dataclasses.replace(local.config, client=settings))
 
 
@@ -56,21 +54,6 @@ def test_each_lane_says_when_its_blocks_have_landed_before_the_read_returns(stor
         assert client.get_into(keys, buffers, on_landed=landed) == [True] * len(keys)
     spans = sorted(seen)
     assert len(spans) == 4 and all(whole for _, _, whole in spans)
-    assert [lo for lo, _, _ in spans] == [0, *[hi for _, hi, _ in spans[:-1]]] and spans[-1][1] == len(keys)
-
-
-def test_a_lane_is_told_of_in_pieces_each_final_when_told(store: LocalCluster) -> None:
-    keys, blocks = stored(store, 40)  # four lanes of 2 MB, each in four pieces of 500 kB
-    with lane_client(store, 4, piece_bytes=500_000) as client:
-        buffers = [bytearray(BLOCK) for _ in keys]
-        seen: list[tuple[int, int, bool]] = []
-
-        def landed(lo: int, hi: int) -> None:
-            seen.append((lo, hi, buffers[lo:hi] == blocks[lo:hi]))
-
-        assert client.get_into(keys, buffers, on_landed=landed) == [True] * len(keys)
-    spans = sorted(seen)
-    assert len(spans) == 16 and all(whole for _, _, whole in spans)
     assert [lo for lo, _, _ in spans] == [0, *[hi for _, hi, _ in spans[:-1]]] and spans[-1][1] == len(keys)
 
 
