@@ -47,6 +47,7 @@ import torch
 from kvtier.engine.checkpoint import DTYPES
 from kvtier.engine.engine import Engine, Generation, PromptError
 from kvtier.engine.sampling import Sampling
+from kvtier.kvstore.children import die_with_parent
 from kvtier.kvstore.cluster import read_token_file
 
 ROLES = ("prefill", "decode", "both")
@@ -343,9 +344,16 @@ class WorkerProcess:
     """The driving side: a child that prints one ready line and then answers one JSON line per request
     (a ``kvtier-engine prefill|decode`` worker; ``kvtier-directory`` also fits for its ready line)."""
 
-    def __init__(self, argv: list[str], timeout_s: float = 300.0, stderr: IO[bytes] | None = None) -> None:
-        """Start ``argv``; its stderr goes to ``stderr`` (a file), else to this process's."""
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    def __init__(
+        self, argv: list[str], timeout_s: float = 300.0, stderr: IO[bytes] | None = None, with_parent: bool = False
+    ) -> None:
+        """Start ``argv``; its stderr goes to ``stderr`` (a file), else to this process's. ``with_parent``: the
+        child is sent SIGTERM when the thread that starts it ends (:mod:`kvtier.kvstore.children`; for a child
+        that never reads its stdin, so would not notice its parent is gone)."""
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            preexec_fn=die_with_parent if with_parent else None,
+        )  # fmt: skip
         self.ready: Any = None
         self.timeout_s = timeout_s  # for each answer (and the ready line)
 

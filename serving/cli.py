@@ -102,7 +102,7 @@ def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
     if directory is None:
         run = "import sys; from kvtier.transfer.directory import main; sys.exit(main(sys.argv[1:]))"
         argv = [sys.executable, "-c", run, "--config", args.store, "--listen", "127.0.0.1:0"]
-        helpers.append(WorkerProcess(argv).wait_ready())
+        helpers.append(WorkerProcess(argv, with_parent=True).wait_ready())  # (it never reads its stdin)
         directory = helpers[-1].ready.split()[1]
     flags = ["--checkpoint", str(checkpoint), "--store", args.store, "--directory", directory]
     flags += ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]

@@ -8,8 +8,6 @@ A subcommand module ``tools/kvbench/NAME.py`` has ``register(commands: Subcomman
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import signal
 import socket
@@ -125,12 +123,6 @@ class JsonLinesProgress(ProgressView):
 
 
 # --- child processes ----------------------------------------------------------------------------------------------
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Have the child receive SIGTERM when kvbench dies, so no server outlives it."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def last_line(path: Path) -> str:

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kvtier.kvstore.children import die_with_parent
 from kvtier.tools.benchutil import free_port, raw_stream_gbps
 from kvtier.tools.kvbench.common import (
     BenchError,
@@ -25,7 +26,6 @@ from kvtier.tools.kvbench.common import (
     ProgressView,
     UsageError,
     VerifyError,
-    die_with_parent,
     last_line,
     stop_process,
     wait_port,
