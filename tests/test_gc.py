@@ -64,6 +64,22 @@ def put_in_batches(client: Client, n: int, batch: int = 200, size: int = BLOCK) 
     return keys
 
 
+def read_and_wait_until_recorded(client: Client, keys: list[bytes]) -> None:
+    """Read ``keys``, then wait until every primary has written the read's access times: they reach LMDB in
+    one batch per node (every access_flush_s), and until then an eviction can still see the blocks as old
+    (one block of each primary tells)."""
+    read_at = time.time()
+    unread = [i for i, got in enumerate(client.get(keys)) if got is None]
+    assert not unread, f"blocks {unread} were not read back (not stored, or the read failed): none was touched"
+    primaries = client.placement.shard_nodes(keys)[:, 0]
+    probes = [keys[int(np.flatnonzero(primaries == nid)[0])] for nid in np.unique(primaries).tolist()]
+    wait_for(
+        lambda: all(client.stat(k)["block"]["last_access"] >= read_at for k in probes),
+        5,
+        "the read's access times to be written on every primary",
+    )
+
+
 def usage(client: Client) -> list[int]:
     return [info["used_bytes"] for info in client.node_info().values()]
 
@@ -157,7 +173,7 @@ def test_eviction_is_lru_and_takes_what_is_needed(cluster: LocalCluster) -> None
         fill = int(FILL * CAPACITY) // SLOT
         old_keys = put_in_batches(client, fill)
         hot = old_keys[:300]
-        client.get(hot)  # recently used: must survive
+        read_and_wait_until_recorded(client, hot)  # recently used: must survive
         new_keys, new_data = blocks(int(EXTRA * CAPACITY) // SLOT)
         assert client.put(new_keys, new_data) == [True] * len(new_keys)
         total = fill + len(new_keys)
@@ -308,16 +324,7 @@ def test_a_restarted_node_keeps_lru_order(cluster: LocalCluster) -> None:
         # the oldest blocks, less any the watermark GC took from a primary that the hash gave more than its share
         hot = [k for k, live in zip(keys[:300], client.exists(keys[:300]), strict=True) if live]
         assert len(hot) >= 200
-        read_at = time.time()
-        client.get(hot)
-        # access times reach LMDB in one batch per node (every access_flush_s): one block of each primary tells
-        primaries = client.placement.shard_nodes(hot)[:, 0]
-        probes = [hot[int(np.flatnonzero(primaries == nid)[0])] for nid in np.unique(primaries).tolist()]
-        wait_for(
-            lambda: all(client.stat(k)["block"]["last_access"] >= read_at for k in probes),
-            5,
-            "the read's access times to be written on every primary",
-        )
+        read_and_wait_until_recorded(client, hot)
         for nid in list(cluster.procs):
             cluster.kill(nid)
         cluster.start()
