@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--window-s", type=float, default=10.0, help="prefill balancer's demand window (default 10 s)")
     s.add_argument("--bucket-edges", default=",".join(map(str, DEFAULT_EDGES)), help="context-length bucket edges")
+    s.add_argument(
+        "--tbt-slo-ms",
+        type=float,
+        help="time between tokens to keep decode replicas within (the decode balancer's rule 3; needs --cost-model)",
+    )
     s.set_defaults(run=serve)
     return top
 
@@ -83,6 +88,8 @@ def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
         raise ValueError("--prefill and --decode are both 0 (embedded) or both at least 1")
     if args.max_queued_requests < 1 or args.max_queued_tokens < 1:
         raise ValueError("--max-queued-requests and --max-queued-tokens must be at least 1")
+    if args.tbt_slo_ms is not None and (args.tbt_slo_ms <= 0 or not args.cost_model):
+        raise ValueError("--tbt-slo-ms must be a positive number of milliseconds, with --cost-model")
     edges = tuple(int(e) for e in args.bucket_edges.split(","))
     if list(edges) != sorted(set(edges)) or edges[0] <= 0:
         raise ValueError(f"--bucket-edges must be increasing positive token counts, got {args.bucket_edges}")
@@ -91,7 +98,8 @@ def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
     config = json.loads((checkpoint / "config.json").read_text())
     cost = CostModel.load(args.cost_model) if args.cost_model else None
     limits = Limits(args.max_queued_requests, args.max_queued_tokens)
-    common = {"cost": cost, "limits": limits, "window_s": args.window_s, "edges": edges}
+    tbt_slo_s = args.tbt_slo_ms / 1e3 if args.tbt_slo_ms is not None else None
+    common = {"cost": cost, "limits": limits, "window_s": args.window_s, "edges": edges, "tbt_slo_s": tbt_slo_s}
     name = args.model or checkpoint.resolve().name
     context, vocab = int(config["max_position_embeddings"]), int(config["vocab_size"])
     helpers: list[WorkerProcess] = []

@@ -87,6 +87,7 @@ class Server:
         limits: Limits = Limits(),
         window_s: float = 10.0,
         edges: tuple[int, ...] = DEFAULT_EDGES,
+        tbt_slo_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if bool(prefill) != bool(decode) or bool(prefill) == bool(both):
@@ -94,6 +95,7 @@ class Server:
         self.codec, self.model, self.context_tokens, self.vocab_size = codec, model, context_tokens, vocab_size
         self.prefill, self.decode, self.both = list(prefill), list(decode), list(both)
         self.cost = cost or TOKEN_PROXY
+        self.tbt_slo_s = tbt_slo_s  # the decode balancer's rule 3 (serving.decode_balance)
         self.limits, self.clock = limits, clock
         self.balancer = PrefillBalancer(max(1, len(self.prefill)), window_s, edges)
         self.metrics = Metrics()
@@ -346,7 +348,8 @@ class Server:
                 return
             ready = [w for w in self.decode if w.ready] or self.decode
             kv = [sum(w.running.values()) for w in ready]
-            worker = ready[pick_decode([len(w.running) for w in ready], kv, len(job.prompt) + 1, self.cost)]
+            running = [len(w.running) for w in ready]
+            worker = ready[pick_decode(running, kv, len(job.prompt) + 1, self.cost, tbt_slo_s=self.tbt_slo_s)]
             decode = {**request, "max_new_tokens": job.max_tokens, "first_token": first, "stream": True}
             skip_first = True  # the decode worker streams the first token it was given, too
             async for event in worker.events(decode, kv_tokens=len(job.prompt)):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from kvtier.serving import cli as serving_cli
 from kvtier.serving.cost import MAX_CHUNK_TOKENS, CostModel, fit
 from kvtier.serving.decode_balance import added_step_s, pick_decode, ratios
 from kvtier.serving.prefill_balance import PrefillBalancer, assign_engines, bucket_of, nearest_served
@@ -147,3 +150,35 @@ def test_an_engine_that_is_down_is_left_out() -> None:
     b.served = [{0: 1.0}, {1: 1.0, 2: 1.0}, {2: 1.0}, {2: 1.0}]
     assert b.route(1_000, 0.1, now=0.0, up=[False, True, True]) == 1  # bucket 0's only engine is restarting
     assert b.route(20_000, 0.1, now=0.0, up=[True, False, True]) == 2
+
+
+def test_decode_moves_a_request_that_would_push_its_replica_past_the_tbt_slo_to_one_it_does_not() -> None:
+    # rules 1–2 pick A (B holds 2× the mean KV); on A the step becomes d(216, 1K) = 51.2 ms > 50 ms, on B
+    # d(151, 901K) = 44.5 ms: B takes it, and A's 215 requests keep their 50 ms
+    assert pick_decode([215, 150], [0, 900_000], 1_000, H200) == 0
+    assert pick_decode([215, 150], [0, 900_000], 1_000, H200, tbt_slo_s=0.05) == 1
+
+
+def test_decode_past_the_slo_everywhere_loads_the_replica_already_past_it_most() -> None:
+    # A steps 52.0 ms, B 58.0 ms, both past 50 ms whatever happens: the request goes to B (58.2 ms after it,
+    # within 1.25× the mean of 55.1 ms), so A is the one that may come back within the SLO first
+    assert pick_decode([220, 250], [0, 0], 1_000, H200) == 0
+    assert pick_decode([220, 250], [0, 0], 1_000, H200, tbt_slo_s=0.05) == 1
+
+
+def test_decode_never_loads_a_replica_past_the_cap_over_the_mean_step() -> None:
+    # B at 88.0 ms would step 88.2 ms, more than 1.25× the mean after placement (70.1 ms → 87.6 ms): A keeps it
+    assert pick_decode([220, 400], [0, 0], 1_000, H200, tbt_slo_s=0.05) == 0
+
+
+def test_serve_refuses_a_tbt_slo_without_a_cost_model_to_predict_steps_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["serve", "--checkpoint", str(tmp_path), "--store", str(tmp_path / "c.toml"), "--tbt-slo-ms", "50"]
+    assert serving_cli.main(argv) == 2
+    assert "--tbt-slo-ms must be a positive number of milliseconds, with --cost-model" in capsys.readouterr().err
+
+
+def test_decode_within_the_slo_places_as_rules_one_and_two_do() -> None:
+    assert pick_decode([2, 6], [60_000, 20_000], 1_000, H200, tbt_slo_s=0.05) == 0
+    assert pick_decode([2, 6], [60_000, 20_000], 40_000, H200, tbt_slo_s=0.05) == 0

@@ -98,10 +98,12 @@ class _Replica:
 class Router:
     """One policy's choices: ``prefill(job, now, engines)`` and ``decode(job, replicas)``."""
 
-    def __init__(self, policy: str, n_prefill: int, window_s: float, edges: Sequence[int], cost: CostModel) -> None:
+    def __init__(
+        self, policy: str, n_prefill: int, window_s: float, edges: Sequence[int], cost: CostModel, tbt_slo_s: float
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        self.policy, self.cost = policy, cost
+        self.policy, self.cost, self.tbt_slo_s = policy, cost, tbt_slo_s
         self.balancer = PrefillBalancer(n_prefill, window_s, edges)
         self._rr_prefill, self._rr_decode = itertools.count(), itertools.count()
 
@@ -123,7 +125,7 @@ class Router:
         if self.policy == "least-loaded":
             return min(range(len(replicas)), key=lambda i: (counts[i], i))
         kv = [r.kv + sum(j.input_tokens + 1 for j in r.pending) for r in replicas]
-        return pick_decode(counts, kv, job.input_tokens + 1, self.cost)
+        return pick_decode(counts, kv, job.input_tokens + 1, self.cost, tbt_slo_s=self.tbt_slo_s)
 
 
 def cached_tokens(trace: Sequence[Request], block_tokens: int, capacity_tokens: int | None) -> list[int]:
@@ -165,7 +167,7 @@ def simulate(
         raise ValueError("--prefill and --decode must be at least 1")
     if not trace:
         raise ValueError("the trace is empty")
-    router = Router(policy, n_prefill, window_s, edges, cost)
+    router = Router(policy, n_prefill, window_s, edges, cost, tbt_slo_s)
     engines = [_Engine() for _ in range(n_prefill)]
     replicas = [_Replica() for _ in range(n_decode)]
     t0 = trace[0].timestamp / 1000.0
