@@ -303,6 +303,20 @@ DROP, COMMIT, KEEP = 0, 1, 2
 _CLASS_BYTES = np.asarray(SIZE_CLASSES, dtype=np.int64)
 
 
+class _OldestLive(dict[str, float]):
+    """Per TTL class, the oldest creation time still live at ``now`` (+inf for a class without a TTL: nothing
+    of an unknown class is live), worked out once per class a call meets."""
+
+    def __init__(self, now: float, ttl_s: Callable[[str], float | None]) -> None:
+        super().__init__()
+        self.now, self.ttl_s = now, ttl_s
+
+    def __missing__(self, ttl_class: str) -> float:
+        ttl = self.ttl_s(ttl_class)
+        self[ttl_class] = oldest = self.now - ttl if ttl is not None else math.inf
+        return oldest
+
+
 def tenant_prefix(tenant: str) -> bytes:
     return tenant.encode() + b"/"
 
@@ -983,16 +997,9 @@ class ChunkEngine:
         Answered from the in-memory LRU index, which mirrors the primary's block records (inserted at
         commit, removed with the record, rebuilt from LMDB at start-up): ``match`` never touches disk.
         """
-        now = self.clock()
-        prefix = tenant_prefix(tenant)
-        return [self._record_alive(prefix + key, ttl_s, now) for key in keys]
-
-    def _record_alive(self, bkey: bytes, ttl_s: Callable[[str], float | None], now: float) -> bool:
-        entry = self.lru.get(bkey)
-        if entry is None:
-            return False
-        ttl = ttl_s(entry.ttl_class)
-        return ttl is not None and now <= entry.created + ttl
+        oldest = _OldestLive(self.clock(), ttl_s)
+        entries = self.lru.lookup(map(tenant_prefix(tenant).__add__, keys))
+        return [entry is not None and entry.created >= oldest[entry.ttl_class] for entry in entries]
 
     def read(
         self,

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore.client_core import ClientCore
+from kvtier.kvstore.client_core import ClientCore, _by_node, key_rows
 from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Op
 from kvtier.kvstore.transport import Exchange
@@ -46,13 +46,13 @@ class Lookups(ClientCore):
         return live
 
     def _ask_primaries(self, keys: Sequence[bytes], live: np.ndarray) -> None:
-        primaries = self.placement.primaries(keys)
-        blob, klen = pack_keys(keys)
-        table = np.frombuffer(blob, dtype=np.uint8).reshape(len(keys), klen)
+        primaries = self.placement.primaries(keys)[:, None]
+        table = key_rows(keys)
+        klen = table.shape[1]
         exchange = Exchange(self.pool)
         asks = []
-        for node_id in np.unique(primaries).tolist():
-            positions = np.flatnonzero(primaries == node_id)
+        for node_id, entries in _by_node(primaries, np.ones(primaries.shape, dtype=bool)):
+            positions = entries[:, 0]
             meta = {"keys": table[positions].tobytes(), "klen": klen}
             asks.append((positions, exchange.request(node_id, Op.MATCH, meta)))
         exchange.run(self.config.client.op_timeout_s)

@@ -8,7 +8,7 @@ structure, so what is evicted is decided over one index everywhere.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 Key = bytes | int
@@ -162,6 +162,10 @@ class TenantLru:
 
     def get(self, key: Key) -> BlockEntry | None:
         return self._entries.get(key)
+
+    def lookup(self, keys: Iterable[Key]) -> Iterator[BlockEntry | None]:
+        """``get`` of each of ``keys``, in order (one compiled loop: no Python call per key)."""
+        return map(self._entries.get, keys)
 
     def tenant(self, tenant: str) -> LruIndex:
         """The tenant's blocks (an empty index for a tenant with none); read it under the caller's lock."""

@@ -296,6 +296,8 @@ class Exchange:
         conn.outgoing.extend(pending.wire)
         conn.inflight[pending.request_id] = pending
         pending.sock = conn.sock
+        with self._failures_of(conn):  # out at once, as far as the socket takes it: the node starts on it
+            self._send(conn)  # while the caller queues the next node's request
         return pending
 
     def extend(self, pending: Pending, payload: _native.Scatter) -> None:
@@ -379,7 +381,7 @@ class Exchange:
         self, timeout_s: float, until: Callable[[], bool] | None, work: Callable[[], bool] | None, keep: bool
     ) -> None:
         deadline = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as selector:
+        with selectors.PollSelector() as selector:  # no syscall to (un)register: an exchange is short-lived
             registered: dict[int, tuple[socket.socket, int]] = {}
             early = False
             while True:

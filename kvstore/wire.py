@@ -54,7 +54,7 @@ def field(meta: dict[str, Any], name: str, kind: type) -> Any:
 
 def unpack_keys(meta: dict[str, Any], max_batch: int) -> list[bytes]:
     blob, klen = unpack_key_blob(meta, max_batch)
-    return [blob[i * klen : (i + 1) * klen] for i in range(len(blob) // klen)]
+    return [blob[i : i + klen] for i in range(0, len(blob), klen)]
 
 
 def unpack_key_blob(meta: dict[str, Any], max_batch: int) -> tuple[bytes, int]:
