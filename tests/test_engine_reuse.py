@@ -113,9 +113,13 @@ def test_a_prompt_longer_than_the_context_is_one_clear_error(checkpoint: Path, e
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("bad", [[1, 2.5, 3], [1, -1], [1, 2**40]], ids=["float", "negative", "huge"])
+@pytest.mark.parametrize(
+    "bad",
+    [[1, 2.5, 3], [1, -1], [1, 2**40], np.array([1.0, 2.5]), np.array([True, False]), np.array([[1, 2], [3, 4]])],
+    ids=["float", "negative", "huge", "float-array", "bool-array", "2d-array"],
+)
 def test_token_ids_that_are_not_vocabulary_ids_are_one_clear_error(
-    checkpoint: Path, engine: MakeEngine, bad: list
+    checkpoint: Path, engine: MakeEngine, bad: list | np.ndarray
 ) -> None:
     e = engine(checkpoint, None)
     with pytest.raises(PromptError, match="token ids must be") as info:
