@@ -213,11 +213,10 @@ class Engine:
         (with the prefill worker's StateBlock there), recompute at most the last block, and store nothing.
         Raises PromptError for a prompt the model cannot take (every prompt is checked before any work).
         """
-        for p in prompts:
-            self._ids(p)
+        checked = [self._ids(p) for p in prompts]
         results = []
-        for p in prompts:
-            with self.start(p, max_new_tokens, sampling, reuse, resume) as g:
+        for p, ids in zip(prompts, checked, strict=True):
+            with self._start(p, ids, max_new_tokens, sampling, reuse, resume) as g:
                 while not g.finish_reason:
                     g.step()
                 results.append(g.result())
@@ -236,7 +235,19 @@ class Engine:
 
         ``first_token``: the answer's first token as a prefill worker chose it (P/D), used instead of sampling
         one from this engine's logits. Raises PromptError for a prompt the model cannot take."""
-        ids = self._ids(prompt)
+        return self._start(prompt, self._ids(prompt), max_new_tokens, sampling, reuse, resume, first_token)
+
+    def _start(
+        self,
+        prompt: list[int],
+        ids: np.ndarray,
+        max_new_tokens: int,
+        sampling: Sampling,
+        reuse: bool,
+        resume: bool,
+        first_token: int | None = None,
+    ) -> Generation:
+        """:meth:`start` for a prompt already checked and converted (``ids``, from ``_ids``)."""
         if max_new_tokens < 0:
             raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         seq = Sequence(list(prompt), ids, SlidingState(self.config, 0, self.dtype, self.device))
