@@ -296,8 +296,12 @@ class Exchange:
         conn.outgoing.extend(pending.wire)
         conn.inflight[pending.request_id] = pending
         pending.sock = conn.sock
-        with self._failures_of(conn):  # out at once, as far as the socket takes it: the node starts on it
-            self._send(conn)  # while the caller queues the next node's request
+        try:
+            with self._failures_of(conn):  # out at once, as far as the socket takes it: the node starts on it
+                self._send(conn)  # while the caller queues the next node's request
+        except BaseException:  # (a reconnect that found the token refused): as ``run`` does
+            self.abandon()
+            raise
         return pending
 
     def extend(self, pending: Pending, payload: _native.Scatter) -> None:
