@@ -1,7 +1,8 @@
 """Client-side transport: one connection per node, many requests in flight at once, no copies.
 
 An :class:`Exchange` sends a batch of requests (at most one per node is the common case) over
-non-blocking sockets and drives them all from one ``selectors`` loop: requests go out with ``sendmsg``
+non-blocking sockets and drives them all from one ``selectors`` loop: each request starts going out as it is
+queued (as far as its socket takes it, so a node starts on it while the next is built), with ``sendmsg``
 over the caller's buffers or ``_native.Scatter`` pieces (gather, in compiled code: ``_native.send_some``;
 a payload may follow in parts, ``Exchange.extend``, while ``run(work=)`` prepares them), replies come in
 with ``recvmsg_into`` straight into buffers the caller chooses once it has seen the reply's metadata
