@@ -494,7 +494,7 @@ class Generation:
         """The blocks decode completed (the last token has no KV yet) and its StateBlocks, to the store."""
         engine, seq = self.engine, self.seq
         if seq.publishing and len(seq.generated) > 1:
-            computed = seq.tokens[:-1]
+            computed = np.asarray(seq.tokens[:-1], dtype=np.uint32)  # once: the block chain and the state chain
             assert engine.store is not None
             keys = engine.store.keys(computed)
             engine._publish(seq, computed, keys, len(seq.prompt) // engine.block_tokens, self._states)
