@@ -143,6 +143,29 @@ def test_exact_reuse_gives_the_same_logits_and_tokens_as_no_reuse(
     assert (warm.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
 
 
+def test_a_block_gone_between_lookup_and_read_re_plans_the_hit_from_the_blocks_that_landed(
+    checkpoint: Path, cluster_file: Path, engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = engine(checkpoint, cluster_file)
+    assert e.store is not None
+    p = prompt(2000, seed=21)
+    e.generate([p], 1)
+    looked_up = e.store.match
+
+    def evicted_after_lookup(keys: list[bytes]) -> int:  # block 20 goes after match counted it
+        found = looked_up(keys)
+        e.store.client.delete([keys[20]])
+        return found
+
+    monkeypatch.setattr(e.store, "match", evicted_after_lookup)
+    warm = e.generate([p], 16)[0]  # the fetch comes up short at block 20: re-planned with what landed
+    plain = e.generate([p], 16, reuse=False)[0]
+    assert (warm.hit_tokens, warm.replayed) == (1280, False)  # block 20 starts at 1280: its StateBlock is there
+    assert warm.tokens == plain.tokens
+    assert (warm.first_logits - plain.first_logits).abs().max().item() <= TOLERANCE
+    assert e.cache.free_pages == len(e.cache.pages)
+
+
 def test_the_block_store_answers_keys_and_headers_of_any_prefix_from_the_chain_it_keeps(
     checkpoint: Path, cluster_file: Path, engine: MakeEngine
 ) -> None:
