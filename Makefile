@@ -34,7 +34,7 @@ $(ENGINES): $(STAMP) requirements-engines.txt requirements-adapters.txt
 	touch $(ENGINES)
 
 test: $(STAMP) $(ENGINES) system-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # the demo needs kvtier and the engine's extra (torch, safetensors), not the test tools
 $(DEMO_STAMP): pyproject.toml $(wildcard csrc/*.c kernels/*.c)
