@@ -26,8 +26,9 @@ TOKEN_A, TOKEN_B = secrets.token_hex(16), secrets.token_hex(16)
 CAPACITY = 8 << 20  # a primary's budget: 8 MiB / 12, about 97 blocks of 64 KiB (a 7 KiB slot on every node)
 BLOCK = 64 << 10
 PRIMARY = 3  # the primary every test fills
-# only on-demand eviction (the watermark GC never starts): every eviction is one a write asked for
-ON_DEMAND_ONLY = "interval_s = 0.2\nhigh_watermark = 1.0\nlow_watermark = 0.99\nroom_wait_s = 0.5\n"
+# only on-demand eviction (the watermark GC never starts): every eviction is one a write asked for; a write waits
+# the default 2 s for evictions under way to free its slots (as tests/test_gc.py: 0.5 s refused writes under load)
+ON_DEMAND_ONLY = "interval_s = 0.2\nhigh_watermark = 1.0\nlow_watermark = 0.99\nroom_wait_s = 2.0\n"
 
 
 def tenants(quota_a: float | None = None, quota_b: float | None = None) -> str:
@@ -153,7 +154,7 @@ def test_a_put_header_never_followed_by_its_payload_evicts_nothing_of_another_te
             "put": b"attack",
         }
         attacker.sendall(encode_head(Op.PUT_SHARDS, 2, meta, 40 << 20))
-        time.sleep(3)  # the reservation, its wait for room (room_wait_s) and several GC cycles
+        time.sleep(4)  # the reservation, its wait for room (room_wait_s) and several GC cycles
         assert stored(local, TOKEN_A, kept).all()
         assert evictions(local, PRIMARY) == before
     finally:
