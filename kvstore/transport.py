@@ -1,7 +1,7 @@
 """Client-side transport: one connection per node, many requests in flight at once, no copies.
 
 An :class:`Exchange` sends a batch of requests (at most one per node is the common case) over
-non-blocking sockets and drives them all from one ``selectors`` loop: each request starts going out as it is
+non-blocking sockets and drives them all from one ``poll`` loop: each request starts going out as it is
 queued (as far as its socket takes it, so a node starts on it while the next is built), with ``sendmsg``
 over the caller's buffers or ``_native.Scatter`` pieces (gather, in compiled code: ``_native.send_some``;
 a payload may follow in parts, ``Exchange.extend``, while ``run(work=)`` prepares them), replies come in
@@ -26,7 +26,7 @@ import contextlib
 import errno
 import itertools
 import os
-import selectors
+import select
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -49,6 +49,8 @@ from kvtier.kvstore.protocol import (
 from kvtier.kvstore.sockio import recv_frame
 
 _SCRATCH = memoryview(bytearray(1 << 20))
+# what a receive must look at: data, and a failed socket (the receive meets the error)
+_READABLE = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 # buffers offered to one recvmsg_into: a call acquires every buffer it is given, however few bytes are waiting
 # (offering a 1,000-shard reply's whole remaining list on every call made receiving 6.5 KiB shards 20 % slower)
 RECV_IOV = 64
@@ -386,60 +388,57 @@ class Exchange:
         self, timeout_s: float, until: Callable[[], bool] | None, work: Callable[[], bool] | None, keep: bool
     ) -> None:
         deadline = time.monotonic() + timeout_s
-        with selectors.PollSelector() as selector:  # no syscall to (un)register: an exchange is short-lived
-            registered: dict[int, tuple[socket.socket, int]] = {}
-            early = False
-            while True:
-                active = [c for c in self.pool.conns.values() if c.sock is not None and (c.inflight or c.outgoing)]
-                if not any(not p.done for p in self.pendings):
-                    break
-                if until is not None and until():
-                    early = True
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not active:
-                    break
-                all_sent = not any(c.outgoing for c in active)
-                if work is not None and all_sent:
-                    work = work if work() else None
+        poller = select.poll()  # no syscall to (un)register: an exchange is short-lived
+        watched: dict[int, tuple[NodeConn, socket.socket, int]] = {}  # by descriptor: (conn, its socket, mask)
+        early = False
+        while True:
+            active = [c for c in self.pool.conns.values() if c.sock is not None and (c.inflight or c.outgoing)]
+            if not any(not p.done for p in self.pendings):
+                break
+            if until is not None and until():
+                early = True
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not active:
+                break
+            all_sent = not any(c.outgoing for c in active)
+            if work is not None and all_sent:
+                work = work if work() else None
+                continue
+            if all_sent and self._receive_payloads(active, min(remaining, 1.0)):
+                continue
+            self._watch(poller, watched, active)
+            for fd, events in poller.poll(max(1, int(min(remaining, 1.0) * 1000))):
+                conn = watched[fd][0]
+                if conn.sock is None:
                     continue
-                if all_sent and self._receive_payloads(active, min(remaining, 1.0)):
-                    continue
-                self._register(selector, registered, active)
-                for key, events in selector.select(min(remaining, 1.0)):
-                    conn: NodeConn = key.data
-                    if conn.sock is None:
-                        continue
-                    with self._failures_of(conn):
-                        if events & selectors.EVENT_WRITE:
-                            self._send(conn)
-                        if events & selectors.EVENT_READ:
-                            self._receive(conn)
+                with self._failures_of(conn):
+                    if events & select.POLLOUT:
+                        self._send(conn)
+                    if events & _READABLE:
+                        self._receive(conn)
         if not keep:
             self._finish(early)
 
     @staticmethod
-    def _register(
-        selector: selectors.BaseSelector,
-        registered: dict[int, tuple[socket.socket, int]],
-        active: list[NodeConn],
+    def _watch(
+        poller: select.poll, watched: dict[int, tuple[NodeConn, socket.socket, int]], active: list[NodeConn]
     ) -> None:
-        """Make the selector watch exactly the active connections (sockets may have been replaced)."""
-        wanted = {conn.node_id: conn for conn in active}
-        for node_id, (sock, _mask) in list(registered.items()):
-            if node_id not in wanted or wanted[node_id].sock is not sock:
-                with contextlib.suppress(KeyError, ValueError):
-                    selector.unregister(sock)
-                del registered[node_id]
-        for node_id, conn in wanted.items():
+        """Make ``poller`` watch exactly the active connections (sockets may have been replaced)."""
+        wanted: dict[int, NodeConn] = {}
+        for conn in active:
             assert conn.sock is not None
-            mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outgoing else 0)
-            current = registered.get(node_id)
-            if current is None:
-                selector.register(conn.sock, mask, conn)
-            elif current[1] != mask:
-                selector.modify(conn.sock, mask, conn)
-            registered[node_id] = (conn.sock, mask)
+            wanted[conn.sock.fileno()] = conn
+        for fd, (conn, sock, _mask) in list(watched.items()):
+            if wanted.get(fd) is not conn or conn.sock is not sock:
+                poller.unregister(fd)
+                del watched[fd]
+        for fd, conn in wanted.items():
+            mask = select.POLLIN | (select.POLLOUT if conn.outgoing else 0)
+            current = watched.get(fd)
+            if current is None or current[2] != mask:
+                poller.register(fd, mask)  # (registering a watched descriptor again changes its mask)
+                watched[fd] = (conn, conn.sock, mask)  # type: ignore[assignment]
 
     def _finish(self, early: bool) -> None:
         """Fail what did not complete.
@@ -500,11 +499,15 @@ class Exchange:
             if n == 0:
                 raise ConnectionResetError("node closed the connection")
             self._landed(conn, n)
+            if not conn.inflight and not reader.in_frame:  # nothing more is owed: no receive to find it empty
+                return
 
     def _receive_payloads(self, active: list[NodeConn], timeout_s: float) -> bool:
         """While replies' payloads arrive: receive on every one of ``active`` at once in compiled code, until a
         reply is whole, a socket without a payload under way (a header or metadata to parse) is readable, a
         socket fails, or ``timeout_s``. Returns False, receiving nothing, when no payload is under way."""
+        if all(conn.reader.head is None for conn in active):  # small replies (MATCH, EXISTS): headers only
+            return False
         items: list[tuple[int, Any, int, Any]] = []
         for conn in active:
             assert conn.sock is not None
