@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore.client_core import ClientCore, _by_node, key_rows
+from kvtier.kvstore.client_core import ClientCore, key_rows
 from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Op
 from kvtier.kvstore.transport import Exchange
@@ -46,20 +46,24 @@ class Lookups(ClientCore):
         return live
 
     def _ask_primaries(self, keys: Sequence[bytes], live: np.ndarray) -> None:
-        primaries = self.placement.primaries(keys)[:, None]
-        table = key_rows(keys)
-        klen = table.shape[1]
+        primaries = self.placement.primaries(keys)
+        order = np.argsort(primaries, kind="stable")  # the keys by primary: each node's are one run of rows
+        table = key_rows(keys)[order]
+        nodes = primaries[order]
+        starts = np.flatnonzero(np.diff(nodes, prepend=-1)).tolist()
+        bounds = list(zip(starts, [*starts[1:], len(keys)], strict=True))
         exchange = Exchange(self.pool)
-        asks = []
-        for node_id, entries in _by_node(primaries, np.ones(primaries.shape, dtype=bool)):
-            positions = entries[:, 0]
-            meta = {"keys": table[positions].tobytes(), "klen": klen}
-            asks.append((positions, exchange.request(node_id, Op.MATCH, meta)))
+        asks = [
+            exchange.request(int(nodes[lo]), Op.MATCH, {"keys": table[lo:hi].tobytes(), "klen": table.shape[1]})
+            for lo, hi in bounds
+        ]
         exchange.run(self.config.client.op_timeout_s)
-        for positions, pending in asks:
-            flags = self._flags(pending, "live", len(positions))
+        answers = np.full(len(keys), -1, dtype=np.int8)  # in the sorted order
+        for (lo, hi), pending in zip(bounds, asks, strict=True):
+            flags = self._flags(pending, "live", hi - lo)
             if flags is not None:
-                live[positions] = flags.astype(bool)
+                answers[lo:hi] = flags != 0
+        live[order] = answers
 
     def delete(self, keys: Sequence[bytes], before: float | None = None, primary_done: int | None = None) -> bool:
         """Remove blocks: all 12 nodes of each block's group drop its shards and records (the primary's and
