@@ -58,12 +58,19 @@ class PagedKVCache:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """``n`` free pages, lowest first: on a cache not cut up by other requests, one run of consecutive pages,
+        which a fetch through the store client fills with one copy (a page at a time otherwise)."""
         if n > len(self._free):
             raise CacheFullError(f"the paged cache needs {n} more pages, {len(self._free)} are free")
-        return [self._free.pop() for _ in range(n)]
+        taken = self._free[-n:] if n else []
+        del self._free[len(self._free) - n :]
+        return taken[::-1]
 
     def release(self, pages: Sequence[int]) -> None:
+        """Give ``pages`` back. The free pages stay sorted, highest first, so the next ``allocate`` takes the lowest
+        (appended as given back, a request's pages came out again descending: no run of two, a copy a page)."""
         self._free.extend(pages)
+        self._free.sort(reverse=True)
 
     def write(self, layer: int, table: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` [T, kv_heads, head_dim] of global ``layer`` at ``positions`` of the sequence whose

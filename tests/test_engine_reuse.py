@@ -93,6 +93,17 @@ def test_a_run_of_pages_is_one_view_that_one_copy_fills(checkpoint: Path, engine
     assert not cache.block(4).any() and not cache.block(8).any()
 
 
+def test_pages_given_back_are_handed_out_again_lowest_first(checkpoint: Path, engine: MakeEngine) -> None:
+    cache = engine(checkpoint, None).cache
+    first, held = cache.allocate(10), cache.allocate(5)
+    cache.release(first)
+    again = cache.allocate(12)  # a request's pages are runs of consecutive pages: a fetch copies a run at once
+    assert again == [*range(10), *range(15, 17)]
+    cache.release(again[::-1])
+    assert cache.allocate(3) == [0, 1, 2]
+    assert held == list(range(10, 15))
+
+
 def test_paged_greedy_decoding_equals_full_forwards(checkpoint: Path, engine: MakeEngine) -> None:
     e = engine(checkpoint, None)
     p = prompt(700, seed=1)
