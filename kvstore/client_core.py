@@ -185,20 +185,28 @@ class ClientCore:
 
 def _by_node(shard_nodes: np.ndarray, selected: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """Per node holding any selected shard (ascending): its (block, shard index) entries in block order, one
-    request's worth. One stable sort by node (a radix sort where ids fit 16 bits), not a pass per node."""
+    request's worth. One stable sort by node (``node_runs``), not a pass per node."""
     width = shard_nodes.shape[1]
     flat = np.flatnonzero(selected)
-    nodes = shard_nodes.ravel()[flat]
-    if not len(nodes):
-        return
-    small = int(nodes.min()) >= -(1 << 15) and int(nodes.max()) < 1 << 15
-    order = np.argsort(nodes.astype(np.int16) if small else nodes, kind="stable")
-    flat, nodes = flat[order], nodes[order]
+    order, runs = node_runs(shard_nodes.ravel()[flat])
+    flat = flat[order]
     entries = np.empty((len(flat), 2), dtype=np.int64)
     entries[:, 0], entries[:, 1] = np.divmod(flat, width)
-    starts = [0, *(np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist()]
-    for start, end in zip(starts, [*starts[1:], len(nodes)], strict=True):
-        yield int(nodes[start]), entries[start:end]
+    for node, lo, hi in runs:
+        yield node, entries[lo:hi]
+
+
+def node_runs(nodes: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """``nodes`` (a node id per row) sorted, stably: the order, and each node's run of it as (node, lo, hi),
+    ascending. A radix sort where ids fit 16 bits."""
+    if not len(nodes):
+        return np.empty(0, dtype=np.int64), []
+    small = int(nodes.min()) >= -(1 << 15) and int(nodes.max()) < 1 << 15
+    order = np.argsort(nodes.astype(np.int16) if small else nodes, kind="stable")
+    ordered = nodes[order]
+    starts = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()]
+    ends = [*starts[1:], len(ordered)]
+    return order, [(int(ordered[lo]), lo, hi) for lo, hi in zip(starts, ends, strict=True)]
 
 
 Rows = Sequence[bytes] | np.ndarray

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore.client_core import ClientCore, key_rows
+from kvtier.kvstore.client_core import ClientCore, key_rows, node_runs
 from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Op
 from kvtier.kvstore.transport import Exchange
@@ -46,20 +46,16 @@ class Lookups(ClientCore):
         return live
 
     def _ask_primaries(self, keys: Sequence[bytes], live: np.ndarray) -> None:
-        primaries = self.placement.primaries(keys)
-        order = np.argsort(primaries, kind="stable")  # the keys by primary: each node's are one run of rows
+        order, runs = node_runs(self.placement.primaries(keys))  # each primary's keys: one run of sorted rows
         table = key_rows(keys)[order]
-        nodes = primaries[order]
-        starts = np.flatnonzero(np.diff(nodes, prepend=-1)).tolist()
-        bounds = list(zip(starts, [*starts[1:], len(keys)], strict=True))
         exchange = Exchange(self.pool)
         asks = [
-            exchange.request(int(nodes[lo]), Op.MATCH, {"keys": table[lo:hi].tobytes(), "klen": table.shape[1]})
-            for lo, hi in bounds
+            exchange.request(node, Op.MATCH, {"keys": table[lo:hi].tobytes(), "klen": table.shape[1]})
+            for node, lo, hi in runs
         ]
         exchange.run(self.config.client.op_timeout_s)
         answers = np.full(len(keys), -1, dtype=np.int8)  # in the sorted order
-        for (lo, hi), pending in zip(bounds, asks, strict=True):
+        for (_, lo, hi), pending in zip(runs, asks, strict=True):
             flags = self._flags(pending, "live", hi - lo)
             if flags is not None:
                 answers[lo:hi] = flags != 0
