@@ -16,6 +16,8 @@
  *   to Python once per finished reply rather than once per socket buffer's worth of bytes.
  * - ec_encode_stripes: ISA-L's ec_encode_data over many stripes in one call (codec.py passes its address).
  * - bytearray_uninit: a bytearray whose bytes are not zeroed first (they are about to be overwritten).
+ * - live_flags: a node's answer to MATCH (with the GIL: it reads Python objects), one lookup per key in its block
+ *   index; in Python this cost ~0.7 us a key, half the node's CPU on a 100-key MATCH.
  *
  * Socket calls follow Python's socket timeout semantics: the timeout bounds each wait for the socket to
  * become ready (-1: wait forever), and expiry raises TimeoutError.
@@ -1198,6 +1200,77 @@ static PyObject *py_bytearray_uninit(PyObject *self, PyObject *arg) {
     return PyByteArray_FromStringAndSize(NULL, n);
 }
 
+/* ---- MATCH: liveness of many keys in the block index --------------------------------------------- */
+
+/* live_flags(entries, prefix, blob, klen, oldest) -> bytes: per key of blob (klen bytes each), 1 if entries (a dict:
+ * prefix + key -> an object with ttl_class and created) holds it with created >= oldest[ttl_class], else 0. oldest
+ * is looked up once per run of keys of one class (a mapping that may work the value out on first use). */
+static PyObject *py_live_flags(PyObject *self, PyObject *args) {
+    static PyObject *s_ttl_class, *s_created;
+    PyObject *entries, *oldest;
+    Py_buffer prefix, blob;
+    Py_ssize_t klen;
+    if (!s_ttl_class && !(s_ttl_class = PyUnicode_InternFromString("ttl_class"))) return NULL;
+    if (!s_created && !(s_created = PyUnicode_InternFromString("created"))) return NULL;
+    if (!PyArg_ParseTuple(args, "O!y*y*nO", &PyDict_Type, &entries, &prefix, &blob, &klen, &oldest)) return NULL;
+    PyObject *out = NULL, *cls = NULL;
+    double oldest_of_cls = 0.0;
+    if (klen <= 0 || blob.len % klen) {
+        PyErr_SetString(PyExc_ValueError, "the keys blob is not a whole number of keys of klen bytes");
+        goto done;
+    }
+    Py_ssize_t n = blob.len / klen;
+    if (!(out = PyBytes_FromStringAndSize(NULL, n))) goto done;
+    char *flags = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyBytes_FromStringAndSize(NULL, prefix.len + klen);
+        if (!key) goto fail;
+        memcpy(PyBytes_AS_STRING(key), prefix.buf, prefix.len);
+        memcpy(PyBytes_AS_STRING(key) + prefix.len, (const char *)blob.buf + i * klen, klen);
+        PyObject *entry = PyDict_GetItemWithError(entries, key);
+        Py_DECREF(key);
+        flags[i] = 0;
+        if (!entry) {
+            if (PyErr_Occurred()) goto fail;
+            continue;
+        }
+        Py_INCREF(entry);
+        PyObject *entry_cls = PyObject_GetAttr(entry, s_ttl_class);
+        PyObject *created = entry_cls ? PyObject_GetAttr(entry, s_created) : NULL;
+        Py_DECREF(entry);
+        if (!created) {
+            Py_XDECREF(entry_cls);
+            goto fail;
+        }
+        if (entry_cls != cls) {
+            PyObject *limit = PyObject_GetItem(oldest, entry_cls);
+            double value = limit ? PyFloat_AsDouble(limit) : -1.0;
+            Py_XDECREF(limit);
+            if (!limit || (value == -1.0 && PyErr_Occurred())) {
+                Py_DECREF(entry_cls);
+                Py_DECREF(created);
+                goto fail;
+            }
+            Py_XSETREF(cls, entry_cls);
+            oldest_of_cls = value;
+        } else {
+            Py_DECREF(entry_cls);
+        }
+        double when = PyFloat_AsDouble(created);
+        Py_DECREF(created);
+        if (when == -1.0 && PyErr_Occurred()) goto fail;
+        flags[i] = when >= oldest_of_cls;
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_XDECREF(cls);
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&blob);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS,
      "crc32c(data, crc=0, impl=None) -> int: CRC-32C of data, continuing from crc; impl names one of CRC_IMPLS\n"
@@ -1243,6 +1316,9 @@ static PyMethodDef methods[] = {
      "keeps every address valid and the outputs writable."},
     {"bytearray_uninit", py_bytearray_uninit, METH_O,
      "bytearray_uninit(n) -> bytearray of n bytes, not zeroed (for buffers about to be overwritten)."},
+    {"live_flags", py_live_flags, METH_VARARGS,
+     "live_flags(entries, prefix, blob, klen, oldest) -> bytes: per key of blob (keys of klen bytes, concatenated),\n"
+     "1 if the dict entries holds prefix + key with created >= oldest[ttl_class], else 0 (the answer to MATCH)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -992,14 +992,18 @@ class ChunkEngine:
     # -- reads ----------------------------------------------------------------------------------------
 
     def live_blocks(self, tenant: str, keys: Sequence[bytes], ttl_s: Callable[[str], float | None]) -> list[bool]:
-        """Whether each key is a block this node is primary for and that has not expired.
+        """Whether each key (all of one length) is a block this node is primary for and that has not expired."""
+        flags = self.live_flags(tenant, b"".join(keys), len(keys[0]) if keys else 16, ttl_s)
+        return [flag == 1 for flag in flags]
+
+    def live_flags(self, tenant: str, blob: bytes, klen: int, ttl_s: Callable[[str], float | None]) -> bytes:
+        """``live_blocks`` of the keys of ``blob`` (``klen`` bytes each, concatenated, as MATCH carries them): a
+        byte per key, 1 or 0. Raises ValueError when ``blob`` is not a whole number of keys.
 
         Answered from the in-memory LRU index, which mirrors the primary's block records (inserted at
         commit, removed with the record, rebuilt from LMDB at start-up): ``match`` never touches disk.
         """
-        oldest = _OldestLive(self.clock(), ttl_s)
-        entries = self.lru.lookup(map(tenant_prefix(tenant).__add__, keys))
-        return [entry is not None and entry.created >= oldest[entry.ttl_class] for entry in entries]
+        return self.lru.live_flags(tenant_prefix(tenant), blob, klen, _OldestLive(self.clock(), ttl_s))
 
     def read(
         self,

@@ -8,8 +8,10 @@ structure, so what is evicted is decided over one index everywhere.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+
+from kvtier.kvstore import _native
 
 Key = bytes | int
 """A block key: the 16-byte chain hash in the store, an int hash id in traces."""
@@ -163,9 +165,11 @@ class TenantLru:
     def get(self, key: Key) -> BlockEntry | None:
         return self._entries.get(key)
 
-    def lookup(self, keys: Iterable[Key]) -> Iterator[BlockEntry | None]:
-        """``get`` of each of ``keys``, in order (one compiled loop: no Python call per key)."""
-        return map(self._entries.get, keys)
+    def live_flags(self, prefix: bytes, blob: bytes, klen: int, oldest: Mapping[str, float]) -> bytes:
+        """Per key of ``blob`` (keys of ``klen`` bytes, concatenated) 1 if ``prefix`` + key is here and was created at
+        or after ``oldest[its ttl_class]``, else 0: one compiled loop (``_native.live_flags``), no Python per key.
+        Raises ValueError when ``blob`` is not a whole number of keys."""
+        return _native.live_flags(self._entries, prefix, blob, klen, oldest)
 
     def tenant(self, tenant: str) -> LruIndex:
         """The tenant's blocks (an empty index for a tenant with none); read it under the caller's lock."""

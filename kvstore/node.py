@@ -376,9 +376,8 @@ class StorageNode:
         return keys, klen, idx, unpack_header_blob(meta, n)
 
     def match(self, session: Session, frame: Frame) -> Reply:
-        keys = unpack_keys(frame.meta, self.config.limits.max_batch)
-        live = self.engine.live_blocks(self.tenant(session, frame.meta), keys, self.ttl_s)
-        return Reply({"live": bytes(live)})
+        blob, klen = unpack_key_blob(frame.meta, self.config.limits.max_batch)
+        return Reply({"live": self.engine.live_flags(self.tenant(session, frame.meta), blob, klen, self.ttl_s)})
 
     def delete(self, session: Session, frame: Frame) -> Reply:
         """Drop the blocks' records and shards; ``before`` (an eviction's time) spares what was written later."""

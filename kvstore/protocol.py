@@ -16,10 +16,10 @@ A frame is a fixed 32-byte header, then ``meta_len`` bytes of msgpack metadata (
 All integers little-endian. Limits are checked on the header, before anything is allocated for the body; the
 metadata buffer then grows as its bytes arrive (``META_STEP_BYTES`` first, doubling), so a header that announces
 megabytes and sends nothing costs nothing, and a server may cap what all its connections buffer at once
-(:class:`MetaBudget`). A server decodes each request's metadata against that opcode's typed schema
-(:class:`Schemas`): a field of the wrong type or an unknown field is refused as it is met, so decoding costs a
-small multiple of the frame's size whatever the bytes are (nested containers where a ``bin`` belongs are never
-built).
+(:class:`MetaBudget`); a buffer of at most ``KEPT_META_BYTES`` is kept for the reader's next frame. A server
+decodes each request's metadata against that opcode's typed schema (:class:`Schemas`): a field of the wrong type
+or an unknown field is refused as it is met, so decoding costs a small multiple of the frame's size whatever the
+bytes are (nested containers where a ``bin`` belongs are never built).
 
 :class:`FrameReader` never copies payloads: the I/O layer asks it where the next bytes go (``writable()``,
 a list of buffers for ``recv_into``/``recvmsg_into``), reports how many arrived (``advance``), and takes
@@ -47,6 +47,7 @@ HEADER = struct.Struct("<4sBBHQIQI")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
 META_STEP_BYTES = 64 << 10  # a metadata buffer starts this large (or at its frame's size) and doubles as bytes arrive
+KEPT_META_BYTES = 4 << 10  # a metadata buffer this small is kept for the next frame (small requests allocate nothing)
 _MSGPACK_MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # first bytes of a msgpack map
 
 
@@ -155,7 +156,9 @@ class MetaBudget:
     """Bytes of metadata buffers that a server's connections hold at once (thread-safe).
 
     :class:`FrameReader` takes from it as a buffer grows and gives back once the metadata is decoded (or
-    the reader is closed); a reader that cannot take raises ERROR(BUSY), which closes that connection.
+    the reader is closed); a reader that cannot take raises ERROR(BUSY), which closes that connection. A
+    buffer of at most ``KEPT_META_BYTES`` stays with its reader (and charged) for the next frame, until the
+    reader is closed: a connection's small requests allocate and charge nothing.
     """
 
     def __init__(self, limit_bytes: int) -> None:
@@ -378,7 +381,7 @@ class FrameReader:
         if self._state == self._HEADER:
             return [memoryview(self._header)[self._filled :]]
         if self._state == self._META:
-            return [memoryview(self._meta_buf)[self._filled :]]
+            return [memoryview(self._meta_buf)[self._filled : self._meta_len]]
         if self._plan is not None:
             raise RuntimeError("this payload goes to a sink plan: receive it with scatter")
         if self._sink is None:  # nobody claimed the payload: it gets a buffer of its own
@@ -398,10 +401,11 @@ class FrameReader:
                 n = self._advance_payload(n)
                 continue
             buf = self._header if self._state == self._HEADER else self._meta_buf
-            take = min(n, len(buf) - self._filled)
+            end = len(buf) if buf is self._header else min(len(buf), self._meta_len)
+            take = min(n, end - self._filled)
             self._filled += take
             n -= take
-            if self._filled < len(buf):
+            if self._filled < end:
                 continue
             if buf is self._meta_buf and self._filled < self._meta_len:
                 self._grow_meta(min(self._meta_len, 2 * len(buf)))
@@ -443,6 +447,12 @@ class FrameReader:
         self._meta_buf = grown
 
     def _drop_meta(self) -> None:
+        """Let the metadata buffer go (and its charge), unless it is small enough to keep for the next frame."""
+        if len(self._meta_buf) <= KEPT_META_BYTES:
+            return
+        self._release_meta()
+
+    def _release_meta(self) -> None:
         self._meta_buf = bytearray()
         if self.budget is not None and self._charged:
             self.budget.give(self._charged)
@@ -450,7 +460,7 @@ class FrameReader:
 
     def close(self) -> None:
         """The connection is over: give back what its metadata buffer holds of the budget (idempotent)."""
-        self._drop_meta()
+        self._release_meta()
 
     def _stage_done(self) -> None:
         if self._state == self._HEADER:
@@ -458,19 +468,20 @@ class FrameReader:
             self._frame = Frame(opcode, request_id, {}, payload_len)
             self._meta_len = meta_len
             self._state, self._filled = self._META, 0
-            self._drop_meta()
-            if meta_len:
+            if meta_len > len(self._meta_buf):  # (a kept buffer that holds it is reused as it is)
+                self._release_meta()
                 self._grow_meta(min(meta_len, META_STEP_BYTES))
-            else:
+            elif not meta_len:
                 self._stage_done()
         elif self._state == self._META:
             frame = self._frame
             assert frame is not None
             try:
+                meta = memoryview(self._meta_buf)[: self._meta_len]
                 if self.schemas is not None:
-                    frame.meta = self.schemas.decode(frame.opcode, self._meta_buf)
+                    frame.meta = self.schemas.decode(frame.opcode, meta)
                 else:
-                    frame.meta = parse_meta(self._meta_buf, self.limits) if self._meta_buf else {}
+                    frame.meta = parse_meta(meta, self.limits) if self._meta_len else {}
             except ProtocolError as exc:
                 exc.request_id = frame.request_id
                 raise

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.gc.policy import LruIndex, ManualClock, expired, plan_eviction
-from kvtier.kvstore.lru import BlockEntry
+from kvtier.kvstore.lru import BlockEntry, TenantLru
 
 
 def make_index(*keys_sizes: tuple[bytes | int, int], ttl_class: str = "chatbot") -> LruIndex:
@@ -132,6 +132,47 @@ def test_lru_sizes_yields_key_size_pairs_lru_first() -> None:
 
 
 # --- plan_eviction ---
+
+
+# --- TenantLru.live_flags (a node's MATCH) ---
+
+
+def tenant_lru() -> TenantLru:
+    blocks = TenantLru()
+    blocks.insert(b"a/" + b"1" * 16, 10, now=5.0, ttl_class="short", created=5.0)
+    blocks.insert(b"a/" + b"2" * 16, 10, now=9.0, ttl_class="short", created=9)  # an int time compares as well
+    blocks.insert(b"a/" + b"3" * 16, 10, now=1.0, ttl_class="long", created=1.0)
+    blocks.insert(b"b/" + b"4" * 16, 10, now=9.0, ttl_class="long", created=9.0)
+    return blocks
+
+
+def test_live_flags_are_one_for_the_tenants_blocks_created_at_or_after_their_classes_oldest_live_time() -> None:
+    blob = b"".join(k * 16 for k in (b"1", b"2", b"3", b"4", b"5"))
+    oldest = {"short": 5.0, "long": 0.0}
+    assert tenant_lru().live_flags(b"a/", blob, 16, oldest) == bytes([1, 1, 1, 0, 0])  # 4 is tenant b's
+    assert tenant_lru().live_flags(b"a/", blob, 16, {"short": 6.0, "long": 2.0}) == bytes([0, 1, 0, 0, 0])
+
+
+def test_live_flags_ask_a_mapping_for_each_class_they_meet_and_pass_on_its_error() -> None:
+    asked: list[str] = []
+
+    class Oldest(dict):
+        def __missing__(self, ttl_class: str) -> float:
+            asked.append(ttl_class)
+            if ttl_class == "long":
+                raise KeyError(ttl_class)
+            return 0.0
+
+    assert tenant_lru().live_flags(b"a/", b"1" * 16 + b"2" * 16, 16, Oldest()) == bytes([1, 1])
+    assert asked == ["short"]
+    with pytest.raises(KeyError):
+        tenant_lru().live_flags(b"a/", b"3" * 16, 16, Oldest())
+
+
+def test_live_flags_refuse_a_blob_that_is_not_a_whole_number_of_keys() -> None:
+    with pytest.raises(ValueError, match="whole number of keys"):
+        tenant_lru().live_flags(b"a/", b"1" * 20, 16, {})
+    assert tenant_lru().live_flags(b"a/", b"", 16, {}) == b""
 
 
 def test_nothing_is_evicted_at_or_below_the_high_watermark() -> None:

@@ -19,6 +19,7 @@ import pytest
 from kvtier.kvstore.protocol import (
     HEADER,
     HEADER_SIZE,
+    KEPT_META_BYTES,
     MAGIC,
     PROTOCOL_VERSION,
     UNSET,
@@ -765,10 +766,22 @@ def test_a_reader_over_its_servers_metadata_budget_raises_busy_and_gives_back_wh
     assert budget.used_bytes == 0
 
 
-def test_a_decoded_frame_gives_its_metadata_buffer_back_to_the_budget():
+def test_a_decoded_frame_gives_a_metadata_buffer_larger_than_a_kept_one_back_to_the_budget():
     budget = MetaBudget(1 << 20)
     reader = FrameReader(budget=budget)
-    assert len(reader.feed(frame_bytes(Op.MATCH, 1, {"keys": bytes(5000), "klen": 16}))) == 1
+    assert len(reader.feed(frame_bytes(Op.MATCH, 1, {"keys": bytes(KEPT_META_BYTES), "klen": 16}))) == 1
+    assert budget.used_bytes == 0
+
+
+def test_small_frames_in_turn_decode_whole_in_one_kept_buffer_charged_until_the_reader_closes():
+    budget = MetaBudget(1 << 20)
+    reader = FrameReader(budget=budget)
+    metas = [{"keys": bytes([i]) * n, "klen": 16} for i, n in enumerate((3000, 96, 2000, 0))]
+    data = b"".join(frame_bytes(Op.MATCH, i, meta) for i, meta in enumerate(metas))
+    frames = [f for at in range(0, len(data), 700) for f in reader.feed(data[at : at + 700])]
+    assert [(f.request_id, f.meta) for f in frames] == list(enumerate(metas))
+    assert 0 < budget.used_bytes <= KEPT_META_BYTES  # the first frame's buffer, kept: the others took nothing
+    reader.close()
     assert budget.used_bytes == 0
 
 
