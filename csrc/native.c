@@ -13,7 +13,8 @@
  * - recv_scatter: receive a reply's payload into (address, length) pieces, checksumming each shard in 1 MiB
  *   steps while it is hot (end-to-end: the client checks what the node stored); crc32c_pieces: the same
  *   checksums over memory already in place. recv_many: the same over many sockets at once (poll), returning
- *   to Python once per finished reply rather than once per socket buffer's worth of bytes.
+ *   to Python once per finished reply rather than once per socket buffer's worth of bytes. recv_heads: one
+ *   small reply's header and metadata from each of many sockets, in one call (a round of MATCH requests).
  * - ec_encode_stripes: ISA-L's ec_encode_data over many stripes in one call (codec.py passes its address).
  * - bytearray_uninit: a bytearray whose bytes are not zeroed first (they are about to be overwritten).
  * - live_flags: a node's answer to MATCH (with the GIL: it reads Python objects), one lookup per key in its block
@@ -1041,6 +1042,112 @@ out:
     return result;
 }
 
+/* One socket of recv_heads: a head of head_size bytes, then as many more as the uint32 at length_at of it says. */
+typedef struct {
+    int fd;
+    int state; /* 0: receiving; 1: done; -1: the peer closed; else the errno that failed it */
+    size_t got, want;
+    char *buf; /* head_size bytes, then grown to the whole frame head */
+} head_recv;
+
+static void head_receive(head_recv *h, size_t head_size, size_t length_at, size_t max_length) {
+    while (h->state == 0) {
+        ssize_t k = recv(h->fd, h->buf + h->got, h->want - h->got, MSG_DONTWAIT);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) h->state = errno;
+            return;
+        }
+        if (k == 0) {
+            h->state = -1;
+            return;
+        }
+        h->got += (size_t)k;
+        if (h->got < h->want) continue;
+        if (h->want == head_size) {
+            uint32_t length;
+            memcpy(&length, h->buf + length_at, sizeof length); /* little-endian, as x86 and the wire are */
+            char *grown = length && length <= max_length ? realloc(h->buf, head_size + length) : h->buf;
+            if (!grown) {
+                h->state = ENOMEM;
+                return;
+            }
+            h->buf = grown;
+            if (length && length <= max_length) { /* (a longer one: the head alone, for the caller to refuse) */
+                h->want += length;
+                continue;
+            }
+        }
+        h->state = 1;
+    }
+}
+
+/* recv_heads(fds, timeout_ms, head_size, length_at, max_length) -> list[bytes | int]: on each socket (non-blocking)
+ * one frame's head, without the GIL: head_size bytes, then as many as the little-endian uint32 at byte length_at of
+ * them says (not more than max_length: else the head alone). Per socket the bytes, or -1 (the peer closed first),
+ * the errno of a failed recv, or ETIMEDOUT when timeout_ms passed first (bytes received of it are lost: the
+ * stream is out of step). A whole round of small requests (MATCH to every primary) in one call. */
+static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
+    PyObject *fds;
+    int timeout_ms;
+    Py_ssize_t head_size, length_at, max_length;
+    if (!PyArg_ParseTuple(args, "Oinnn:recv_heads", &fds, &timeout_ms, &head_size, &length_at, &max_length))
+        return NULL;
+    if (head_size <= 0 || length_at < 0 || length_at + 4 > head_size || max_length < 0)
+        return PyErr_Format(PyExc_ValueError, "recv_heads: the length must lie within the head");
+    PyObject *seq = PySequence_Fast(fds, "recv_heads takes a sequence of socket descriptors");
+    if (!seq) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    if (m > RECV_MANY_MAX) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "recv_heads takes at most %d sockets", RECV_MANY_MAX);
+    }
+    head_recv st[RECV_MANY_MAX];
+    PyObject *result = NULL;
+    Py_ssize_t taken = 0;
+    for (; taken < m; taken++) {
+        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, taken));
+        if (fd == -1 && PyErr_Occurred()) goto out;
+        st[taken] = (head_recv){.fd = (int)fd, .want = (size_t)head_size, .buf = malloc((size_t)head_size)};
+        if (!st[taken].buf) {
+            PyErr_NoMemory();
+            goto out;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    struct pollfd pfds[RECV_MANY_MAX];
+    int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+    for (;;) {
+        nfds_t waiting = 0;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            head_receive(&st[i], (size_t)head_size, (size_t)length_at, (size_t)max_length);
+            if (st[i].state == 0) pfds[waiting++] = (struct pollfd){.fd = st[i].fd, .events = POLLIN};
+        }
+        if (!waiting) break;
+        int64_t left = deadline - now_ms();
+        int r = left > 0 ? poll(pfds, waiting, (int)left) : 0;
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            int err = r < 0 ? errno : ETIMEDOUT;
+            for (Py_ssize_t i = 0; i < m; i++)
+                if (st[i].state == 0) st[i].state = err;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    result = PyList_New(m);
+    for (Py_ssize_t i = 0; result && i < m; i++) {
+        PyObject *item = st[i].state == 1 ? PyBytes_FromStringAndSize(st[i].buf, (Py_ssize_t)st[i].got)
+                                          : PyLong_FromLong(st[i].state);
+        if (!item) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, item);
+    }
+out:
+    for (Py_ssize_t i = 0; i < taken; i++) free(st[i].buf);
+    Py_DECREF(seq);
+    return result;
+}
+
 /* crc32c_pieces(plan) -> bytes: the CRC-32C of each (address, length) row of an int64 plan, as little-endian
  * uint32s, without the GIL. The caller guarantees that every address is valid. */
 static PyObject *py_crc32c_pieces(PyObject *self, PyObject *arg) {
@@ -1316,6 +1423,10 @@ static PyMethodDef methods[] = {
      "keeps every address valid and the outputs writable."},
     {"bytearray_uninit", py_bytearray_uninit, METH_O,
      "bytearray_uninit(n) -> bytearray of n bytes, not zeroed (for buffers about to be overwritten)."},
+    {"recv_heads", py_recv_heads, METH_VARARGS,
+     "recv_heads(fds, timeout_ms, head_size, length_at, max_length) -> list[bytes | int]: on each non-blocking\n"
+     "socket one frame's head (head_size bytes, then the uint32 at length_at more, if at most max_length), without\n"
+     "the GIL; per socket the bytes, or -1 (peer closed), an errno, or ETIMEDOUT (the stream is then out of step)."},
     {"live_flags", py_live_flags, METH_VARARGS,
      "live_flags(entries, prefix, blob, klen, oldest) -> bytes: per key of blob (keys of klen bytes, concatenated),\n"
      "1 if the dict entries holds prefix + key with created >= oldest[ttl_class], else 0 (the answer to MATCH)."},

@@ -46,8 +46,9 @@ class Lookups(ClientCore):
         return live
 
     def _ask_primaries(self, keys: Sequence[bytes], live: np.ndarray) -> None:
-        order, runs = node_runs(self.placement.primaries(keys))  # each primary's keys: one run of sorted rows
-        table = key_rows(keys)[order]
+        table = key_rows(keys)
+        order, runs = node_runs(self.placement.primaries(table))  # each primary's keys: one run of sorted rows
+        table = table[order]
         exchange = Exchange(self.pool)
         asks = [
             exchange.request(node, Op.MATCH, {"keys": table[lo:hi].tobytes(), "klen": table.shape[1]})

@@ -46,6 +46,7 @@ PROTOCOL_VERSION = 2  # 2: PUT_SHARDS names its put (`put`), COMMIT settles it b
 HEADER = struct.Struct("<4sBBHQIQI")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
+META_LEN_AT = 16  # where the header's meta_len lies (for compiled receives that take a frame's head whole)
 META_STEP_BYTES = 64 << 10  # a metadata buffer starts this large (or at its frame's size) and doubles as bytes arrive
 KEPT_META_BYTES = 4 << 10  # a metadata buffer this small is kept for the next frame (small requests allocate nothing)
 _MSGPACK_MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # first bytes of a msgpack map
@@ -464,9 +465,7 @@ class FrameReader:
 
     def _stage_done(self) -> None:
         if self._state == self._HEADER:
-            opcode, _flags, request_id, meta_len, payload_len = parse_header(self._header, self.limits)
-            self._frame = Frame(opcode, request_id, {}, payload_len)
-            self._meta_len = meta_len
+            meta_len = self._open_frame(self._header)
             self._state, self._filled = self._META, 0
             if meta_len > len(self._meta_buf):  # (a kept buffer that holds it is reused as it is)
                 self._release_meta()
@@ -474,23 +473,49 @@ class FrameReader:
             elif not meta_len:
                 self._stage_done()
         elif self._state == self._META:
-            frame = self._frame
-            assert frame is not None
             try:
-                meta = memoryview(self._meta_buf)[: self._meta_len]
-                if self.schemas is not None:
-                    frame.meta = self.schemas.decode(frame.opcode, meta)
-                else:
-                    frame.meta = parse_meta(meta, self.limits) if self._meta_len else {}
-            except ProtocolError as exc:
-                exc.request_id = frame.request_id
-                raise
+                self._decoded(memoryview(self._meta_buf)[: self._meta_len])
             finally:
                 self._drop_meta()
-            self._state, self._filled = self._PAYLOAD, 0
-            self._sink, self._sink_index = None, 0
-            if not self._frame.payload_len:
-                self._finish_frame()
+
+    def _open_frame(self, header: bytes | bytearray | memoryview) -> int:
+        """A frame's header has arrived: checked, it opens the frame; returns its metadata's length."""
+        opcode, _flags, request_id, meta_len, payload_len = parse_header(header, self.limits)
+        self._frame = Frame(opcode, request_id, {}, payload_len)
+        self._meta_len = meta_len
+        return meta_len
+
+    def _decoded(self, meta: memoryview) -> None:
+        """The open frame's metadata has arrived: decoded, the frame waits for its payload, or is complete."""
+        frame = self._frame
+        assert frame is not None
+        try:
+            if self.schemas is not None:
+                frame.meta = self.schemas.decode(frame.opcode, meta)
+            else:
+                frame.meta = parse_meta(meta, self.limits) if len(meta) else {}
+        except ProtocolError as exc:
+            exc.request_id = frame.request_id
+            raise
+        self._state, self._filled = self._PAYLOAD, 0
+        self._sink, self._sink_index = None, 0
+        if not frame.payload_len:
+            self._finish_frame()
+
+    def take_head(self, data: bytes) -> Frame | None:
+        """A frame's header and metadata that the I/O layer received whole itself (``_native.recv_heads``), between
+        frames: parsed as ``advance`` would; returns the frame if that completes it (else its payload follows
+        through ``writable``/``advance``). Raises ProtocolError as ``advance`` does, and BAD_FRAME when ``data``
+        holds other than the header's metadata length."""
+        if self.in_frame or self._ready is not None:
+            raise RuntimeError("take_head() is only allowed between frames")
+        view = memoryview(data)
+        meta_len = self._open_frame(view[:HEADER_SIZE])
+        if len(view) != HEADER_SIZE + meta_len:
+            request_id = self._frame.request_id if self._frame is not None else None
+            raise ProtocolError(ErrorCode.BAD_FRAME, "a frame's head does not hold its metadata", request_id)
+        self._decoded(view[HEADER_SIZE:])
+        return self.next_frame()
 
     def _finish_frame(self) -> None:
         self._ready, self._frame = self._frame, None

@@ -37,6 +37,8 @@ import numpy as np
 
 from kvtier.kvstore import _native
 from kvtier.kvstore.protocol import (
+    HEADER_SIZE,
+    META_LEN_AT,
     ErrorCode,
     Frame,
     FrameReader,
@@ -53,6 +55,7 @@ _READABLE = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 # buffers offered to one recvmsg_into: a call acquires every buffer it is given, however few bytes are waiting
 # (offering a 1,000-shard reply's whole remaining list on every call made receiving 6.5 KiB shards 20 % slower)
 RECV_IOV = 64
+RECV_HEADS_MAX = 256  # sockets one _native.recv_heads call takes
 MAX_BACKOFF_S = 30.0
 _request_ids = itertools.count(1)
 
@@ -411,6 +414,8 @@ class Exchange:
         self, timeout_s: float, until: Callable[[], bool] | None, work: Callable[[], bool] | None, keep: bool
     ) -> None:
         deadline = time.monotonic() + timeout_s
+        if until is None and work is None:
+            self._receive_heads(deadline)
         poller = select.poll()  # no syscall to (un)register: an exchange is short-lived
         watched: dict[int, tuple[NodeConn, socket.socket, int]] = {}  # by descriptor: (conn, its socket, mask)
         early = False
@@ -463,6 +468,42 @@ class Exchange:
                 poller.register(fd, mask)  # (registering a watched descriptor again changes its mask)
                 watched[fd] = (conn, conn.sock, mask)  # type: ignore[assignment]
 
+    def _receive_heads(self, deadline: float) -> None:
+        """When every unfinished request went out whole, alone on its connection, with no sink for its reply (a
+        round of MATCH or EXISTS): receive each reply's header and metadata in one compiled call without the GIL
+        (``_native.recv_heads``; per request in Python this cost more than the nodes' answers). The poll loop
+        goes on with what is left: a payload to receive, a lost connection's resend, nothing after a deadline."""
+        conns = []
+        for pending in self.pendings:
+            if pending.done:
+                continue
+            conn = self.pool.conns[pending.node_id]
+            alone = conn.sock is pending.sock and len(conn.inflight) == 1 and not conn.outgoing
+            if conn.sock is None or not alone or pending.sink is not None or conn.reader.in_frame:
+                return
+            conns.append(conn)
+        if not conns or len(conns) > RECV_HEADS_MAX:
+            return
+        timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        fds = [conn.sock.fileno() for conn in conns]  # type: ignore[union-attr]
+        heads = _native.recv_heads(fds, timeout_ms, HEADER_SIZE, META_LEN_AT, self.pool.limits.max_meta_bytes)
+        for conn, head in zip(conns, heads, strict=True):
+            if isinstance(head, bytes):
+                with self._failures_of(conn):
+                    frame = conn.reader.take_head(head)
+                    if frame is not None:
+                        self._completed(conn, frame)
+            elif head == errno.ETIMEDOUT:
+                self._timed_out(conn)  # (part of a reply may have been taken: the stream is out of step)
+            else:
+                self._connection_lost(conn, "down")
+
+    def _timed_out(self, conn: NodeConn) -> None:
+        """A node that missed a deadline: slow or hung, so not retried before its back-off (by this call's next
+        exchange either), and its connection closed."""
+        conn.down_until = max(conn.down_until, time.monotonic() + self.pool.retry_down_after_s)
+        conn.close("timeout")
+
     def _finish(self, early: bool) -> None:
         """Fail what did not complete.
 
@@ -473,9 +514,10 @@ class Exchange:
             if pending.done:
                 continue
             conn = self.pool.conns[pending.node_id]
-            if not early or conn.outgoing:  # a request only partly sent cannot be resumed safely either
-                if not early:  # slow or hung: not retried before its back-off, by this call's next exchange either
-                    conn.down_until = max(conn.down_until, time.monotonic() + self.pool.retry_down_after_s)
+            if not early:
+                self._timed_out(conn)
+                continue
+            if conn.outgoing:  # a request only partly sent cannot be resumed safely either
                 conn.close("timeout")
                 continue
             pending.abandoned = True
@@ -588,8 +630,11 @@ class Exchange:
         reader = conn.reader
         reader.advance(n)
         frame = reader.next_frame()
-        if frame is None:
-            return
+        if frame is not None:
+            self._completed(conn, frame)
+
+    def _completed(self, conn: NodeConn, frame: Frame) -> None:
+        """A reply is whole on ``conn``: hand it to its request (unless abandoned), noting the node's map revision."""
         revision = frame.meta.get("rev")  # the node's map: a newer one than ours makes the client refresh
         if isinstance(revision, int) and revision > self.pool.seen_revision:
             self.pool.seen_revision = revision

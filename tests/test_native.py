@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import socket
@@ -55,10 +56,13 @@ def _crcs(raw: bytes) -> list[int]:
     return np.frombuffer(raw, dtype="<u4").tolist()
 
 
-def _send_later(sock: socket.socket, data: bytes, close: bool = False) -> threading.Thread:
+def _send_later(
+    sock: socket.socket, data: bytes, close: bool = False, chunk: int = 100_000, pause_s: float = 0.0
+) -> threading.Thread:
     def send() -> None:
-        for start in range(0, len(data), 100_000):  # in pieces, so the receiver waits for some of them
-            sock.sendall(data[start : start + 100_000])
+        for start in range(0, len(data), chunk):  # in pieces, so the receiver waits for some of them
+            sock.sendall(data[start : start + chunk])
+            time.sleep(pause_s)
         if close:
             sock.close()
 
@@ -333,3 +337,46 @@ def test_recv_many_gives_up_after_its_timeout() -> None:
         started = time.monotonic()
         assert _native.recv_many([(b.fileno(), plan, 0, None)], 50) == [(0, 0)]
         assert time.monotonic() - started >= 0.04
+
+
+def _frame_head(length: int, fill: bytes = b"m") -> bytes:
+    """A 32-byte head whose uint32 at byte 16 announces ``length`` more bytes, and those bytes."""
+    return b"h" * 16 + length.to_bytes(4, "little") + b"h" * 12 + fill * length
+
+
+def test_recv_heads_takes_from_each_socket_its_head_and_the_bytes_it_announces_as_they_arrive() -> None:
+    pairs = [socket.socketpair() for _ in range(3)]
+    heads = [_frame_head(n, bytes([65 + i])) for i, n in enumerate((0, 100, 5000))]
+    for _, b in pairs:
+        b.setblocking(False)
+    senders = [
+        _send_later(a, head + b"next", chunk=700, pause_s=0.002) for (a, _), head in zip(pairs, heads, strict=True)
+    ]
+    got = _native.recv_heads([b.fileno() for _, b in pairs], 5000, 32, 16, 1 << 20)
+    for sender in senders:
+        sender.join()
+    assert got == heads  # and nothing of what follows
+    assert [b.recv(100) for _, b in pairs] == [b"next"] * 3
+    for a, b in pairs:
+        a.close()
+        b.close()
+
+
+def test_recv_heads_reports_per_socket_a_closed_peer_a_timeout_and_a_head_too_long_to_take() -> None:
+    pairs = [socket.socketpair() for _ in range(3)]
+    for _, b in pairs:
+        b.setblocking(False)
+    pairs[0][0].sendall(b"h" * 10)
+    pairs[0][0].close()  # closed mid-head
+    pairs[1][0].sendall(_frame_head(50)[:40])  # the rest never comes
+    pairs[2][0].sendall(_frame_head(1 << 16))  # more than the 4 KiB allowed: the head alone
+    got = _native.recv_heads([b.fileno() for _, b in pairs], 100, 32, 16, 4 << 10)
+    assert got == [-1, errno.ETIMEDOUT, _frame_head(1 << 16)[:32]]
+    for a, b in pairs:
+        a.close()
+        b.close()
+
+
+def test_recv_heads_refuses_a_length_field_outside_the_head() -> None:
+    with pytest.raises(ValueError, match="within the head"):
+        _native.recv_heads([], 100, 32, 30, 1 << 20)

@@ -785,6 +785,25 @@ def test_small_frames_in_turn_decode_whole_in_one_kept_buffer_charged_until_the_
     assert budget.used_bytes == 0
 
 
+def test_a_head_taken_whole_completes_a_frame_without_payload_and_leaves_a_payload_to_arrive():
+    reader = FrameReader()
+    frame = reader.take_head(encode_head(Op.MATCH | Op.REPLY, 5, {"live": b"\x01\x00"}))
+    assert frame is not None and (frame.request_id, frame.meta) == (5, {"live": b"\x01\x00"})
+    assert reader.take_head(encode_head(Op.GET_SHARDS | Op.REPLY, 6, {"st": b"\x00"}, 3)) is None
+    [frame] = reader.feed(b"abc")  # the payload, as the poll loop receives it
+    assert (frame.request_id, payload_of(frame)) == (6, b"abc")
+
+
+def test_a_head_taken_whole_must_hold_exactly_its_metadata():
+    head = encode_head(Op.MATCH | Op.REPLY, 7, {"live": b"\x01"})
+    for wrong in (head[:-1], head + b"x"):
+        assert _raises_code(ErrorCode.BAD_FRAME, FrameReader().take_head, wrong).request_id == 7
+    reader = FrameReader()
+    reader.feed(head[:10])
+    with pytest.raises(RuntimeError, match="between frames"):
+        reader.take_head(head)
+
+
 class _Lookup(Request):
     keys: bytes | Unset = UNSET
     klen: int | Unset = UNSET
