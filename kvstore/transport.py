@@ -6,7 +6,8 @@ queued (as far as its socket takes it, so a node starts on it while the next is 
 over the caller's buffers or ``_native.Scatter`` pieces (gather, in compiled code: ``_native.send_some``;
 a payload may follow in parts, ``Exchange.extend``, while ``run(work=)`` prepares them), replies come in
 with ``recvmsg_into`` straight into buffers the caller chooses once it has seen the reply's metadata
-(scatter). The protocol itself is the sans-IO
+(scatter); a round of small requests (MATCH to every primary) has its replies' headers and metadata received in one
+compiled call (``_native.recv_heads``) before the loop. The protocol itself is the sans-IO
 :class:`~kvtier.kvstore.protocol.FrameReader`.
 
 Failure contract: a node that refuses the connection, resets it, closes it, or does not answer before the
