@@ -14,7 +14,8 @@
  *   steps while it is hot (end-to-end: the client checks what the node stored); crc32c_pieces: the same
  *   checksums over memory already in place. recv_many: the same over many sockets at once (poll), returning
  *   to Python once per finished reply rather than once per socket buffer's worth of bytes. recv_heads: one
- *   small reply's header and metadata from each of many sockets, in one call (a round of MATCH requests).
+ *   small reply's header and metadata from each of many sockets, in one call (a round of MATCH requests);
+ *   recv_head: a server's receive of a request's header and small metadata in one call.
  * - ec_encode_stripes: ISA-L's ec_encode_data over many stripes in one call (codec.py passes its address).
  * - bytearray_uninit: a bytearray whose bytes are not zeroed first (they are about to be overwritten).
  * - live_flags: a node's answer to MATCH (with the GIL: it reads Python objects), one lookup per key in its block
@@ -1082,6 +1083,54 @@ static void head_receive(head_recv *h, size_t head_size, size_t length_at, size_
     }
 }
 
+/* recv_head(fd, head_size, length_at, max_length) -> (bytes, state): a server's receive of the next frame's head on
+ * a blocking socket, without the GIL: head_size bytes, then as many as the uint32 at length_at says if at most
+ * max_length. state: 1 the head and its metadata are whole; 2 the head alone is (its metadata is longer than
+ * max_length: the caller receives it); 0 the socket's receive timeout passed first; -1 the peer closed first. The
+ * bytes are what arrived. Raises OSError when a recv fails otherwise. */
+static PyObject *py_recv_head(PyObject *self, PyObject *args) {
+    int fd;
+    Py_ssize_t head_size, length_at, max_length;
+    if (!PyArg_ParseTuple(args, "innn:recv_head", &fd, &head_size, &length_at, &max_length)) return NULL;
+    if (head_size <= 0 || length_at < 0 || length_at + 4 > head_size || max_length < 0)
+        return PyErr_Format(PyExc_ValueError, "recv_head: the length must lie within the head");
+    char *buf = malloc((size_t)(head_size + max_length));
+    if (!buf) return PyErr_NoMemory();
+    size_t got = 0, want = (size_t)head_size;
+    int state = 1, err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    while (got < want) {
+        ssize_t k = recv(fd, buf + got, want - got, 0);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) state = 0;
+            else err = errno;
+            break;
+        }
+        if (k == 0) {
+            state = -1;
+            break;
+        }
+        got += (size_t)k;
+        if (got == (size_t)head_size && want == (size_t)head_size) {
+            uint32_t length;
+            memcpy(&length, buf + length_at, sizeof length); /* little-endian, as x86 and the wire are */
+            if (length > (uint64_t)max_length) state = 2;
+            else want += length;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    PyObject *out = NULL;
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        out = Py_BuildValue("(y#i)", buf, (Py_ssize_t)got, state);
+    }
+    free(buf);
+    return out;
+}
+
 /* recv_heads(fds, timeout_ms, head_size, length_at, max_length) -> list[bytes | int]: on each socket (non-blocking)
  * one frame's head, without the GIL: head_size bytes, then as many as the little-endian uint32 at byte length_at of
  * them says (not more than max_length: else the head alone). Per socket the bytes, or -1 (the peer closed first),
@@ -1423,6 +1472,10 @@ static PyMethodDef methods[] = {
      "keeps every address valid and the outputs writable."},
     {"bytearray_uninit", py_bytearray_uninit, METH_O,
      "bytearray_uninit(n) -> bytearray of n bytes, not zeroed (for buffers about to be overwritten)."},
+    {"recv_head", py_recv_head, METH_VARARGS,
+     "recv_head(fd, head_size, length_at, max_length) -> (bytes, state): the next frame's head on a blocking socket,\n"
+     "without the GIL; state 1 whole with its metadata, 2 the head alone (metadata over max_length), 0 the receive\n"
+     "timeout passed first, -1 the peer closed first; the bytes are what arrived."},
     {"recv_heads", py_recv_heads, METH_VARARGS,
      "recv_heads(fds, timeout_ms, head_size, length_at, max_length) -> list[bytes | int]: on each non-blocking\n"
      "socket one frame's head (head_size bytes, then the uint32 at length_at more, if at most max_length), without\n"

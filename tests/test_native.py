@@ -8,6 +8,7 @@ import errno
 import os
 import select
 import socket
+import struct
 import threading
 import time
 
@@ -380,3 +381,29 @@ def test_recv_heads_reports_per_socket_a_closed_peer_a_timeout_and_a_head_too_lo
 def test_recv_heads_refuses_a_length_field_outside_the_head() -> None:
     with pytest.raises(ValueError, match="within the head"):
         _native.recv_heads([], 100, 32, 30, 1 << 20)
+
+
+def test_recv_head_takes_a_head_and_its_metadata_whole_and_nothing_after() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        sender = _send_later(a, _frame_head(3000) + b"payload", chunk=500, pause_s=0.002)
+        assert _native.recv_head(b.fileno(), 32, 16, 4096) == (_frame_head(3000), 1)
+        sender.join()
+        assert b.recv(100) == b"payload"
+
+
+def test_recv_head_says_what_stopped_it_short_with_what_arrived() -> None:
+    pairs = [socket.socketpair() for _ in range(3)]
+    (a0, b0), (a1, b1), (a2, b2) = pairs
+    a0.sendall(_frame_head(8192))  # metadata over the 4 KiB taken: the head alone
+    assert _native.recv_head(b0.fileno(), 32, 16, 4096) == (_frame_head(8192)[:32], 2)
+    a1.sendall(b"h" * 20)
+    b1.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))  # 50 ms
+    assert _native.recv_head(b1.fileno(), 32, 16, 4096) == (b"h" * 20, 0)
+    a2.sendall(b"h" * 20)
+    a2.close()
+    assert _native.recv_head(b2.fileno(), 32, 16, 4096) == (b"h" * 20, -1)
+    assert _native.recv_head(b2.fileno(), 32, 16, 4096) == (b"", -1)
+    for a, b in pairs:
+        a.close()
+        b.close()

@@ -117,6 +117,21 @@ def scraped(local: LocalCluster, name: str) -> float:
 # -- slowloris, floods and reserved slots (item 6) -------------------------------------------------------
 
 
+@pytest.mark.parametrize("sent", [10, 40], ids=["mid-header", "mid-metadata"])
+def test_a_connection_may_idle_between_requests_past_the_write_timeout_but_not_stall_mid_frame(
+    own_cluster: ClusterFactory, sent: int
+) -> None:
+    quick = own_cluster(gc="write_timeout_s = 1.0\n")
+    with authenticated(quick) as sock:
+        time.sleep(1.5)  # idle between requests: the connection stays
+        assert match_works(sock, rid=2)
+        sock.sendall(encode_head(Op.MATCH, 3, {"keys": os.urandom(32), "klen": 16})[:sent])
+        sock.settimeout(10.0)
+        started = time.monotonic()
+        assert recv_frame(sock) is None  # stalled mid-frame: closed once the write timeout passed
+        assert 0.5 < time.monotonic() - started < 5.0
+
+
 def test_a_hello_trickled_byte_by_byte_is_cut_at_the_deadline_while_clients_are_served(local: LocalCluster) -> None:
     hello = encode_head(Op.HELLO, 1, {"token": local.config.token})
     with Client(local.config) as client, contextlib.ExitStack() as stack:
