@@ -953,6 +953,27 @@ static PyObject *py_recv_scatter(PyObject *self, PyObject *args) {
 
 #define RECV_MANY_MAX 256
 
+/* The items of a call over many sockets (at most RECV_MANY_MAX), as a fast sequence; NULL with an exception set. */
+static PyObject *socket_items(PyObject *items, const char *name, Py_ssize_t *m) {
+    PyObject *seq = PySequence_Fast(items, "expected a sequence, an item per socket");
+    if (!seq) return NULL;
+    *m = PySequence_Fast_GET_SIZE(seq);
+    if (*m > RECV_MANY_MAX) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%s takes at most %d sockets", name, RECV_MANY_MAX);
+        return NULL;
+    }
+    return seq;
+}
+
+/* A frame head of head_size bytes whose uint32 at length_at announces up to max_length more: 1, else 0 with an
+ * exception set. */
+static int head_layout_ok(Py_ssize_t head_size, Py_ssize_t length_at, Py_ssize_t max_length) {
+    if (head_size > 0 && length_at >= 0 && length_at + 4 <= head_size && max_length >= 0) return 1;
+    PyErr_SetString(PyExc_ValueError, "a frame head's length must lie within the head");
+    return 0;
+}
+
 static int64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -969,13 +990,9 @@ static PyObject *py_recv_many(PyObject *self, PyObject *args) {
     PyObject *items;
     int timeout_ms;
     if (!PyArg_ParseTuple(args, "Oi:recv_many", &items, &timeout_ms)) return NULL;
-    PyObject *seq = PySequence_Fast(items, "recv_many takes a sequence of (fd, plan, done, crcs)");
+    Py_ssize_t m;
+    PyObject *seq = socket_items(items, "recv_many", &m);
     if (!seq) return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    if (m > RECV_MANY_MAX) {
-        Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "recv_many takes at most %d sockets", RECV_MANY_MAX);
-    }
     plan_recv st[RECV_MANY_MAX];
     Py_buffer plans[RECV_MANY_MAX], crcbufs[RECV_MANY_MAX];
     memset(st, 0, sizeof(plan_recv) * (size_t)m);
@@ -1092,8 +1109,7 @@ static PyObject *py_recv_head(PyObject *self, PyObject *args) {
     int fd;
     Py_ssize_t head_size, length_at, max_length;
     if (!PyArg_ParseTuple(args, "innn:recv_head", &fd, &head_size, &length_at, &max_length)) return NULL;
-    if (head_size <= 0 || length_at < 0 || length_at + 4 > head_size || max_length < 0)
-        return PyErr_Format(PyExc_ValueError, "recv_head: the length must lie within the head");
+    if (!head_layout_ok(head_size, length_at, max_length)) return NULL;
     char *buf = malloc((size_t)(head_size + max_length));
     if (!buf) return PyErr_NoMemory();
     size_t got = 0, want = (size_t)head_size;
@@ -1142,15 +1158,10 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
     Py_ssize_t head_size, length_at, max_length;
     if (!PyArg_ParseTuple(args, "Oinnn:recv_heads", &fds, &timeout_ms, &head_size, &length_at, &max_length))
         return NULL;
-    if (head_size <= 0 || length_at < 0 || length_at + 4 > head_size || max_length < 0)
-        return PyErr_Format(PyExc_ValueError, "recv_heads: the length must lie within the head");
-    PyObject *seq = PySequence_Fast(fds, "recv_heads takes a sequence of socket descriptors");
+    if (!head_layout_ok(head_size, length_at, max_length)) return NULL;
+    Py_ssize_t m;
+    PyObject *seq = socket_items(fds, "recv_heads", &m);
     if (!seq) return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    if (m > RECV_MANY_MAX) {
-        Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "recv_heads takes at most %d sockets", RECV_MANY_MAX);
-    }
     head_recv st[RECV_MANY_MAX];
     PyObject *result = NULL;
     Py_ssize_t taken = 0;
