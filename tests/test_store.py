@@ -243,19 +243,6 @@ def test_restarted_nodes_serve_everything_committed(make_cluster) -> None:
         assert client.match(keys) == 30
 
 
-def test_a_match_on_connections_that_died_idle_is_answered_whole_on_fresh_ones(make_cluster) -> None:
-    local = make_cluster()
-    with connect(local.config_path) as client, connect(local.config_path) as waiter:
-        keys = rand_keys(30)
-        client.put(keys, rand_blocks(30, 4096))
-        assert client.match(keys) == 30  # every primary's connection is open and idle now
-        for nid in list(local.procs):
-            local.kill(nid)
-        local.start()
-        wait_reachable(waiter)  # (another client: this one's pooled connections stay the dead ones)
-        assert client.match(keys) == 30  # each MATCH resent once on a fresh connection
-
-
 def test_a_node_down_during_writes_does_not_block_them(make_cluster) -> None:
     local = make_cluster()
     with connect(local.config_path) as client:
