@@ -1060,43 +1060,55 @@ out:
     return result;
 }
 
-/* One socket of recv_heads: a head of head_size bytes, then as many more as the uint32 at length_at of it says. */
+/* The receive of one frame head: head_size bytes, then as many more as the uint32 at length_at of them says. */
+enum { HEAD_CLOSED = -2, HEAD_FAILED = -1, HEAD_RECEIVING = 0, HEAD_WHOLE = 1, HEAD_ALONE = 2 };
 typedef struct {
     int fd;
-    int state; /* 0: receiving; 1: done; -1: the peer closed; else the errno that failed it */
+    int state; /* HEAD_*: ALONE is the head without its metadata (longer than max_length: the caller's to take) */
+    int err;   /* the errno of HEAD_FAILED */
     size_t got, want;
     char *buf; /* head_size bytes, then grown to the whole frame head */
 } head_recv;
 
-static void head_receive(head_recv *h, size_t head_size, size_t length_at, size_t max_length) {
-    while (h->state == 0) {
-        ssize_t k = recv(h->fd, h->buf + h->got, h->want - h->got, MSG_DONTWAIT);
+/* Receive what h still wants until it is whole, the socket has nothing more (EAGAIN: a non-blocking socket empty,
+ * or a blocking one's receive timeout passed; h stays HEAD_RECEIVING), the peer closed or a recv failed. flags:
+ * MSG_DONTWAIT, or 0 on a blocking socket. Called without the GIL. */
+static void head_receive(head_recv *h, int flags, size_t head_size, size_t length_at, size_t max_length) {
+    while (h->state == HEAD_RECEIVING) {
+        ssize_t k = recv(h->fd, h->buf + h->got, h->want - h->got, flags);
         if (k < 0) {
             if (errno == EINTR) continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK) h->state = errno;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                h->state = HEAD_FAILED;
+                h->err = errno;
+            }
             return;
         }
         if (k == 0) {
-            h->state = -1;
+            h->state = HEAD_CLOSED;
             return;
         }
         h->got += (size_t)k;
         if (h->got < h->want) continue;
-        if (h->want == head_size) {
-            uint32_t length;
-            memcpy(&length, h->buf + length_at, sizeof length); /* little-endian, as x86 and the wire are */
-            char *grown = length && length <= max_length ? realloc(h->buf, head_size + length) : h->buf;
-            if (!grown) {
-                h->state = ENOMEM;
-                return;
-            }
-            h->buf = grown;
-            if (length && length <= max_length) { /* (a longer one: the head alone, for the caller to refuse) */
-                h->want += length;
-                continue;
-            }
+        if (h->want > head_size) {
+            h->state = HEAD_WHOLE;
+            return;
         }
-        h->state = 1;
+        uint32_t length;
+        memcpy(&length, h->buf + length_at, sizeof length); /* little-endian, as x86 and the wire are */
+        if (length > max_length) {
+            h->state = HEAD_ALONE;
+            return;
+        }
+        char *grown = length ? realloc(h->buf, head_size + length) : h->buf;
+        if (!grown) {
+            h->state = HEAD_FAILED;
+            h->err = ENOMEM;
+            return;
+        }
+        h->buf = grown;
+        h->want += length;
+        if (!length) h->state = HEAD_WHOLE;
     }
 }
 
@@ -1110,40 +1122,19 @@ static PyObject *py_recv_head(PyObject *self, PyObject *args) {
     Py_ssize_t head_size, length_at, max_length;
     if (!PyArg_ParseTuple(args, "innn:recv_head", &fd, &head_size, &length_at, &max_length)) return NULL;
     if (!head_layout_ok(head_size, length_at, max_length)) return NULL;
-    char *buf = malloc((size_t)(head_size + max_length));
-    if (!buf) return PyErr_NoMemory();
-    size_t got = 0, want = (size_t)head_size;
-    int state = 1, err = 0;
+    head_recv h = {.fd = fd, .want = (size_t)head_size, .buf = malloc((size_t)head_size)};
+    if (!h.buf) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS;
-    while (got < want) {
-        ssize_t k = recv(fd, buf + got, want - got, 0);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) state = 0;
-            else err = errno;
-            break;
-        }
-        if (k == 0) {
-            state = -1;
-            break;
-        }
-        got += (size_t)k;
-        if (got == (size_t)head_size && want == (size_t)head_size) {
-            uint32_t length;
-            memcpy(&length, buf + length_at, sizeof length); /* little-endian, as x86 and the wire are */
-            if (length > (uint64_t)max_length) state = 2;
-            else want += length;
-        }
-    }
+    head_receive(&h, 0, (size_t)head_size, (size_t)length_at, (size_t)max_length);
     Py_END_ALLOW_THREADS;
     PyObject *out = NULL;
-    if (err) {
-        errno = err;
+    if (h.state == HEAD_FAILED) {
+        errno = h.err;
         PyErr_SetFromErrno(PyExc_OSError);
     } else {
-        out = Py_BuildValue("(y#i)", buf, (Py_ssize_t)got, state);
+        out = Py_BuildValue("(y#i)", h.buf, (Py_ssize_t)h.got, h.state == HEAD_CLOSED ? -1 : h.state);
     }
-    free(buf);
+    free(h.buf);
     return out;
 }
 
@@ -1180,8 +1171,8 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
     for (;;) {
         nfds_t waiting = 0;
         for (Py_ssize_t i = 0; i < m; i++) {
-            head_receive(&st[i], (size_t)head_size, (size_t)length_at, (size_t)max_length);
-            if (st[i].state == 0) pfds[waiting++] = (struct pollfd){.fd = st[i].fd, .events = POLLIN};
+            head_receive(&st[i], MSG_DONTWAIT, (size_t)head_size, (size_t)length_at, (size_t)max_length);
+            if (st[i].state == HEAD_RECEIVING) pfds[waiting++] = (struct pollfd){.fd = st[i].fd, .events = POLLIN};
         }
         if (!waiting) break;
         int64_t left = deadline - now_ms();
@@ -1190,15 +1181,18 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
         if (r <= 0) {
             int err = r < 0 ? errno : ETIMEDOUT;
             for (Py_ssize_t i = 0; i < m; i++)
-                if (st[i].state == 0) st[i].state = err;
+                if (st[i].state == HEAD_RECEIVING) st[i] = (head_recv){.fd = st[i].fd, .state = HEAD_FAILED,
+                                                                       .err = err, .buf = st[i].buf};
             break;
         }
     }
     Py_END_ALLOW_THREADS;
     result = PyList_New(m);
     for (Py_ssize_t i = 0; result && i < m; i++) {
-        PyObject *item = st[i].state == 1 ? PyBytes_FromStringAndSize(st[i].buf, (Py_ssize_t)st[i].got)
-                                          : PyLong_FromLong(st[i].state);
+        int state = st[i].state;
+        PyObject *item = state == HEAD_WHOLE || state == HEAD_ALONE
+                             ? PyBytes_FromStringAndSize(st[i].buf, (Py_ssize_t)st[i].got)
+                             : PyLong_FromLong(state == HEAD_CLOSED ? -1 : st[i].err);
         if (!item) Py_CLEAR(result);
         else PyList_SET_ITEM(result, i, item);
     }
@@ -1505,6 +1499,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&ScatterType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "HW_CRC", have_hw) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "MAX_SOCKETS", RECV_MANY_MAX) < 0) Py_CLEAR(m); /* a recv_many/heads call */
     PyObject *impls = PyTuple_New(crc_level + 1);
     for (int i = 0; impls && i <= crc_level; i++) PyTuple_SET_ITEM(impls, i, PyUnicode_FromString(crc_names[i]));
     if (m && (!impls || PyModule_AddObjectRef(m, "CRC_IMPLS", impls) < 0)) Py_CLEAR(m);

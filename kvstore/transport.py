@@ -56,7 +56,6 @@ _READABLE = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 # buffers offered to one recvmsg_into: a call acquires every buffer it is given, however few bytes are waiting
 # (offering a 1,000-shard reply's whole remaining list on every call made receiving 6.5 KiB shards 20 % slower)
 RECV_IOV = 64
-RECV_HEADS_MAX = 256  # sockets one _native.recv_heads call takes
 MAX_BACKOFF_S = 30.0
 _request_ids = itertools.count(1)
 
@@ -483,7 +482,7 @@ class Exchange:
             if conn.sock is None or not alone or pending.sink is not None or conn.reader.in_frame:
                 return
             conns.append(conn)
-        if not conns or len(conns) > RECV_HEADS_MAX:
+        if not conns or len(conns) > _native.MAX_SOCKETS:
             return
         timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
         fds = [conn.sock.fileno() for conn in conns]  # type: ignore[union-attr]
