@@ -1138,22 +1138,57 @@ static PyObject *py_recv_head(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* recv_heads(fds, timeout_ms, head_size, length_at, max_length) -> list[bytes | int]: on each socket (non-blocking)
- * one frame's head, without the GIL: head_size bytes, then as many as the little-endian uint32 at byte length_at of
- * them says (not more than max_length: else the head alone). Per socket the bytes, or -1 (the peer closed first),
- * the errno of a failed recv, or ETIMEDOUT when timeout_ms passed first (bytes received of it are lost: the
- * stream is out of step). A whole round of small requests (MATCH to every primary) in one call. */
+/* Send all of buf on a non-blocking socket now, without waiting: 0, or the errno that stopped it (EAGAIN: the
+ * socket took only part of it). Called without the GIL. */
+static int send_now(int fd, const char *buf, size_t len) {
+    while (len) {
+        ssize_t k = send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        buf += k;
+        len -= (size_t)k;
+    }
+    return 0;
+}
+
+/* recv_heads(fds, timeout_ms, head_size, length_at, max_length, sends=None) -> list[bytes | int]: on each socket
+ * (non-blocking) one frame's head, without the GIL: head_size bytes, then as many as the little-endian uint32 at
+ * byte length_at of them says (not more than max_length: else the head alone). Per socket the bytes, or -1 (the
+ * peer closed first), the errno of a failed recv, or ETIMEDOUT when timeout_ms passed first (bytes received of it
+ * are lost: the stream is out of step). sends: per socket a bytes-like object sent whole first (the request the
+ * head answers), or None; a send that fails, or that the socket takes only part of at once (EAGAIN), is that
+ * socket's errno, and nothing is received on it. A whole round of small requests (MATCH to every primary) in one
+ * call. */
 static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
-    PyObject *fds;
+    PyObject *fds, *sends_obj = Py_None;
     int timeout_ms;
     Py_ssize_t head_size, length_at, max_length;
-    if (!PyArg_ParseTuple(args, "Oinnn:recv_heads", &fds, &timeout_ms, &head_size, &length_at, &max_length))
+    if (!PyArg_ParseTuple(args, "Oinnn|O:recv_heads", &fds, &timeout_ms, &head_size, &length_at, &max_length,
+                          &sends_obj))
         return NULL;
     if (!head_layout_ok(head_size, length_at, max_length)) return NULL;
     Py_ssize_t m;
     PyObject *seq = socket_items(fds, "recv_heads", &m);
     if (!seq) return NULL;
+    PyObject *sends = NULL;
+    if (sends_obj != Py_None) {
+        sends = PySequence_Fast(sends_obj, "sends: expected a sequence, an item per socket");
+        if (!sends) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (PySequence_Fast_GET_SIZE(sends) != m) {
+            PyErr_SetString(PyExc_ValueError, "recv_heads: sends must have an item per socket");
+            Py_DECREF(sends);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
     head_recv st[RECV_MANY_MAX];
+    Py_buffer out_bufs[RECV_MANY_MAX];
+    memset(out_bufs, 0, sizeof(Py_buffer) * (size_t)m);
     PyObject *result = NULL;
     Py_ssize_t taken = 0;
     for (; taken < m; taken++) {
@@ -1164,8 +1199,21 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
             PyErr_NoMemory();
             goto out;
         }
+        PyObject *send_obj = sends ? PySequence_Fast_GET_ITEM(sends, taken) : Py_None;
+        if (send_obj != Py_None && PyObject_GetBuffer(send_obj, &out_bufs[taken], PyBUF_SIMPLE) < 0) {
+            taken++;
+            goto out;
+        }
     }
     Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < m; i++) { /* every request out before any reply is waited for */
+        if (!out_bufs[i].obj) continue;
+        int err = send_now(st[i].fd, out_bufs[i].buf, (size_t)out_bufs[i].len);
+        if (err) {
+            st[i].state = HEAD_FAILED;
+            st[i].err = err;
+        }
+    }
     struct pollfd pfds[RECV_MANY_MAX];
     int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
     for (;;) {
@@ -1197,7 +1245,11 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
         else PyList_SET_ITEM(result, i, item);
     }
 out:
-    for (Py_ssize_t i = 0; i < taken; i++) free(st[i].buf);
+    for (Py_ssize_t i = 0; i < taken; i++) {
+        free(st[i].buf);
+        if (out_bufs[i].obj) PyBuffer_Release(&out_bufs[i]);
+    }
+    Py_XDECREF(sends);
     Py_DECREF(seq);
     return result;
 }
@@ -1361,6 +1413,115 @@ static PyObject *py_bytearray_uninit(PyObject *self, PyObject *arg) {
     return PyByteArray_FromStringAndSize(NULL, n);
 }
 
+/* ---- placement: which group and node a key belongs to -------------------------------------------- */
+
+/* Jump consistent hash (Lamping and Veach, 2014) of key into [0, buckets): the reference loop, in doubles as the
+ * paper's. */
+static int64_t jump(uint64_t key, int64_t buckets) {
+    int64_t b = -1, j = 0;
+    while (j < buckets) {
+        b = j;
+        key = key * 2862933555777941757ULL + 1;
+        j = (int64_t)((double)(b + 1) * ((double)(1LL << 31) / (double)((key >> 33) + 1)));
+    }
+    return b < 0 ? 0 : b;
+}
+
+/* jump_hash(h, buckets, out): out[i] = jump(h[i], buckets) for h a buffer of uint64 and out of int64, as many. */
+static PyObject *py_jump_hash(PyObject *self, PyObject *args) {
+    Py_buffer h, out;
+    long long buckets;
+    if (!PyArg_ParseTuple(args, "y*Lw*:jump_hash", &h, &buckets, &out)) return NULL;
+    PyObject *result = NULL;
+    if (h.len % 8 || out.len != h.len || buckets < 1) {
+        PyErr_SetString(PyExc_ValueError, "jump_hash takes n uint64 keys, n int64 outputs and buckets >= 1");
+    } else {
+        const uint64_t *key = h.buf;
+        int64_t *bucket = out.buf;
+        for (Py_ssize_t i = 0; i < h.len / 8; i++) bucket[i] = jump(key[i], buckets);
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&h);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+#define MAX_NODE_IDS 65536 /* node ids are 0..65535 (kvtier.kvstore.cluster.MAX_NODE_ID) */
+
+/* primary_runs(blob, klen, groups, slots) -> (order, runs, rows): each key's primary, the keys sorted by it. blob:
+ * n keys of klen bytes; groups: int64 node ids, slots a group. A key's primary is groups[jump(h, G)][h % slots], h
+ * its first 8 bytes (little-endian). order: the key indexes sorted by primary, stably (int64 bytes); runs: per
+ * primary, ascending, (node, lo, hi) of order; rows: the keys in that order, concatenated. One call for what a
+ * MATCH's fan-out needs, instead of a numpy pass per step. */
+static PyObject *py_primary_runs(PyObject *self, PyObject *args) {
+    Py_buffer blob, groups;
+    Py_ssize_t klen, slots;
+    if (!PyArg_ParseTuple(args, "y*ny*n:primary_runs", &blob, &klen, &groups, &slots)) return NULL;
+    PyObject *order = NULL, *runs = NULL, *rows = NULL, *result = NULL;
+    int32_t *primary = NULL, *count = NULL;
+    Py_ssize_t n = klen >= 8 ? blob.len / klen : 0, cells = groups.len / (Py_ssize_t)sizeof(int64_t);
+    if (klen < 8 || blob.len % klen || slots < 1 || groups.len % (Py_ssize_t)sizeof(int64_t) || !cells ||
+        cells % slots) {
+        PyErr_SetString(PyExc_ValueError, "primary_runs takes keys of at least 8 bytes and a groups x slots table");
+        goto done;
+    }
+    const int64_t *table = groups.buf;
+    int32_t top = 0; /* the largest node id of the table */
+    for (Py_ssize_t c = 0; c < cells; c++) {
+        if (table[c] < 0 || table[c] >= MAX_NODE_IDS) {
+            PyErr_Format(PyExc_ValueError, "node id %lld is out of range", (long long)table[c]);
+            goto done;
+        }
+        if (table[c] > top) top = (int32_t)table[c];
+    }
+    primary = malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
+    count = calloc((size_t)top + 2, sizeof(int32_t)); /* count[node + 1]: keys of node, then where its run ends */
+    if (!primary || !count) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const unsigned char *key = blob.buf;
+    int64_t n_groups = cells / slots;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t h;
+        memcpy(&h, key + i * klen, sizeof h); /* little-endian, as x86 is */
+        primary[i] = (int32_t)table[jump(h, n_groups) * slots + (int64_t)(h % (uint64_t)slots)];
+        count[primary[i] + 1]++;
+    }
+    if (!(runs = PyList_New(0))) goto done;
+    for (int32_t node = 0; node <= top; node++) { /* count[node] becomes where node's run starts */
+        int32_t size = count[node + 1];
+        count[node + 1] = count[node] + size;
+        if (!size) continue;
+        PyObject *run = Py_BuildValue("(iii)", node, count[node], count[node + 1]);
+        if (!run || PyList_Append(runs, run) < 0) {
+            Py_XDECREF(run);
+            goto done;
+        }
+        Py_DECREF(run);
+    }
+    order = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    rows = PyBytes_FromStringAndSize(NULL, n * klen);
+    if (!order || !rows) goto done;
+    int64_t *at = (int64_t *)PyBytes_AS_STRING(order);
+    char *row = PyBytes_AS_STRING(rows);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t to = count[primary[i]]++;
+        at[to] = i;
+        memcpy(row + (Py_ssize_t)to * klen, key + i * klen, (size_t)klen);
+    }
+    result = PyTuple_Pack(3, order, runs, rows);
+done:
+    Py_XDECREF(order);
+    Py_XDECREF(runs);
+    Py_XDECREF(rows);
+    free(primary);
+    free(count);
+    PyBuffer_Release(&blob);
+    PyBuffer_Release(&groups);
+    return result;
+}
+
 /* ---- MATCH: liveness of many keys in the block index --------------------------------------------- */
 
 /* live_flags(entries, prefix, blob, klen, oldest) -> bytes: per key of blob (klen bytes each), 1 if entries (a dict:
@@ -1482,9 +1643,17 @@ static PyMethodDef methods[] = {
      "without the GIL; state 1 whole with its metadata, 2 the head alone (metadata over max_length), 0 the receive\n"
      "timeout passed first, -1 the peer closed first; the bytes are what arrived."},
     {"recv_heads", py_recv_heads, METH_VARARGS,
-     "recv_heads(fds, timeout_ms, head_size, length_at, max_length) -> list[bytes | int]: on each non-blocking\n"
-     "socket one frame's head (head_size bytes, then the uint32 at length_at more, if at most max_length), without\n"
-     "the GIL; per socket the bytes, or -1 (peer closed), an errno, or ETIMEDOUT (the stream is then out of step)."},
+     "recv_heads(fds, timeout_ms, head_size, length_at, max_length, sends=None) -> list[bytes | int]: on each\n"
+     "non-blocking socket one frame's head (head_size bytes, then the uint32 at length_at more, if at most\n"
+     "max_length), without the GIL, after sending it sends[i] whole (if given and not None); per socket the bytes,\n"
+     "or -1 (peer closed), an errno (of the send too; EAGAIN: sent only in part), or ETIMEDOUT (out of step)."},
+    {"jump_hash", py_jump_hash, METH_VARARGS,
+     "jump_hash(h, buckets, out): out[i] = the jump consistent hash of the uint64 h[i] into range(buckets) (out:\n"
+     "int64, as many as h)."},
+    {"primary_runs", py_primary_runs, METH_VARARGS,
+     "primary_runs(blob, klen, groups, slots) -> (order, runs, rows): each key's primary (groups[jump(h, G)][h %\n"
+     "slots], h its first 8 bytes), the key indexes sorted by it stably (int64 bytes), (node, lo, hi) per primary\n"
+     "ascending, and the keys in that order (bytes)."},
     {"live_flags", py_live_flags, METH_VARARGS,
      "live_flags(entries, prefix, blob, klen, oldest) -> bytes: per key of blob (keys of klen bytes, concatenated),\n"
      "1 if the dict entries holds prefix + key with created >= oldest[ttl_class], else 0 (the answer to MATCH)."},

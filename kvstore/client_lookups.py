@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore.client_core import ClientCore, key_rows, node_runs
+from kvtier.kvstore.client_core import ClientCore
 from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Op
 from kvtier.kvstore.transport import Exchange
@@ -46,20 +46,22 @@ class Lookups(ClientCore):
         return live
 
     def _ask_primaries(self, keys: Sequence[bytes], live: np.ndarray) -> None:
-        table = key_rows(keys)
-        order, runs = node_runs(self.placement.primaries(table))  # each primary's keys: one run of sorted rows
-        table = table[order]
+        blob, klen = pack_keys(keys)
+        order, runs, rows = self.placement.primary_runs(blob, klen)  # each primary's keys: one run of sorted rows
         exchange = Exchange(self.pool)
         asks = [
-            exchange.request(node, Op.MATCH, {"keys": table[lo:hi].tobytes(), "klen": table.shape[1]})
+            exchange.request(node, Op.MATCH, {"keys": rows[lo * klen : hi * klen], "klen": klen})
             for node, lo, hi in runs
         ]
         exchange.run(self.config.client.op_timeout_s)
+        flags = [self._answer(pending, "live", hi - lo) for (_, lo, hi), pending in zip(runs, asks, strict=True)]
+        if all(f is not None for f in flags):  # (the usual case: every primary answered, in one pass)
+            live[order] = np.frombuffer(b"".join(flags), dtype=np.uint8) != 0  # type: ignore[arg-type]
+            return
         answers = np.full(len(keys), -1, dtype=np.int8)  # in the sorted order
-        for (_, lo, hi), pending in zip(runs, asks, strict=True):
-            flags = self._flags(pending, "live", hi - lo)
-            if flags is not None:
-                answers[lo:hi] = flags != 0
+        for (_, lo, hi), answer in zip(runs, flags, strict=True):
+            if answer is not None:
+                answers[lo:hi] = np.frombuffer(answer, dtype=np.uint8) != 0
         live[order] = answers
 
     def delete(self, keys: Sequence[bytes], before: float | None = None, primary_done: int | None = None) -> bool:

@@ -75,6 +75,7 @@ from kvtier.kvstore.protocol import Limits
 from kvtier.kvstore.units import format_duration, parse_duration, parse_size
 
 DEFAULT_TENANT = "default"
+MAX_NODE_ID = 1 << 16  # node ids are 0 to 65,535 (the client sorts requests by id with a 16-bit radix sort)
 TOKEN_ENV = "KVTIER_TOKEN"  # a client's tenant token, when not given on its command line
 MIN_TOKEN_CHARS = 32  # 128 bits of hex; new_token() gives 64 hex characters (256 bits)
 TOKEN_TENANT = "(token)"  # a client file's only tenant: the one its token names (no valid tenant name)
@@ -400,6 +401,8 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
             capacity = parse_size(entry.capacity)
         except ValueError as exc:
             raise ConfigError(f"node {entry.id}: capacity: {exc}") from None
+        if not 0 <= entry.id < MAX_NODE_ID:
+            raise ConfigError(f"node id {entry.id} is out of range: ids are 0 to {MAX_NODE_ID - 1}")
         if entry.id in nodes:
             raise ConfigError(f"node id {entry.id} is listed twice")
         if not 0 < entry.port < 65536 or not 0 <= entry.metrics_port < 65536:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from kvtier.kvstore import _native
 from kvtier.kvstore.codec import TOTAL_SHARDS
 
 Keys = Sequence[bytes] | np.ndarray
@@ -52,6 +53,12 @@ class Placement:
         h = key_prefixes(keys)
         return jump_hash(h, len(self.groups)), (h % np.uint64(TOTAL_SHARDS)).astype(np.int64)
 
+    def primary_runs(self, blob: bytes, klen: int) -> tuple[np.ndarray, list[tuple[int, int, int]], bytes]:
+        """The keys of ``blob`` (``klen`` bytes each, concatenated) sorted by primary, in one compiled pass: the order
+        (key indexes, stable), each primary's run of it as (node, lo, hi) ascending, and the keys in that order."""
+        order, runs, rows = _native.primary_runs(blob, klen, self.groups, TOTAL_SHARDS)
+        return np.frombuffer(order, dtype=np.int64), runs, rows
+
     def primaries(self, keys: Keys) -> np.ndarray:
         """Node id of each key's primary (the holder of data shard 0 and the block record)."""
         if not len(keys):
@@ -60,30 +67,19 @@ class Placement:
         return self.groups[group, rotation]
 
 
-_JUMP_MULTIPLIER = np.uint64(2862933555777941757)
-
-
 def jump_hash(h: np.ndarray, buckets: int) -> np.ndarray:
     """Jump consistent hash (Lamping and Veach, 2014) of every uint64 in ``h`` into ``range(buckets)``: growing
-    ``buckets`` by one moves a key only into the new bucket. A few numpy passes (about ``ln(buckets) + 1``)."""
-    out = np.zeros(len(h), dtype=np.int64)
-    if buckets <= 1:
-        return out
-    key = h.astype(np.uint64, copy=True)
-    jump = np.zeros(len(h), dtype=np.int64)
-    active = np.arange(len(h))
-    while len(active):
-        out[active] = jump[active]
-        key[active] = key[active] * _JUMP_MULTIPLIER + np.uint64(1)
-        high = (key[active] >> np.uint64(33)).astype(np.float64) + 1.0
-        jump[active] = ((out[active] + 1).astype(np.float64) * (float(1 << 31) / high)).astype(np.int64)
-        active = active[jump[active] < buckets]
+    ``buckets`` by one moves a key only into the new bucket. Compiled (``_native.jump_hash``): the paper's loop."""
+    out = np.empty(len(h), dtype=np.int64)
+    _native.jump_hash(np.ascontiguousarray(h, dtype=np.uint64), max(1, buckets), out)
     return out
 
 
 def key_prefixes(keys: Keys) -> np.ndarray:
     """The first 8 bytes of every key as little-endian uint64 (keys must be of equal length >= 8)."""
     if isinstance(keys, np.ndarray):
+        if keys.flags.c_contiguous and keys.shape[1] % 8 == 0:  # a strided view of each row's first word: no copy
+            return keys.view("<u8")[:, 0]
         return keys[:, :8].copy().view("<u8").ravel()
     width = len(keys[0])
     blob = b"".join(keys)

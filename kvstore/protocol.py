@@ -227,12 +227,15 @@ class Frame:
     payload: memoryview | None = field(default=None, repr=False)
 
 
+_HEADER_FIELDS = struct.Struct(HEADER.format[:-1])  # the header up to its checksum
+_ENCODER = msgspec.msgpack.Encoder()  # (keeps no state between calls: any thread may use it)
+
+
 def encode_head(opcode: int, request_id: int, meta: dict[str, Any], payload_len: int = 0) -> bytes:
     """Header plus metadata of one frame; the caller sends ``payload_len`` payload bytes after it."""
-    body = msgpack.packb(meta, use_bin_type=True)
-    head = HEADER.pack(MAGIC, PROTOCOL_VERSION, opcode, 0, request_id, len(body), payload_len, 0)
-    crc = crc32c.crc32c(head[:28])
-    return head[:28] + crc.to_bytes(4, "little") + body
+    body = _ENCODER.encode(meta)
+    head = _HEADER_FIELDS.pack(MAGIC, PROTOCOL_VERSION, opcode, 0, request_id, len(body), payload_len)
+    return head + crc32c.crc32c(head).to_bytes(4, "little") + body
 
 
 def encode_error(request_id: int, code: ErrorCode, message: str) -> bytes:
@@ -244,7 +247,7 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> tuple[int, int, in
     magic, version, opcode, flags, request_id, meta_len, payload_len, crc = HEADER.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"bad magic {bytes(magic)!r}: not a kvtier peer")
-    if crc != crc32c.crc32c(bytes(data[:28])):
+    if crc != crc32c.crc32c(data[:28]):
         raise ProtocolError(ErrorCode.BAD_FRAME, "frame header checksum mismatch")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"protocol version {version}, this peer speaks {PROTOCOL_VERSION}")

@@ -1,13 +1,14 @@
 """Client-side transport: one connection per node, many requests in flight at once, no copies.
 
 An :class:`Exchange` sends a batch of requests (at most one per node is the common case) over
-non-blocking sockets and drives them all from one ``poll`` loop: each request starts going out as it is
-queued (as far as its socket takes it, so a node starts on it while the next is built), with ``sendmsg``
+non-blocking sockets and drives them all from one ``poll`` loop: each request with a payload, or whose reply has
+one, starts going out as it is queued (as far as its socket takes it, so a node starts on it while the next is
+built), with ``sendmsg``
 over the caller's buffers or ``_native.Scatter`` pieces (gather, in compiled code: ``_native.send_some``;
 a payload may follow in parts, ``Exchange.extend``, while ``run(work=)`` prepares them), replies come in
 with ``recvmsg_into`` straight into buffers the caller chooses once it has seen the reply's metadata
-(scatter); a round of small requests (MATCH to every primary) has its replies' headers and metadata received in one
-compiled call (``_native.recv_heads``) before the loop. The protocol itself is the sans-IO
+(scatter); a round of small requests (MATCH to every primary) is sent, and its replies' headers and metadata
+received, in one compiled call (``_native.recv_heads``) before the loop. The protocol itself is the sans-IO
 :class:`~kvtier.kvstore.protocol.FrameReader`.
 
 Failure contract: a node that refuses the connection, resets it, closes it, or does not answer before the
@@ -58,6 +59,9 @@ _READABLE = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 RECV_IOV = 64
 MAX_BACKOFF_S = 30.0
 _request_ids = itertools.count(1)
+# a request without payloads up to this long waits for ``Exchange.run`` to send it with the round's others in one
+# compiled call: any socket takes it at once
+_SENT_WITH_THE_ROUND = 16 << 10
 
 
 class AuthError(Exception):
@@ -315,16 +319,20 @@ class Exchange:
         if conn is None:
             pending.error = "down"
             return pending
-        size = sum(len(p) for p in payload) + later
+        size = sum(len(p) for p in payload) + later if payload else later
         if self.pool.act_as is not None:
             meta = {**meta, "tenant": self.pool.act_as}
         head = encode_head(opcode, pending.request_id, meta, size)
         self._check_limits(meta, len(head), size)
-        pending.wire = [head]
-        pending.wire.extend(p if isinstance(p, _native.Scatter) else memoryview(p).cast("B") for p in payload if len(p))
-        conn.outgoing.extend(pending.wire)
+        wire = pending.wire
+        wire.append(head)
+        if payload:
+            wire.extend(p if isinstance(p, _native.Scatter) else memoryview(p).cast("B") for p in payload if len(p))
+        conn.outgoing.extend(wire)
         conn.inflight[pending.request_id] = pending
         pending.sock = conn.sock
+        if not size and sink is None and len(head) <= _SENT_WITH_THE_ROUND:
+            return pending  # a small request alone: sent by ``run`` with the others (``_round_trip_heads``)
         try:
             with self._failures_of(conn):  # out at once, as far as the socket takes it: the node starts on it
                 self._send(conn)  # while the caller queues the next node's request
@@ -415,7 +423,7 @@ class Exchange:
     ) -> None:
         deadline = time.monotonic() + timeout_s
         if until is None and work is None:
-            self._receive_heads(deadline)
+            self._round_trip_heads(deadline)
         poller = select.poll()  # no syscall to (un)register: an exchange is short-lived
         watched: dict[int, tuple[NodeConn, socket.socket, int]] = {}  # by descriptor: (conn, its socket, mask)
         early = False
@@ -468,26 +476,36 @@ class Exchange:
                 poller.register(fd, mask)  # (registering a watched descriptor again changes its mask)
                 watched[fd] = (conn, conn.sock, mask)  # type: ignore[assignment]
 
-    def _receive_heads(self, deadline: float) -> None:
-        """When every unfinished request went out whole, alone on its connection, with no sink for its reply (a
-        round of MATCH or EXISTS): receive each reply's header and metadata in one compiled call without the GIL
-        (``_native.recv_heads``; per request in Python this cost more than the nodes' answers). The poll loop
-        goes on with what is left: a payload to receive, a lost connection's resend, nothing after a deadline."""
-        conns = []
+    def _round_trip_heads(self, deadline: float) -> None:
+        """When every unfinished request is alone on its connection, with no payload either way (a round of MATCH or
+        EXISTS): send the requests still queued and receive each reply's header and metadata in one compiled call
+        without the GIL (``_native.recv_heads``; per request in Python this cost more than the nodes' answers). The
+        poll loop goes on with what is left: a request the socket took only in part or a lost connection (resent
+        once, on a fresh one), nothing after a deadline."""
+        conns: list[NodeConn] = []
+        sends: list[bytes | None] = []
         for pending in self.pendings:
             if pending.done:
                 continue
             conn = self.pool.conns[pending.node_id]
-            alone = conn.sock is pending.sock and len(conn.inflight) == 1 and not conn.outgoing
-            if conn.sock is None or not alone or pending.sink is not None or conn.reader.in_frame:
+            if conn.sock is not pending.sock or pending.sink is not None or len(conn.inflight) != 1:
+                return
+            queued = conn.outgoing
+            if queued and (len(queued) != 1 or conn.sent or len(queued[0]) > _SENT_WITH_THE_ROUND):
+                return
+            if conn.reader.in_frame:
                 return
             conns.append(conn)
+            sends.append(queued[0] if queued else None)  # type: ignore[arg-type]
         if not conns or len(conns) > _native.MAX_SOCKETS:
             return
         timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
         fds = [conn.sock.fileno() for conn in conns]  # type: ignore[union-attr]
-        heads = _native.recv_heads(fds, timeout_ms, HEADER_SIZE, META_LEN_AT, self.pool.limits.max_meta_bytes)
+        limit = self.pool.limits.max_meta_bytes
+        heads = _native.recv_heads(fds, timeout_ms, HEADER_SIZE, META_LEN_AT, limit, sends)
         for conn, head in zip(conns, heads, strict=True):
+            conn.outgoing.clear()  # sent (a send that failed closes the connection below, and resends)
+            conn.sent = 0
             if isinstance(head, bytes):
                 with self._failures_of(conn):
                     frame = conn.reader.take_head(head)

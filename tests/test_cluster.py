@@ -52,6 +52,7 @@ def test_an_edit_that_breaks_the_file_is_refused_and_changes_nothing(tmp_path: P
     [
         ("port = 7400\n", "port = 7400.5\n", "nodes[0].port: expected `int`, got `float`"),
         ("id = 0\n", 'id = "zero"\n', "nodes[0].id: expected `int`, got `str`"),
+        ("id = 0\n", "id = 65536\n", "node id 65536 is out of range: ids are 0 to 65535"),
         ('host = "127.0.0.1"\n', "host = 5\n", "nodes[0].host: expected `str`, got `int`"),
         ("metrics_port = 7412\n", "metric_port = 7412\n", "nodes[0]: object contains unknown field `metric_port`"),
         ('capacity = "2GiB"\n', "", "nodes[0]: object missing required field `capacity`"),

@@ -378,6 +378,52 @@ def test_recv_heads_reports_per_socket_a_closed_peer_a_timeout_and_a_head_too_lo
         b.close()
 
 
+def test_recv_heads_sends_each_request_whole_before_taking_the_replies() -> None:
+    pairs = [socket.socketpair() for _ in range(3)]
+    requests = [bytes([97 + i]) * (10 + 1000 * i) for i in range(3)]
+    heads = [_frame_head(n, bytes([65 + i])) for i, n in enumerate((0, 10, 300))]
+
+    def answer(sock: socket.socket, request: bytes, head: bytes) -> None:
+        got = b""
+        while len(got) < len(request):
+            got += sock.recv(len(request) - len(got))
+        assert got == request
+        sock.sendall(head)
+
+    for _, b in pairs:
+        b.setblocking(False)
+    nodes = [
+        threading.Thread(target=answer, args=(a, request, head))
+        for (a, _), request, head in zip(pairs, requests, heads, strict=True)
+    ]
+    for node in nodes:
+        node.start()
+    got = _native.recv_heads([b.fileno() for _, b in pairs], 5000, 32, 16, 1 << 20, requests)
+    for node in nodes:
+        node.join()
+    assert got == heads
+    for a, b in pairs:
+        a.close()
+        b.close()
+
+
+def test_recv_heads_reports_a_send_that_fails_or_does_not_fit_and_receives_nothing_on_that_socket() -> None:
+    closed, full, quiet = (socket.socketpair() for _ in range(3))
+    for _, b in (closed, full, quiet):
+        b.setblocking(False)
+    closed[0].close()
+    with contextlib.suppress(BlockingIOError):
+        while True:  # the socket cannot take the request at once
+            full[1].send(b"x" * 65536)
+    full[0].sendall(_frame_head(0))  # (a reply that is waiting is not taken either)
+    sends = [b"request", b"request", None]
+    got = _native.recv_heads([closed[1].fileno(), full[1].fileno(), quiet[1].fileno()], 50, 32, 16, 4096, sends)
+    assert got == [errno.EPIPE, errno.EAGAIN, errno.ETIMEDOUT]
+    assert full[1].recv(100) == _frame_head(0)
+    for sock in (*closed[1:], *full, *quiet):
+        sock.close()
+
+
 def test_recv_heads_refuses_a_length_field_outside_the_head() -> None:
     with pytest.raises(ValueError, match="within the head"):
         _native.recv_heads([], 100, 32, 30, 1 << 20)
@@ -407,3 +453,43 @@ def test_recv_head_says_what_stopped_it_short_with_what_arrived() -> None:
     for a, b in pairs:
         a.close()
         b.close()
+
+
+def _jump_reference(key: int, buckets: int) -> int:
+    """Lamping and Veach's loop, in Python integers and floats."""
+    b, j = -1, 0
+    while j < buckets:
+        b = j
+        key = (key * 2862933555777941757 + 1) % (1 << 64)
+        j = int((b + 1) * (float(1 << 31) / float((key >> 33) + 1)))
+    return max(b, 0)
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 3, 12, 1000])
+def test_jump_hash_is_lamping_and_veachs_loop(buckets: int) -> None:
+    keys = np.frombuffer(np.random.default_rng(buckets).bytes(8 * 500), dtype=np.uint64)
+    out = np.empty(len(keys), dtype=np.int64)
+    _native.jump_hash(keys, buckets, out)
+    assert out.tolist() == [_jump_reference(int(k), buckets) for k in keys]
+
+
+def test_primary_runs_sorts_keys_by_their_primary_stably_with_each_primarys_run() -> None:
+    groups = np.array([list(range(12)), [3, *range(20, 31)], list(range(40, 52))], dtype=np.int64)
+    keys = np.frombuffer(np.random.default_rng(7).bytes(16 * 2000), dtype=np.uint8).reshape(2000, 16)
+    h = keys[:, :8].copy().view("<u8").ravel()
+    primary = np.array([groups[_jump_reference(int(k), 3), int(k) % 12] for k in h])
+    order, runs, rows = _native.primary_runs(keys.tobytes(), 16, groups, 12)
+    expected = np.argsort(primary, kind="stable")
+    assert np.frombuffer(order, dtype=np.int64).tolist() == expected.tolist()
+    assert rows == keys[expected].tobytes()
+    nodes, starts, counts = np.unique(primary[expected], return_index=True, return_counts=True)
+    assert runs == [(int(n), int(lo), int(lo + c)) for n, lo, c in zip(nodes, starts, counts, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("klen", "groups", "message"),
+    [(16, [[-1] * 12], "node id -1 is out of range"), (16, [[65536] * 12], "out of range"), (4, [[0] * 12], "8 bytes")],
+)
+def test_primary_runs_refuses_short_keys_and_node_ids_out_of_range(klen: int, groups: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _native.primary_runs(b"k" * 32, klen, np.array(groups, dtype=np.int64), 12)

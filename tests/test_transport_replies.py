@@ -1,7 +1,7 @@
 """The client transport's receive of replies, against a scripted node on a real socket: a round of small requests is
-received in one compiled call (``Exchange._receive_heads``), and what that call cannot finish goes on in the poll
-loop: a connection closed before the reply is resent once on a fresh one, a reply's payload is received after its
-head, a node that does not answer costs one deadline."""
+sent and received in one compiled call (``Exchange._round_trip_heads``), and what that call cannot finish goes on in
+the poll loop: a connection closed before the reply is resent once on a fresh one, a reply's payload is received
+after its head, a node that does not answer costs one deadline, a request too long for the round goes out there."""
 
 from __future__ import annotations
 
@@ -83,6 +83,40 @@ def test_a_connection_closed_after_the_request_went_out_is_resent_once_on_a_fres
         pool, frame, error = match_once(address)
         assert error is None and frame is not None and frame.meta == {"live": b"\x01"}
         assert asked == [0, 1]
+        pool.close()
+
+
+def test_a_pooled_connection_the_node_closed_while_idle_is_replaced_for_the_next_round() -> None:
+    asked: list[int] = []
+
+    def script(number: int, frame: Frame) -> tuple[bytes, bool]:
+        asked.append(number)
+        return live_reply(frame), number == 0  # the first connection closes after its answer
+
+    with scripted_node(script) as address:
+        pool = ConnectionPool({0: address}, "token", Limits())
+        for _ in range(2):
+            exchange = Exchange(pool)
+            pending = exchange.request(0, Op.MATCH, {"keys": b"k" * 16, "klen": 16})
+            exchange.run(5.0)
+            assert pending.error is None and pending.frame is not None
+        assert asked == [0, 1]
+        pool.close()
+
+
+def test_a_request_too_long_to_go_with_the_round_goes_out_through_the_poll_loop() -> None:
+    sizes: list[int] = []
+
+    def script(_number: int, frame: Frame) -> tuple[bytes, bool]:
+        sizes.append(len(frame.meta["keys"]))
+        return live_reply(frame), False
+
+    with scripted_node(script) as address:
+        pool = ConnectionPool({0: address}, "token", Limits())
+        exchange = Exchange(pool)
+        pending = exchange.request(0, Op.MATCH, {"keys": b"k" * 16 * 4096, "klen": 16})  # 64 KiB of keys
+        exchange.run(5.0)
+        assert pending.error is None and pending.frame is not None and sizes == [16 * 4096]
         pool.close()
 
 
