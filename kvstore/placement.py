@@ -18,9 +18,6 @@ import numpy as np
 from kvtier.kvstore import _native
 from kvtier.kvstore.codec import TOTAL_SHARDS
 
-Keys = Sequence[bytes] | np.ndarray
-"""Keys as bytes, or as a uint8 table of a row each (the client packs them so for its requests)."""
-
 RECORD_HOLDERS = 3
 """The holders of shards 0 (the primary), 1 and 2 keep the block record: any two lost nodes leave one, from which
 repair rebuilds the others (docs/design.md §3)."""
@@ -49,7 +46,7 @@ class Placement:
         holding = (self.groups == node_id).any(axis=1)
         return holding[jump_hash(h, len(self.groups))]
 
-    def _group_and_rotation(self, keys: Keys) -> tuple[np.ndarray, np.ndarray]:
+    def _group_and_rotation(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         h = key_prefixes(keys)
         return jump_hash(h, len(self.groups)), (h % np.uint64(TOTAL_SHARDS)).astype(np.int64)
 
@@ -59,7 +56,7 @@ class Placement:
         order, runs, rows = _native.primary_runs(blob, klen, self.groups, TOTAL_SHARDS)
         return np.frombuffer(order, dtype=np.int64), runs, rows
 
-    def primaries(self, keys: Keys) -> np.ndarray:
+    def primaries(self, keys: Sequence[bytes]) -> np.ndarray:
         """Node id of each key's primary (the holder of data shard 0 and the block record)."""
         if not len(keys):
             return np.empty(0, dtype=np.int64)
@@ -75,12 +72,8 @@ def jump_hash(h: np.ndarray, buckets: int) -> np.ndarray:
     return out
 
 
-def key_prefixes(keys: Keys) -> np.ndarray:
+def key_prefixes(keys: Sequence[bytes]) -> np.ndarray:
     """The first 8 bytes of every key as little-endian uint64 (keys must be of equal length >= 8)."""
-    if isinstance(keys, np.ndarray):
-        if keys.flags.c_contiguous and keys.shape[1] % 8 == 0:  # a strided view of each row's first word: no copy
-            return keys.view("<u8")[:, 0]
-        return keys[:, :8].copy().view("<u8").ravel()
     width = len(keys[0])
     blob = b"".join(keys)
     if len(blob) != width * len(keys) or width < 8:
