@@ -836,6 +836,8 @@ typedef struct {
     int64_t off;
     ssize_t total;       /* bytes received by this call */
     int err;             /* errno of a failed recvmsg (EAGAIN: drained), or -1: the peer closed */
+    int64_t done;        /* bytes of the plan received before this call */
+    int64_t *progress;   /* NULL, or where done + total is published after each piece is checksummed */
 } plan_recv;
 
 /* Position st at ``done`` bytes into its plan. */
@@ -894,6 +896,8 @@ static void plan_receive(plan_recv *st) {
                 st->off = 0;
             }
         }
+        if (st->progress) /* another thread may read it while this one receives on: bytes before it are final */
+            __atomic_store_n(st->progress, st->done + (int64_t)st->total, __ATOMIC_RELEASE);
         if ((size_t)r < asked) { /* the socket is drained: do not pay for an EAGAIN */
             st->err = EAGAIN;
             break;
@@ -901,11 +905,21 @@ static void plan_receive(plan_recv *st) {
     }
 }
 
-/* Take plan (int64 rows) and crcs (None, or a writable uint32 array) for st, checked; 0, or -1 with an exception
- * set (the buffers taken so far are released by plan_release). */
-static int plan_take(plan_recv *st, Py_buffer *plan, Py_buffer *crcbuf, PyObject *crc_obj, long long done) {
+/* Take plan (int64 rows), crcs (None, or a writable uint32 array) and progress (None, or a writable int64 cell) for
+ * st, checked; 0, or -1 with an exception set (the caller releases the buffers taken, also on failure). */
+static int plan_take(plan_recv *st, Py_buffer *plan, Py_buffer *crcbuf, PyObject *crc_obj, long long done,
+                     Py_buffer *cell, PyObject *progress_obj) {
     st->cols = crc_obj == Py_None ? 2 : 3;
     if (st->cols == 3 && PyObject_GetBuffer(crc_obj, crcbuf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (progress_obj != Py_None) {
+        if (PyObject_GetBuffer(progress_obj, cell, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+        if (cell->len < (Py_ssize_t)sizeof(int64_t) || ((uintptr_t)cell->buf & (sizeof(int64_t) - 1))) {
+            PyErr_SetString(PyExc_ValueError, "progress must be a writable, aligned int64 cell");
+            return -1;
+        }
+        st->progress = cell->buf;
+    }
+    st->done = done;
     st->n = plan->len / (Py_ssize_t)(st->cols * sizeof(int64_t));
     st->rows = plan->buf;
     st->crcs = crcbuf->buf;
@@ -923,19 +937,21 @@ static int plan_take(plan_recv *st, Py_buffer *plan, Py_buffer *crcbuf, PyObject
     return 0;
 }
 
-/* recv_scatter(sock_fd, plan, done, crcs=None) -> int: non-blocking recvmsg calls into the plan's pieces, starting
- * done bytes into them, until nothing more is waiting or the plan is full. Without crcs the plan holds (address,
- * length) rows; with crcs (a writable uint32 array) (address, length, shard) rows, and each piece's bytes are
- * folded into crcs[shard] (shard -1: not checked) right after they land. The caller guarantees that every
- * address stays valid and writable. */
+/* recv_scatter(sock_fd, plan, done, crcs=None, progress=None) -> int: non-blocking recvmsg calls into the plan's
+ * pieces, starting done bytes into them, until nothing more is waiting or the plan is full. Without crcs the plan
+ * holds (address, length) rows; with crcs (a writable uint32 array) (address, length, shard) rows, and each piece's
+ * bytes are folded into crcs[shard] (shard -1: not checked) right after they land. progress (a writable int64
+ * cell): the bytes of the plan received so far (done and more), stored after each recvmsg's bytes are checksummed,
+ * for another thread to watch while this one receives. The caller guarantees that every address stays valid and
+ * writable. */
 static PyObject *py_recv_scatter(PyObject *self, PyObject *args) {
     plan_recv st = {0};
-    Py_buffer plan, crcbuf = {0};
+    Py_buffer plan, crcbuf = {0}, cell = {0};
     long long done;
-    PyObject *crc_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "iy*L|O:recv_scatter", &st.fd, &plan, &done, &crc_obj)) return NULL;
+    PyObject *crc_obj = Py_None, *progress_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "iy*L|OO:recv_scatter", &st.fd, &plan, &done, &crc_obj, &progress_obj)) return NULL;
     PyObject *result = NULL;
-    if (plan_take(&st, &plan, &crcbuf, crc_obj, done) == 0) {
+    if (plan_take(&st, &plan, &crcbuf, crc_obj, done, &cell, progress_obj) == 0) {
         Py_BEGIN_ALLOW_THREADS;
         plan_receive(&st);
         Py_END_ALLOW_THREADS;
@@ -948,6 +964,7 @@ static PyObject *py_recv_scatter(PyObject *self, PyObject *args) {
     }
     PyBuffer_Release(&plan);
     if (crcbuf.obj) PyBuffer_Release(&crcbuf);
+    if (cell.obj) PyBuffer_Release(&cell);
     return result;
 }
 
@@ -981,8 +998,8 @@ static int64_t now_ms(void) {
 }
 
 /* recv_many(items, timeout_ms) -> list[(received, err)]: the receive of many sockets in one call without the GIL.
- * items: (sock_fd, plan, done, crcs) each as recv_scatter takes them, or (sock_fd, None, 0, None) for a socket only
- * watched. Receives into every plan as data arrives (poll), until a plan is full, a watched socket is readable, a
+ * items: (sock_fd, plan, done, crcs[, progress]) each as recv_scatter takes them, or (sock_fd, None, 0, None) for a
+ * socket only watched. Receives into every plan as data arrives (poll), until a plan is full, a watched socket is readable, a
  * socket failed or closed, or timeout_ms passed. Per item: bytes received, and 0, -1 (the peer closed) or the errno
  * of a failed recvmsg. One thread then serves a whole read's sockets with a return to Python per reply, not per
  * socket buffer's worth of bytes (a Unix socket holds ~200 KiB: 12,000 returns for a 2.4 GB read). */
@@ -994,21 +1011,22 @@ static PyObject *py_recv_many(PyObject *self, PyObject *args) {
     PyObject *seq = socket_items(items, "recv_many", &m);
     if (!seq) return NULL;
     plan_recv st[RECV_MANY_MAX];
-    Py_buffer plans[RECV_MANY_MAX], crcbufs[RECV_MANY_MAX];
+    Py_buffer plans[RECV_MANY_MAX], crcbufs[RECV_MANY_MAX], cells[RECV_MANY_MAX];
     memset(st, 0, sizeof(plan_recv) * (size_t)m);
     memset(plans, 0, sizeof(Py_buffer) * (size_t)m);
     memset(crcbufs, 0, sizeof(Py_buffer) * (size_t)m);
+    memset(cells, 0, sizeof(Py_buffer) * (size_t)m);
     PyObject *result = NULL;
     Py_ssize_t taken = 0;
     for (; taken < m; taken++) {
-        PyObject *plan_obj, *crc_obj;
+        PyObject *plan_obj, *crc_obj, *progress_obj = Py_None;
         long long done;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, taken), "iOLO:recv_many item", &st[taken].fd, &plan_obj,
-                              &done, &crc_obj))
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, taken), "iOLO|O:recv_many item", &st[taken].fd,
+                              &plan_obj, &done, &crc_obj, &progress_obj))
             goto out;
         if (plan_obj == Py_None) continue; /* watched only */
         if (PyObject_GetBuffer(plan_obj, &plans[taken], PyBUF_C_CONTIGUOUS) < 0) goto out;
-        if (plan_take(&st[taken], &plans[taken], &crcbufs[taken], crc_obj, done) < 0) {
+        if (plan_take(&st[taken], &plans[taken], &crcbufs[taken], crc_obj, done, &cells[taken], progress_obj) < 0) {
             taken++;
             goto out;
         }
@@ -1055,6 +1073,7 @@ out:
     for (Py_ssize_t i = 0; i < taken; i++) {
         if (plans[i].obj) PyBuffer_Release(&plans[i]);
         if (crcbufs[i].obj) PyBuffer_Release(&crcbufs[i]);
+        if (cells[i].obj) PyBuffer_Release(&cells[i]);
     }
     Py_DECREF(seq);
     return result;

@@ -18,6 +18,7 @@ import numpy as np
 from kvtier.kvstore.client import CapacityError, Client, connect
 from kvtier.kvstore.keys import Namespace, TokenInput, chain, header_digests, token_bytes
 from kvtier.kvstore.protocol import ProtocolError
+from kvtier.kvstore.read_watch import ReadWatch
 from kvtier.kvstore.transport import AuthError
 from kvtier.transfer.availability import Availability
 
@@ -97,14 +98,17 @@ class BlockStore:
         buffers: Sequence[memoryview],
         tokens: TokenInput,
         on_landed: Callable[[int, int], None] | None = None,
+        watch: ReadWatch | None = None,
     ) -> int:
         """Read blocks into ``buffers``; returns how many *leading* blocks landed (header-checked against
         ``tokens``, so a collision is a miss). ``on_landed(lo, hi)``: told as ranges of blocks are done, from the
-        threads that read them (``Client.get_into``)."""
+        threads that read them; ``watch``: asked by another thread which blocks have settled meanwhile (both as
+        ``Client.get_into`` says)."""
         if not keys:
             return 0
         try:
-            got = self.client.get_into(keys, buffers, headers=self.headers(keys, tokens), on_landed=on_landed)
+            headers = self.headers(keys, tokens)
+            got = self.client.get_into(keys, buffers, headers=headers, on_landed=on_landed, watch=watch)
         except STORE_ERRORS as e:
             self.availability.failed(e)
             return 0

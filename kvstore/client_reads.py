@@ -18,6 +18,7 @@ from kvtier.kvstore.cluster import MAX_READ_LANES
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, shard_size
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER, Namespace, TokenInput
 from kvtier.kvstore.protocol import Frame, Op, Status
+from kvtier.kvstore.read_watch import LaneWatch, ReadWatch
 from kvtier.kvstore.transport import Exchange, ReceivePlan
 
 _OK = int(Status.OK)  # a plain int: numpy probes an IntEnum operand for array protocols (~3 us a comparison)
@@ -63,6 +64,7 @@ class ReadState:
         self.scratch: dict[int, bytearray] = {}
         self.arrivals = 0  # GET replies complete so far
         self._decodable = (-1, False)  # (arrivals, whether every block was decodable then)
+        self.watched = False  # a ReadWatch asks how far replies have landed: their plans report progress
         if not allocate:  # get_into: every destination known from the start
             self._place(range(n), np.fromiter(map(len, buffers), dtype=np.int64, count=n))  # type: ignore[arg-type]
 
@@ -165,6 +167,7 @@ class Reads(Writes):
         namespace: Namespace | None = None,
         headers: Sequence[bytes] | None = None,
         on_landed: Callable[[int, int], None] | None = None,
+        watch: ReadWatch | None = None,
     ) -> list[bool]:
         """Read blocks into caller-owned writable buffers, each exactly the block's length.
 
@@ -172,7 +175,8 @@ class Reads(Writes):
         that buffer's contents unspecified. ``on_landed(lo, hi)``: told as soon as blocks ``lo..hi-1`` are
         done (read or missed; nothing writes into their buffers any more), before this returns: once for the
         whole read, or once per lane, from the thread that read it (lanes run at once: it must be thread-safe).
-        A lane that raised is not told.
+        A lane that raised is not told. ``watch``: another thread may ask it, while this runs, which leading
+        blocks of each lane are already in place (``kvstore.read_watch``).
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
@@ -183,8 +187,8 @@ class Reads(Writes):
         lengths = np.fromiter(map(len, views), dtype=np.int64, count=len(views))  # type: ignore[arg-type]
         lanes = self._lane_count(int(lengths.sum()))
         if lanes > 1:
-            return self._read_in_lanes(keys, views, digests, lengths, lanes, on_landed)
-        found = self._read_moving(keys, views, False, digests)
+            return self._read_in_lanes(keys, views, digests, lengths, lanes, on_landed, watch)
+        found = self._read_moving(keys, views, False, digests, watch.lane(0) if watch is not None else None)
         if on_landed is not None:
             on_landed(0, len(keys))
         return found
@@ -204,6 +208,7 @@ class Reads(Writes):
         lengths: np.ndarray,
         lanes: int,
         on_landed: Callable[[int, int], None] | None,
+        watch: ReadWatch | None,
     ) -> list[bool]:
         """A ``get_into`` split into ``lanes`` runs of consecutive blocks of about equal bytes, read at once: the
         first by this client on this thread, each other by a lane client (its own connections, so every node
@@ -217,7 +222,11 @@ class Reads(Writes):
 
         def lane(reads: Reads, lo: int, hi: int) -> list[bool]:
             found = reads._read_moving(
-                keys[lo:hi], views[lo:hi], False, headers[lo:hi] if headers is not None else None
+                keys[lo:hi],
+                views[lo:hi],
+                False,
+                headers[lo:hi] if headers is not None else None,
+                watch.lane(lo) if watch is not None else None,
             )
             if on_landed is not None:
                 on_landed(lo, hi)
@@ -251,11 +260,17 @@ class Reads(Writes):
         return self.lanes[:count], self._lane_threads  # type: ignore[return-value]
 
     def _read_moving(
-        self, keys: Sequence[bytes], buffers: list[memoryview | None], allocate: bool, headers: list[bytes] | None
+        self,
+        keys: Sequence[bytes],
+        buffers: list[memoryview | None],
+        allocate: bool,
+        headers: list[bytes] | None,
+        watch: LaneWatch | None = None,
     ) -> list[bool]:
         """``_read``, and while a growth moves blocks (docs/design.md §10), the misses its new groups took read
-        again from where they were before: a block is found in its old group until it has moved."""
-        found = self._read(keys, buffers, allocate, headers)
+        again from where they were before: a block is found in its old group until it has moved. ``watch``: the
+        first read is watched (the misses read again never settle early)."""
+        found = self._read(keys, buffers, allocate, headers, watch=watch)
         retry = self.moved(keys, np.flatnonzero(~np.asarray(found, dtype=bool)))
         if len(retry) and self.previous is not None:
             rows = retry.tolist()
@@ -276,14 +291,18 @@ class Reads(Writes):
         headers: list[bytes] | None,
         state: ReadState | None = None,
         repair: bool = True,
+        watch: LaneWatch | None = None,
     ) -> list[bool]:
         """The read procedure of docs/design.md §5. A ``state`` made with ``trust_primary=False`` (repair
-        of a wiped primary) reads a block from its shards even where the primary has no record."""
+        of a wiped primary) reads a block from its shards even where the primary has no record. ``watch``: told
+        the read's state, which another thread then asks how far the replies have landed."""
         if not keys:
             return []
         shard_nodes = self.placement.shard_nodes(keys)
         if state is None:
             state = ReadState(len(keys), buffers, allocate, trust_primary=True)
+        if watch is not None:
+            watch.attach(state)
         settings = self.config.client
         deadline = time.monotonic() + settings.op_timeout_s
         first = np.broadcast_to(np.arange(TOTAL_SHARDS) < settings.read_fanout, shard_nodes.shape)
@@ -388,14 +407,19 @@ class Reads(Writes):
                 strict=True,
             ):
                 state.parity[(b, i)] = view[at : at + length]
-        crcs = expected = None
+        crcs = expected = ends = progress = None
         landed = _rows(fits)
+        plan = np.frombuffer(pieces, dtype=np.int64).reshape(-1, 3)
         if stored_crc is not None:
             crcs = np.zeros(int(fits.sum()), dtype=np.uint32)  # filled in by the receive, shard by shard
             expected = np.frombuffer(stored_crc, dtype="<u4")[ok][landed]
-        state.receiving[frame.request_id] = Landing(entries[ok][landed], crcs, expected)
-        plan = np.frombuffer(pieces, dtype=np.int64).reshape(-1, 3)
-        return ReceivePlan(plan if crcs is not None else np.ascontiguousarray(plan[:, :2]), crcs)
+            if state.watched:  # where each shard's last byte is in the payload, and a cell the receive counts in
+                checked = plan[:, 2] >= 0
+                ends = np.zeros(len(crcs), dtype=np.int64)
+                np.maximum.at(ends, plan[checked, 2], np.cumsum(plan[:, 1])[checked])
+                progress = np.zeros(1, dtype=np.int64)
+        state.receiving[frame.request_id] = Landing(entries[ok][landed], crcs, expected, ends, progress)
+        return ReceivePlan(plan if crcs is not None else np.ascontiguousarray(plan[:, :2]), crcs, progress)
 
     def _assemble(self, state: ReadState) -> list[bool]:
         """Per block whether it was read; blocks missing a data shard are decoded from the others in place."""
@@ -454,3 +478,5 @@ class Landing(NamedTuple):
     shards: np.ndarray
     crcs: np.ndarray | None
     expected: np.ndarray | None
+    ends: np.ndarray | None = None  # watched reads: the payload offset each shard is whole at
+    progress: np.ndarray | None = None  # watched reads: the payload bytes landed so far (stored by the receive)

@@ -72,10 +72,13 @@ class AuthError(Exception):
 class ReceivePlan(NamedTuple):
     """Where a reply's payload lands in raw memory (``FrameReader.sink_plan``): int64 rows (address, length), or
     (address, length, shard) with ``crcs``, a uint32 per shard into which the receive folds each piece's bytes
-    as they land (shard -1: not checked). The sink keeps every address valid until the reply completes."""
+    as they land (shard -1: not checked). ``progress``: an int64 cell the receive stores the payload bytes landed
+    so far into while it runs (the plan's pieces before that point are in place and checksummed), for another
+    thread to watch. The sink keeps every address valid until the reply completes."""
 
     plan: np.ndarray
     crcs: np.ndarray | None = None
+    progress: np.ndarray | None = None
 
 
 # what a request sends: bytes, or (address, length) pieces sent in compiled code, no Python object per piece
@@ -100,7 +103,7 @@ class Pending:
     wire: list[Outgoing] = field(default_factory=list, repr=False)  # the request, kept for one resend
     resent: bool = False
     sock: socket.socket | None = field(default=None, repr=False)  # the connection its bytes are queued on
-    crcs: np.ndarray | None = field(default=None, repr=False)  # of the ReceivePlan its reply lands by
+    landing: ReceivePlan | None = field(default=None, repr=False)  # the plan its reply lands by
 
     @property
     def done(self) -> bool:
@@ -567,11 +570,11 @@ class Exchange:
         assert conn.sock is not None
         reader = conn.reader
         while True:
-            crcs = self._sink(conn)
+            checks = self._sink(conn)
             scatter = reader.scatter
             try:
                 if scatter is not None:  # compiled, checksumming as it lands: no Python object per shard
-                    n = _native.recv_scatter(conn.sock.fileno(), *scatter, crcs)
+                    n = _native.recv_scatter(conn.sock.fileno(), *scatter, *checks)
                 else:
                     n = conn.sock.recvmsg_into(reader.writable()[:RECV_IOV])[0]
             except BlockingIOError:
@@ -592,15 +595,15 @@ class Exchange:
         socket fails, or ``timeout_s``. Returns False, receiving nothing, when no payload is under way."""
         if all(conn.reader.head is None for conn in active):  # small replies (MATCH, EXISTS): headers only
             return False
-        items: list[tuple[int, Any, int, Any]] = []
+        items: list[tuple[Any, ...]] = []
         for conn in active:
             assert conn.sock is not None
-            crcs = self._sink(conn)
+            checks = self._sink(conn)
             scatter = conn.reader.scatter
             items.append(
-                (conn.sock.fileno(), *scatter, crcs) if scatter is not None else (conn.sock.fileno(), None, 0, None)
+                (conn.sock.fileno(), *scatter, *checks) if scatter is not None else (conn.sock.fileno(), None, 0, None)
             )
-        if all(plan is None for _, plan, _, _ in items):
+        if all(item[1] is None for item in items):
             return False
         results = _native.recv_many(items, max(1, int(timeout_s * 1000)))
         for conn, (n, err) in zip(active, results, strict=True):
@@ -623,14 +626,15 @@ class Exchange:
         """Within the block: a bad reply closes ``conn``; a failed socket is lost (its requests resent once)."""
         return _Failures(self, conn)
 
-    def _sink(self, conn: NodeConn) -> Any:
+    def _sink(self, conn: NodeConn) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Once a reply's head has arrived: tell the reader where its payload goes (its request's sink), once.
-        Returns the crc32c array the payload's receive plan checks into, if any."""
+        Returns the crc32c array the payload's receive plan checks into and the cell it reports progress in, each
+        None where there is none."""
         reader = conn.reader
         head = reader.head
         pending = conn.inflight.get(head.request_id) if head is not None else None
         if head is None or pending is None:
-            return None
+            return None, None
         if not pending.sunk:
             pending.sunk = True
             if pending.abandoned:
@@ -639,10 +643,11 @@ class Exchange:
                 where = pending.sink(head)
                 if isinstance(where, ReceivePlan):
                     reader.sink_plan(where.plan)
-                    pending.crcs = where.crcs
+                    pending.landing = where
                 elif where is not None:
                     reader.sink(where)
-        return pending.crcs
+        landing = pending.landing
+        return (landing.crcs, landing.progress) if landing is not None else (None, None)
 
     def _landed(self, conn: NodeConn, n: int) -> None:
         """``n`` bytes landed where ``conn``'s reader said: advance it, and act on a frame they completed."""

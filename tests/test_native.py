@@ -330,6 +330,48 @@ def test_recv_many_returns_when_a_watched_socket_is_readable_and_says_which_peer
     assert buffer[:3] == b"xyz"
 
 
+def test_recv_many_publishes_each_plans_progress_while_it_is_still_receiving() -> None:
+    buffer = bytearray(1000)
+    view, plan = plan_of(buffer)
+    progress = np.zeros(1, dtype=np.int64)
+    a, b = socket.socketpair()
+    with a, b, view:
+        returned: list[list[tuple[int, int]]] = []
+        receiver = threading.Thread(
+            target=lambda: returned.append(_native.recv_many([(b.fileno(), plan, 100, None, progress)], 5000))
+        )
+        receiver.start()
+        a.sendall(b"x" * 300)  # the plan (900 bytes left after the 100 done) is not full: the call goes on
+        deadline = time.monotonic() + 5
+        while progress[0] != 400 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen = int(progress[0])  # the bytes before it, done and received, while the call has not returned
+        assert not returned
+        a.sendall(b"y" * 600)
+        receiver.join()
+    assert seen == 400 and returned == [[(900, 0)]] and int(progress[0]) == 1000
+
+
+def test_recv_scatter_publishes_its_progress() -> None:
+    buffer = bytearray(10)
+    view, plan = plan_of(buffer)
+    progress = np.zeros(1, dtype=np.int64)
+    a, b = socket.socketpair()
+    with a, b, view:
+        b.setblocking(False)
+        a.sendall(b"abcd")
+        assert _native.recv_scatter(b.fileno(), plan, 3, None, progress) == 4
+    assert int(progress[0]) == 7 and buffer[3:7] == b"abcd"
+
+
+def test_a_progress_cell_that_cannot_hold_an_int64_is_refused() -> None:
+    buffer = bytearray(10)
+    view, plan = plan_of(buffer)
+    a, b = socket.socketpair()
+    with a, b, view, pytest.raises(ValueError, match="int64 cell"):
+        _native.recv_many([(b.fileno(), plan, 0, None, np.zeros(1, dtype=np.int32))], 50)
+
+
 def test_recv_many_gives_up_after_its_timeout() -> None:
     buffer = bytearray(10)
     view, plan = plan_of(buffer)
