@@ -59,7 +59,7 @@ def test_blocks_settle_while_a_node_holding_later_blocks_has_not_answered(store:
             deadline = time.monotonic() + 20
             while not any(hi > lo for lo, hi in watch.settled()) and time.monotonic() < deadline:
                 time.sleep(0.005)
-            (lo, hi), = watch.settled()
+            ((lo, hi),) = watch.settled()
             assert hi > lo == 0 and not found  # told while the read still waits for the stopped node
             assert buffers[:hi] == blocks[:hi]
             assert hi < len(keys)  # a block with a data shard on the stopped node has not settled
