@@ -1157,35 +1157,36 @@ static PyObject *py_recv_head(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* Send all of buf on a non-blocking socket now, without waiting: 0, or the errno that stopped it (EAGAIN: the
- * socket took only part of it). Called without the GIL. */
-static int send_now(int fd, const char *buf, size_t len) {
-    while (len) {
-        ssize_t k = send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+/* Send what a non-blocking socket takes now of buf past *sent (advanced): 0 (all of it sent, or the socket is full
+ * for now), or the errno of a failed send. Called without the GIL. */
+static int send_more(int fd, const char *buf, size_t len, size_t *sent) {
+    while (*sent < len) {
+        ssize_t k = send(fd, buf + *sent, len - *sent, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (k < 0) {
             if (errno == EINTR) continue;
-            return errno;
+            return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : errno;
         }
-        buf += k;
-        len -= (size_t)k;
+        *sent += (size_t)k;
     }
     return 0;
 }
 
-/* recv_heads(fds, timeout_ms, head_size, length_at, max_length, sends=None) -> list[bytes | int]: on each socket
- * (non-blocking) one frame's head, without the GIL: head_size bytes, then as many as the little-endian uint32 at
- * byte length_at of them says (not more than max_length: else the head alone). Per socket the bytes, or -1 (the
- * peer closed first), the errno of a failed recv, or ETIMEDOUT when timeout_ms passed first (bytes received of it
- * are lost: the stream is out of step). sends: per socket a bytes-like object sent whole first (the request the
- * head answers), or None; a send that fails, or that the socket takes only part of at once (EAGAIN), is that
- * socket's errno, and nothing is received on it. A whole round of small requests (MATCH to every primary) in one
- * call. */
+/* recv_heads(fds, timeout_ms, head_size, length_at, max_length, sends=None, quiet_ms=-1) -> list[bytes | int | None]:
+ * on each socket (non-blocking) one frame's head, without the GIL: head_size bytes, then as many as the
+ * little-endian uint32 at byte length_at of them says (not more than max_length: else the head alone). sends: per
+ * socket a bytes-like object sent whole first (the request the head answers: as fast as the socket takes it), or
+ * None. Per socket the bytes, or -1 (the peer closed first), the errno of a failed send or recv, None when
+ * timeout_ms passed with its request sent and no byte of the head come (the stream is in step: the head may still
+ * be received), or ETIMEDOUT when it passed with the request sent in part or part of the head received (the stream
+ * is out of step). quiet_ms (below timeout_ms): a socket whose request is out and that has received nothing by then
+ * is left (None) without waiting longer, while the others are waited for until timeout_ms. A whole round of
+ * requests (MATCH to every primary, a read's GET_SHARDS to each node) and their replies' heads in one call. */
 static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
     PyObject *fds, *sends_obj = Py_None;
-    int timeout_ms;
+    int timeout_ms, quiet_ms = -1;
     Py_ssize_t head_size, length_at, max_length;
-    if (!PyArg_ParseTuple(args, "Oinnn|O:recv_heads", &fds, &timeout_ms, &head_size, &length_at, &max_length,
-                          &sends_obj))
+    if (!PyArg_ParseTuple(args, "Oinnn|Oi:recv_heads", &fds, &timeout_ms, &head_size, &length_at, &max_length,
+                          &sends_obj, &quiet_ms))
         return NULL;
     if (!head_layout_ok(head_size, length_at, max_length)) return NULL;
     Py_ssize_t m;
@@ -1207,7 +1208,9 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
     }
     head_recv st[RECV_MANY_MAX];
     Py_buffer out_bufs[RECV_MANY_MAX];
+    size_t sent[RECV_MANY_MAX]; /* bytes of each request sent */
     memset(out_bufs, 0, sizeof(Py_buffer) * (size_t)m);
+    memset(sent, 0, sizeof(size_t) * (size_t)m);
     PyObject *result = NULL;
     Py_ssize_t taken = 0;
     for (; taken < m; taken++) {
@@ -1225,41 +1228,47 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < m; i++) { /* every request out before any reply is waited for */
-        if (!out_bufs[i].obj) continue;
-        int err = send_now(st[i].fd, out_bufs[i].buf, (size_t)out_bufs[i].len);
-        if (err) {
-            st[i].state = HEAD_FAILED;
-            st[i].err = err;
-        }
-    }
     struct pollfd pfds[RECV_MANY_MAX];
-    int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
-    for (;;) {
+    int64_t start = now_ms(), deadline = start + (timeout_ms > 0 ? timeout_ms : 0);
+    int64_t quiet_until = quiet_ms >= 0 && quiet_ms < timeout_ms ? start + quiet_ms : deadline;
+    for (;;) { /* each socket: its request out (as fast as it takes it), then its head in */
         nfds_t waiting = 0;
+        int quiet = now_ms() >= quiet_until, nothing_yet = 0; /* quiet: a socket that got nothing is left as it is */
         for (Py_ssize_t i = 0; i < m; i++) {
+            size_t out_len = (size_t)out_bufs[i].len;
+            if (st[i].state == HEAD_RECEIVING && sent[i] < out_len) {
+                int err = send_more(st[i].fd, out_bufs[i].buf, out_len, &sent[i]);
+                if (err) st[i] = (head_recv){.fd = st[i].fd, .state = HEAD_FAILED, .err = err, .buf = st[i].buf};
+                else if (sent[i] < out_len) pfds[waiting++] = (struct pollfd){.fd = st[i].fd, .events = POLLOUT};
+                if (err || sent[i] < out_len) continue;
+            }
             head_receive(&st[i], MSG_DONTWAIT, (size_t)head_size, (size_t)length_at, (size_t)max_length);
-            if (st[i].state == HEAD_RECEIVING) pfds[waiting++] = (struct pollfd){.fd = st[i].fd, .events = POLLIN};
+            if (st[i].state != HEAD_RECEIVING || (quiet && !st[i].got)) continue;
+            nothing_yet |= !st[i].got;
+            pfds[waiting++] = (struct pollfd){.fd = st[i].fd, .events = POLLIN};
         }
         if (!waiting) break;
-        int64_t left = deadline - now_ms();
+        int64_t left = (nothing_yet ? quiet_until : deadline) - now_ms();
         int r = left > 0 ? poll(pfds, waiting, (int)left) : 0;
         if (r < 0 && errno == EINTR) continue;
+        if (r == 0 && nothing_yet) continue; /* the quiet time is over: from now on only the heads begun */
         if (r <= 0) {
             int err = r < 0 ? errno : ETIMEDOUT;
             for (Py_ssize_t i = 0; i < m; i++)
-                if (st[i].state == HEAD_RECEIVING) st[i] = (head_recv){.fd = st[i].fd, .state = HEAD_FAILED,
-                                                                       .err = err, .buf = st[i].buf};
-            break;
+                if (st[i].state == HEAD_RECEIVING &&
+                    (err != ETIMEDOUT || st[i].got || sent[i] < (size_t)out_bufs[i].len)) /* out of step */
+                    st[i] = (head_recv){.fd = st[i].fd, .state = HEAD_FAILED, .err = err, .buf = st[i].buf};
+            break; /* (a socket that sent all and received nothing at a timeout stays HEAD_RECEIVING: in step) */
         }
     }
     Py_END_ALLOW_THREADS;
     result = PyList_New(m);
     for (Py_ssize_t i = 0; result && i < m; i++) {
         int state = st[i].state;
-        PyObject *item = state == HEAD_WHOLE || state == HEAD_ALONE
-                             ? PyBytes_FromStringAndSize(st[i].buf, (Py_ssize_t)st[i].got)
-                             : PyLong_FromLong(state == HEAD_CLOSED ? -1 : st[i].err);
+        PyObject *item;
+        if (state == HEAD_WHOLE || state == HEAD_ALONE) item = PyBytes_FromStringAndSize(st[i].buf, (Py_ssize_t)st[i].got);
+        else if (state == HEAD_RECEIVING) item = Py_NewRef(Py_None); /* nothing came: in step */
+        else item = PyLong_FromLong(state == HEAD_CLOSED ? -1 : st[i].err);
         if (!item) Py_CLEAR(result);
         else PyList_SET_ITEM(result, i, item);
     }
@@ -1662,10 +1671,11 @@ static PyMethodDef methods[] = {
      "without the GIL; state 1 whole with its metadata, 2 the head alone (metadata over max_length), 0 the receive\n"
      "timeout passed first, -1 the peer closed first; the bytes are what arrived."},
     {"recv_heads", py_recv_heads, METH_VARARGS,
-     "recv_heads(fds, timeout_ms, head_size, length_at, max_length, sends=None) -> list[bytes | int]: on each\n"
-     "non-blocking socket one frame's head (head_size bytes, then the uint32 at length_at more, if at most\n"
-     "max_length), without the GIL, after sending it sends[i] whole (if given and not None); per socket the bytes,\n"
-     "or -1 (peer closed), an errno (of the send too; EAGAIN: sent only in part), or ETIMEDOUT (out of step)."},
+     "recv_heads(fds, timeout_ms, head_size, length_at, max_length, sends=None, quiet_ms=-1) -> list[bytes | int |\n"
+     "None]: on each non-blocking socket one frame's head (head_size bytes, then the uint32 at length_at more, if at\n"
+     "most max_length), without the GIL, after sending it sends[i] whole (if given and not None); per socket the\n"
+     "bytes, or -1 (peer closed), an errno (of the send too; EAGAIN: sent only in part), ETIMEDOUT (part of a head:\n"
+     "out of step), or None (nothing came by timeout_ms, or by quiet_ms: in step)."},
     {"jump_hash", py_jump_hash, METH_VARARGS,
      "jump_hash(h, buckets, out): out[i] = the jump consistent hash of the uint64 h[i] into range(buckets) (out:\n"
      "int64, as many as h)."},

@@ -1,14 +1,14 @@
 """Client-side transport: one connection per node, many requests in flight at once, no copies.
 
 An :class:`Exchange` sends a batch of requests (at most one per node is the common case) over
-non-blocking sockets and drives them all from one ``poll`` loop: each request with a payload, or whose reply has
-one, starts going out as it is queued (as far as its socket takes it, so a node starts on it while the next is
-built), with ``sendmsg``
+non-blocking sockets and drives them all from one ``poll`` loop: each request with a payload starts going out as it
+is queued (as far as its socket takes it, so a node starts on it while the next is built), with ``sendmsg``
 over the caller's buffers or ``_native.Scatter`` pieces (gather, in compiled code: ``_native.send_some``;
 a payload may follow in parts, ``Exchange.extend``, while ``run(work=)`` prepares them), replies come in
 with ``recvmsg_into`` straight into buffers the caller chooses once it has seen the reply's metadata
-(scatter); a round of small requests (MATCH to every primary) is sent, and its replies' headers and metadata
-received, in one compiled call (``_native.recv_heads``) before the loop. The protocol itself is the sans-IO
+(scatter); a round of requests without payloads (MATCH to every primary, a read's GET_SHARDS to each node) is
+sent, and its replies' headers and metadata received, in one compiled call (``_native.recv_heads``) before the
+loop. The protocol itself is the sans-IO
 :class:`~kvtier.kvstore.protocol.FrameReader`.
 
 Failure contract: a node that refuses the connection, resets it, closes it, or does not answer before the
@@ -59,10 +59,8 @@ _READABLE = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 RECV_IOV = 64
 MAX_BACKOFF_S = 30.0
 _request_ids = itertools.count(1)
-# a request without payloads up to this long waits for ``Exchange.run`` to send it with the round's others in one
-# compiled call: any socket takes it at once, a fresh TCP one too (its send buffer starts at 16 KiB, which counts
-# the kernel's own overhead; a 1,200-key MATCH is ~1.6 KiB a node)
-_SENT_WITH_THE_ROUND = 4 << 10
+# how long a read's round waits for its replies' heads together before those not begun are left to the poll loop
+_HEADS_QUIET_MS = 5
 
 
 class AuthError(Exception):
@@ -335,8 +333,8 @@ class Exchange:
         conn.outgoing.extend(wire)
         conn.inflight[pending.request_id] = pending
         pending.sock = conn.sock
-        if not size and sink is None and len(head) <= _SENT_WITH_THE_ROUND:
-            return pending  # a small request alone: sent by ``run`` with the others (``_round_trip_heads``)
+        if not size:
+            return pending  # no payload: sent by ``run`` with the others (``_round_trip_heads``)
         try:
             with self._failures_of(conn):  # out at once, as far as the socket takes it: the node starts on it
                 self._send(conn)  # while the caller queues the next node's request
@@ -426,8 +424,8 @@ class Exchange:
         self, timeout_s: float, until: Callable[[], bool] | None, work: Callable[[], bool] | None, keep: bool
     ) -> None:
         deadline = time.monotonic() + timeout_s
-        if until is None and work is None:
-            self._round_trip_heads(deadline)
+        if work is None:  # a read (``until``) leaves heads late by more than a moment to the loop, as it keeps going
+            self._round_trip_heads(deadline, _HEADS_QUIET_MS if until is not None else -1)
         poller = select.poll()  # no syscall to (un)register: an exchange is short-lived
         watched: dict[int, tuple[NodeConn, socket.socket, int]] = {}  # by descriptor: (conn, its socket, mask)
         early = False
@@ -480,44 +478,46 @@ class Exchange:
                 poller.register(fd, mask)  # (registering a watched descriptor again changes its mask)
                 watched[fd] = (conn, conn.sock, mask)  # type: ignore[assignment]
 
-    def _round_trip_heads(self, deadline: float) -> None:
-        """When every unfinished request is alone on its connection, with no payload either way (a round of MATCH or
-        EXISTS): send the requests still queued and receive each reply's header and metadata in one compiled call
-        without the GIL (``_native.recv_heads``; per request in Python this cost more than the nodes' answers). The
-        poll loop goes on with what is left: a request the socket took only in part or a lost connection (resent
-        once, on a fresh one), nothing after a deadline."""
+    def _round_trip_heads(self, deadline: float, quiet_ms: int) -> None:
+        """When every unfinished request is alone on its connection, with no payload going out (a round of MATCH or
+        EXISTS, a read's GET_SHARDS): send the requests still queued and receive each reply's header and metadata in
+        one compiled call without the GIL (``_native.recv_heads``): per request in Python this cost more than the
+        nodes' answers, and a lane of a large read on the H200 spent ~30 of its ~140 ms sending 12 requests and
+        taking 12 heads one at a time, its threads contending for the interpreter (139.5 against 151.3 ms for a
+        2.45 GB ``get_into`` in 8 lanes). A reply's payload follows its head in the loop. The poll loop goes on with
+        what is left: a lost connection (resent once, on a fresh one), a head that has not begun by ``quiet_ms``
+        (when given: a read goes on receiving what came), nothing after the deadline."""
         conns: list[NodeConn] = []
         sends: list[bytes | None] = []
         for pending in self.pendings:
             if pending.done:
                 continue
             conn = self.pool.conns[pending.node_id]
-            if conn.sock is not pending.sock or pending.sink is not None or len(conn.inflight) != 1:
+            if conn.sock is not pending.sock or len(conn.inflight) != 1 or conn.reader.in_frame:
                 return
             queued = conn.outgoing
-            if queued and (len(queued) != 1 or conn.sent or len(queued[0]) > _SENT_WITH_THE_ROUND):
-                return
-            if conn.reader.in_frame:
+            if queued and (len(queued) != 1 or conn.sent):
                 return
             conns.append(conn)
             sends.append(queued[0] if queued else None)  # type: ignore[arg-type]
         if not conns or len(conns) > _native.MAX_SOCKETS:
             return
+        for conn in conns:
+            conn.outgoing.clear()  # sent by the call (a send that fails closes the connection, and resends)
+            conn.sent = 0
         timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
         fds = [conn.sock.fileno() for conn in conns]  # type: ignore[union-attr]
         limit = self.pool.limits.max_meta_bytes
-        heads = _native.recv_heads(fds, timeout_ms, HEADER_SIZE, META_LEN_AT, limit, sends)
+        heads = _native.recv_heads(fds, timeout_ms, HEADER_SIZE, META_LEN_AT, limit, sends, quiet_ms)
         for conn, head in zip(conns, heads, strict=True):
-            conn.outgoing.clear()  # sent (a send that failed closes the connection below, and resends)
-            conn.sent = 0
             if isinstance(head, bytes):
                 with self._failures_of(conn):
                     frame = conn.reader.take_head(head)
                     if frame is not None:
                         self._completed(conn, frame)
-            elif head == errno.ETIMEDOUT:
-                self._timed_out(conn)  # (part of a reply may have been taken: the stream is out of step)
-            else:
+            elif head == errno.ETIMEDOUT or (head is None and quiet_ms < 0):
+                self._timed_out(conn)  # (part of a request or reply went: the stream is out of step) or late
+            elif head is not None:
                 self._connection_lost(conn, "down")
 
     def _timed_out(self, conn: NodeConn) -> None:

@@ -420,6 +420,30 @@ def test_recv_heads_reports_per_socket_a_closed_peer_a_timeout_and_a_head_too_lo
         b.close()
 
 
+def test_recv_heads_leaves_a_socket_that_got_nothing_by_the_timeout_in_step_for_a_later_call() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        assert _native.recv_heads([b.fileno()], 30, 32, 16, 4 << 10) == [None]
+        a.sendall(_frame_head(5))
+        assert _native.recv_heads([b.fileno()], 5000, 32, 16, 4 << 10) == [_frame_head(5)]
+
+
+def test_recv_heads_leaves_a_silent_socket_after_the_quiet_time_but_waits_for_a_head_begun() -> None:
+    (a1, b1), (a2, b2) = socket.socketpair(), socket.socketpair()
+    with a1, b1, a2, b2:
+        b1.setblocking(False)
+        b2.setblocking(False)
+        head = _frame_head(20)
+        a1.sendall(head[:10])  # begun: the rest comes after the quiet time, well before the timeout
+        later = threading.Timer(0.2, a1.sendall, args=(head[10:],))
+        later.start()
+        started = time.monotonic()
+        got = _native.recv_heads([b1.fileno(), b2.fileno()], 5000, 32, 16, 4 << 10, None, 30)
+        later.join()
+    assert got == [head, None] and time.monotonic() - started < 2
+
+
 def test_recv_heads_sends_each_request_whole_before_taking_the_replies() -> None:
     pairs = [socket.socketpair() for _ in range(3)]
     requests = [bytes([97 + i]) * (10 + 1000 * i) for i in range(3)]
@@ -449,21 +473,41 @@ def test_recv_heads_sends_each_request_whole_before_taking_the_replies() -> None
         b.close()
 
 
-def test_recv_heads_reports_a_send_that_fails_or_does_not_fit_and_receives_nothing_on_that_socket() -> None:
+def test_recv_heads_reports_a_send_that_fails_or_does_not_go_out_in_time_and_receives_nothing_on_that_socket() -> None:
     closed, full, quiet = (socket.socketpair() for _ in range(3))
     for _, b in (closed, full, quiet):
         b.setblocking(False)
     closed[0].close()
     with contextlib.suppress(BlockingIOError):
-        while True:  # the socket cannot take the request at once
+        while True:  # the socket cannot take the request, and nobody reads
             full[1].send(b"x" * 65536)
     full[0].sendall(_frame_head(0))  # (a reply that is waiting is not taken either)
     sends = [b"request", b"request", None]
     got = _native.recv_heads([closed[1].fileno(), full[1].fileno(), quiet[1].fileno()], 50, 32, 16, 4096, sends)
-    assert got == [errno.EPIPE, errno.EAGAIN, errno.ETIMEDOUT]
+    assert got == [errno.EPIPE, errno.ETIMEDOUT, None]  # the quiet one: nothing came before the timeout
     assert full[1].recv(100) == _frame_head(0)
     for sock in (*closed[1:], *full, *quiet):
         sock.close()
+
+
+def test_recv_heads_sends_a_request_larger_than_the_socket_takes_at_once_whole_as_the_peer_reads_it() -> None:
+    a, b = socket.socketpair()
+    request = os.urandom(4 << 20)
+    head = _frame_head(7)
+
+    def node() -> None:
+        got = bytearray()
+        while len(got) < len(request):
+            got += a.recv(1 << 20)
+        a.sendall(head if got == request else b"")
+
+    with a, b:
+        b.setblocking(False)
+        peer = threading.Thread(target=node)
+        peer.start()
+        got = _native.recv_heads([b.fileno()], 5000, 32, 16, 4096, [request])
+        peer.join()
+    assert got == [head]
 
 
 def test_recv_heads_refuses_a_length_field_outside_the_head() -> None:

@@ -1,7 +1,7 @@
 """The client transport's receive of replies, against a scripted node on a real socket: a round of small requests is
 sent and received in one compiled call (``Exchange._round_trip_heads``), and what that call cannot finish goes on in
 the poll loop: a connection closed before the reply is resent once on a fresh one, a reply's payload is received
-after its head, a node that does not answer costs one deadline, a request too long for the round goes out there."""
+after its head, a node that does not answer costs one deadline. A request of any length goes with the round."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_a_pooled_connection_the_node_closed_while_idle_is_replaced_for_the_next
         pool.close()
 
 
-def test_a_request_too_long_to_go_with_the_round_goes_out_through_the_poll_loop() -> None:
+def test_a_request_longer_than_a_socket_takes_at_once_goes_out_whole_with_the_round() -> None:
     sizes: list[int] = []
 
     def script(_number: int, frame: Frame) -> tuple[bytes, bool]:
