@@ -66,7 +66,8 @@ class StorePages:
     the 8 lanes of a 2.45 GB prefix end within ~20 ms of each other and each takes 5.6 ms to copy, so the fetch
     ended 16-27 ms after the read on the H200.)"""
 
-    SETTLED_POLL_S = 0.004  # ~60 MB a poll at 15 GB/s: ~1 ms of copy left after the read's last byte
+    SETTLED_POLL_S = 0.010  # ~150 MB a poll at 15 GB/s: ~3 ms of copy left after the read's last byte (4 ms
+    # polls were no faster on the H200: each takes the interpreter from the lanes for ~0.5 ms)
 
     def __init__(self, store: BlockStore, cache: PagedKVCache, staging_bytes: int = 4 << 30) -> None:
         self.store, self.cache = store, cache

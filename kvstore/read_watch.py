@@ -34,13 +34,14 @@ if TYPE_CHECKING:
 class LaneWatch:
     """One lane of a watched read: blocks ``lo..`` of the call, read by one ``ReadState``."""
 
-    __slots__ = ("_seen", "_state", "_whole", "lo")
+    __slots__ = ("_prefix", "_seen", "_state", "_whole", "lo")
 
     def __init__(self, lo: int) -> None:
         self.lo = lo
         self._state: ReadState | None = None
         self._whole = np.zeros((0, DATA_SHARDS), dtype=bool)  # data shards known in place, per block of the lane
-        self._seen: dict[int, int] = {}  # request id -> leading shards of its reply already counted
+        self._seen: dict[int, tuple[int, int]] = {}  # request id -> (its progress, its leading shards counted then)
+        self._prefix = 0
 
     def attach(self, state: ReadState) -> None:
         """The lane's read starts with ``state`` (its first; a later read of moved blocks is not watched)."""
@@ -52,23 +53,27 @@ class LaneWatch:
     def settled(self) -> int:
         """How many leading blocks of the lane are settled (see the module docstring)."""
         state = self._state
-        if state is None:
-            return 0
+        if state is None or self._prefix == len(self._whole):
+            return self._prefix
         whole = self._whole
         np.logical_or(whole, state.valid[:, :DATA_SHARDS], out=whole)  # replies complete
         for request_id, landing in list(state.receiving.items()):  # replies under way
             if landing.progress is None or landing.crcs is None or landing.expected is None:
                 continue
-            seen = self._seen.get(request_id, 0)
-            whole_shards = int(np.searchsorted(landing.ends, landing.progress[0], side="right"))
+            progress = int(landing.progress[0])
+            before, seen = self._seen.get(request_id, (0, 0))
+            if progress == before:  # nothing new landed: no numpy call
+                continue
+            whole_shards = int(np.searchsorted(landing.ends, progress, side="right"))
+            self._seen[request_id] = (progress, whole_shards)
             if whole_shards <= seen:
                 continue
             new, at = landing.shards[seen:whole_shards], slice(seen, whole_shards)
             good = new[(landing.crcs[at] == landing.expected[at]) & (new[:, 1] < DATA_SHARDS)]
             whole[good[:, 0], good[:, 1]] = True
-            self._seen[request_id] = whole_shards
         ready = whole.all(axis=1)
-        return len(ready) if ready.all() else int(ready.argmin())
+        self._prefix = len(ready) if ready.all() else int(ready.argmin())
+        return self._prefix
 
 
 class ReadWatch:
