@@ -152,3 +152,26 @@ def test_a_reply_cut_short_by_a_closed_connection_is_an_error_not_a_hang(cut: in
     with scripted_node(script) as address:
         _, frame, error = match_once(address, timeout_s=2.0)
         assert frame is None and error is not None
+
+
+def test_a_reply_whose_head_comes_after_the_rounds_quiet_time_is_received_on_the_same_connection() -> None:
+    asked: list[int] = []
+    payload = b"p" * 100_000
+
+    def script(number: int, frame: Frame) -> tuple[bytes, bool]:
+        asked.append(number)
+        time.sleep(0.3)  # well past the round's wait for heads, well within the deadline
+        return live_reply(frame, payload), False
+
+    with scripted_node(script) as address:
+        pool = ConnectionPool({0: address, 1: address}, "token", Limits())
+        exchange = Exchange(pool)
+        landed = [bytearray(len(payload)), bytearray(len(payload))]
+        pendings = [
+            exchange.request(node, Op.MATCH, {"keys": b"k" * 16, "klen": 16}, sink=lambda _head, b=buf: [memoryview(b)])
+            for node, buf in enumerate(landed)
+        ]
+        exchange.run(5.0, until=lambda: False)  # as a read runs: the round leaves late heads to the loop
+        assert all(p.error is None and p.frame is not None for p in pendings)
+        assert landed == [payload, payload] and sorted(asked) == [0, 1]  # no connection replaced, nothing resent
+        pool.close()
