@@ -1,7 +1,7 @@
 """The floor of the store's data path on this machine: the bytes a put and a read move, with none of the store.
 
     python benchmarks/floor_bench.py [--sizes 64KiB,1MiB,4MiB] [--batch 64MiB] [--rounds 5]
-                                     [--modes fresh,capacity] [--fill-page-cache]
+                                     [--modes fresh,capacity] [--fill-page-cache] [--against-store]
 
 ``store_bench`` compares kvtier with one raw stream over a Unix socket (how a client reaches the nodes of its own
 machine). A put cannot move bytes as cheaply as that stream:
@@ -28,6 +28,11 @@ these figures is its own overhead; what these figures lack of the issue's target
 design gets on this machine. Ratios are to one raw Unix stream of the same bytes in the same round (the servers are
 reached by Unix sockets, as kvtier's are); a raw loopback TCP stream is reported beside it.
 
+``--against-store`` (fresh mode): a 12-node kvtier cluster runs beside the floor's servers, and every round puts
+and reads the same blocks through both (new keys each round), alternating which goes first, so that kvtier's rate
+is given as a fraction of the floor's in the same round. The raw stream moves between 2 and 5 GB/s from run to run
+on a shared machine, and a ratio of two runs' ratios to it is mostly that noise.
+
 This is a benchmark, never a test: the machines are shared and noisy.
 """
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import selectors
 import socket
 import statistics
@@ -43,16 +49,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from kvtier.kvstore import _native
+from kvtier.kvstore.client import Client
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec
 from kvtier.kvstore.slabs import SIZE_CLASSES, SlabFiles, size_class_for
 from kvtier.kvstore.units import format_size, parse_size
-from kvtier.tools.benchutil import CpuMeter, page_cache_filled, raw_stream_gbps
+from kvtier.tools.benchutil import CpuMeter, page_cache_filled, raw_stream_gbps, temp_cluster
 
 HEAD = struct.Struct("<4sQI")  # op, shards, shard bytes
 PUT, GET = b"PUT ", b"GET "
@@ -210,6 +218,57 @@ class Floor:
             raise RuntimeError("a shard came back with another crc32c than it was stored with")
 
 
+def against_store(floor: Floor, block_size: int, batch_bytes: int, rounds: int) -> dict[str, float]:
+    """Medians over rounds of kvtier's put and ``get_into`` rates as fractions of the floor's in the same round, and
+    each side's GB/s and CPU s/GB (the floor's servers or kvtier's nodes, with this process)."""
+    shard = -(-block_size // DATA_SHARDS)
+    n = max(1, batch_bytes // block_size)
+    blocks = np.random.default_rng(block_size).integers(0, 256, (n, shard * DATA_SHARDS), dtype=np.uint8)
+    parity = np.empty((n, shard * (TOTAL_SHARDS - DATA_SHARDS)), dtype=np.uint8)
+    into = np.ones_like(blocks)
+    sources = [memoryview(row[:block_size]) for row in blocks]
+    targets = [memoryview(row[:block_size]) for row in into]
+    gb = n * block_size / 1e9
+    samples: list[dict[str, float]] = []
+    with temp_cluster(nodes=TOTAL_SHARDS) as local, Client(local.config) as writer, Client(local.config) as reader:
+        nodes = CpuMeter([proc.pid for proc in local.procs.values()])
+
+        def through_floor() -> dict[str, float]:
+            crcs, put_s, put_cpu = _timed(floor.meter, lambda: floor.put(blocks, parity))
+            _, get_s, get_cpu = _timed(floor.meter, lambda: floor.get_into(into, crcs))
+            return {"put": put_s, "get_into": get_s, "put_cpu": put_cpu, "get_into_cpu": get_cpu}
+
+        def through_store() -> dict[str, float]:
+            keys = [os.urandom(16) for _ in range(n)]
+            stored, put_s, put_cpu = _timed(nodes, lambda: writer.put(keys, sources))
+            found, get_s, get_cpu = _timed(nodes, lambda: reader.get_into(keys, targets))
+            if not (all(stored) and all(found)):
+                raise RuntimeError("kvtier did not store or read back every block")
+            return {"put": put_s, "get_into": get_s, "put_cpu": put_cpu, "get_into_cpu": get_cpu}
+
+        for r in range(rounds + 1):
+            store_first = r % 2 == 0
+            theirs = {} if store_first else through_floor()
+            ours = through_store()
+            theirs = theirs or through_floor()
+            if not np.array_equal(into[:, :block_size], blocks[:, :block_size]):
+                raise RuntimeError("a read returned wrong bytes")
+            if r:  # round 0 warms up
+                sample = {f"{op}_of_floor": theirs[op] / ours[op] for op in ("put", "get_into")}
+                for side, t in (("floor", theirs), ("kvtier", ours)):
+                    sample |= {f"{side}_{op}_gbps": gb / t[op] for op in ("put", "get_into")}
+                    sample |= {f"{side}_{op}_cpu": t[f"{op}_cpu"] / gb for op in ("put", "get_into")}
+                samples.append(sample)
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def _timed(meter: CpuMeter, call: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``call()``'s result, its wall seconds, and the CPU seconds ``meter``'s processes and this one spent."""
+    cpu, start = meter.read(), time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start, meter.read() - cpu
+
+
 def _wait(selector: selectors.BaseSelector, socks: list[socket.socket], event: int) -> None:
     for sock in socks:
         selector.register(sock, event)
@@ -270,6 +329,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per size (medians)")
     parser.add_argument("--modes", default="fresh,capacity", help="fresh, capacity or both")
     parser.add_argument("--fill-page-cache", action="store_true", help="as store_bench: memory full of page cache")
+    parser.add_argument("--against-store", action="store_true", help="kvtier beside the floor, round by round")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--overwrite", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -279,6 +339,8 @@ def main() -> int:
     modes = [m.strip() for m in args.modes.split(",")]
     if not modes or any(m not in ("fresh", "capacity") for m in modes):
         parser.error("--modes takes a comma-separated list of fresh, capacity")
+    if args.against_store:
+        return _against_store(args)
     print("floor of the data path: 12 server processes with slab files, one client; no metadata, no Python per shard")
     print("ratios to the raw Unix stream (median of rounds); CPU s/GB: client + servers")
     heading = f"{'mode':>8} {'block':>7} {'raw GB/s':>8} {'(TCP)':>6} {'put':>6} {'get_into':>8}"
@@ -296,6 +358,26 @@ def main() -> int:
                         f"{r['put_cpu']:>13.2f} {r['get_into_cpu']:>8.2f}",
                         flush=True,
                     )
+    return 0
+
+
+def _against_store(args: argparse.Namespace) -> int:
+    print("kvtier against the floor in the same rounds (fresh: new keys, new slots every round); medians of rounds")
+    heading = f"{'block':>7} {'put':>6} {'get_into':>8}   {'GB/s put floor/kvtier':>21} {'get_into floor/kvtier':>21}"
+    print(f"{heading}   {'CPU s/GB put floor/kvtier':>25} {'get_into floor/kvtier':>21}")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_maybe_filled(args.fill_page_cache))
+        floor = Floor(stack, overwrite=False)
+        for size in (parse_size(s) for s in args.sizes.split(",")):
+            r = against_store(floor, size, parse_size(args.batch), args.rounds)
+            print(
+                f"{format_size(size):>7} {r['put_of_floor']:>5.2f}x {r['get_into_of_floor']:>7.2f}x   "
+                f"{r['floor_put_gbps']:>10.2f} / {r['kvtier_put_gbps']:<8.2f} "
+                f"{r['floor_get_into_gbps']:>10.2f} / {r['kvtier_get_into_gbps']:<8.2f}   "
+                f"{r['floor_put_cpu']:>14.2f} / {r['kvtier_put_cpu']:<8.2f} "
+                f"{r['floor_get_into_cpu']:>10.2f} / {r['kvtier_get_into_cpu']:<8.2f}",
+                flush=True,
+            )
     return 0
 
 
