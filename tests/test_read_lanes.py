@@ -18,9 +18,9 @@ def store(make_cluster) -> LocalCluster:
     return make_cluster()
 
 
-def lane_client(local: LocalCluster, lanes: int) -> Client:
-    """A client whose reads of 1 MB or more run in ``lanes`` lanes."""
-    settings = dataclasses.replace(local.config.client, read_lanes=lanes, read_lane_min_bytes=1 << 20)
+def lane_client(local: LocalCluster, lanes: int, **client: float) -> Client:
+    """A client whose reads of 1 MB or more run in ``lanes`` lanes (``client``: more ``[client]`` settings)."""
+    settings = dataclasses.replace(local.config.client, read_lanes=lanes, read_lane_min_bytes=1 << 20, **client)
     return Client(dataclasses.replace(local.config, client=settings))
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import signal
 import threading
 import time
@@ -16,8 +14,8 @@ from kvtier.kvstore.client_reads import Landing, ReadState
 from kvtier.kvstore.codec import DATA_SHARDS
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.read_watch import ReadWatch
+from tests.test_read_lanes import BLOCK, lane_client, stored
 
-BLOCK = 200_000
 SHARD = 100  # the in-memory checks' shard length
 
 
@@ -27,18 +25,8 @@ def store(make_cluster) -> LocalCluster:
 
 
 def patient_client(local: LocalCluster, lanes: int) -> Client:
-    """A client whose reads of 1 MB or more run in ``lanes`` lanes and that waits for a slow node (no hedge)."""
-    settings = dataclasses.replace(
-        local.config.client, read_lanes=lanes, read_lane_min_bytes=1 << 20, hedge_after_s=30.0, op_timeout_s=60.0
-    )
-    return Client(dataclasses.replace(local.config, client=settings))
-
-
-def stored(local: LocalCluster, n: int) -> tuple[list[bytes], list[bytes]]:
-    keys, blocks = [os.urandom(16) for _ in range(n)], [os.urandom(BLOCK) for _ in range(n)]
-    with Client(local.config) as writer:
-        assert all(writer.put(keys, blocks))
-    return keys, blocks
+    """A lane client (``test_read_lanes``) that waits for a slow node: no hedge within the test."""
+    return lane_client(local, lanes, hedge_after_s=30.0, op_timeout_s=60.0)
 
 
 def test_blocks_settle_while_a_node_holding_later_blocks_has_not_answered(store: LocalCluster) -> None:
