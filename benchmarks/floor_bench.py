@@ -48,10 +48,8 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -187,6 +185,12 @@ class Floor:
             for sock in self.socks:
                 sock.setblocking(True)
 
+    def round(self, blocks: np.ndarray, parity: np.ndarray, into: np.ndarray) -> dict[str, float]:
+        """A put of ``blocks`` and a read of them into ``into``: seconds and CPU seconds of each."""
+        crcs, put_s, put_cpu = self.meter.timed(lambda: self.put(blocks, parity))
+        _, get_s, get_cpu = self.meter.timed(lambda: self.get_into(into, crcs))
+        return {"put": put_s, "get_into": get_s, "put_cpu": put_cpu, "get_into_cpu": get_cpu}
+
     def get_into(self, blocks: np.ndarray, expected: np.ndarray) -> None:
         """Read the last put's data shards into ``blocks``, checking every shard's crc32c against ``expected``."""
         n, shard = blocks.shape[0], blocks.shape[1] // DATA_SHARDS
@@ -233,24 +237,19 @@ def against_store(floor: Floor, block_size: int, batch_bytes: int, rounds: int) 
     with temp_cluster(nodes=TOTAL_SHARDS) as local, Client(local.config) as writer, Client(local.config) as reader:
         nodes = CpuMeter([proc.pid for proc in local.procs.values()])
 
-        def through_floor() -> dict[str, float]:
-            crcs, put_s, put_cpu = _timed(floor.meter, lambda: floor.put(blocks, parity))
-            _, get_s, get_cpu = _timed(floor.meter, lambda: floor.get_into(into, crcs))
-            return {"put": put_s, "get_into": get_s, "put_cpu": put_cpu, "get_into_cpu": get_cpu}
-
         def through_store() -> dict[str, float]:
             keys = [os.urandom(16) for _ in range(n)]
-            stored, put_s, put_cpu = _timed(nodes, lambda: writer.put(keys, sources))
-            found, get_s, get_cpu = _timed(nodes, lambda: reader.get_into(keys, targets))
+            stored, put_s, put_cpu = nodes.timed(lambda: writer.put(keys, sources))
+            found, get_s, get_cpu = nodes.timed(lambda: reader.get_into(keys, targets))
             if not (all(stored) and all(found)):
                 raise RuntimeError("kvtier did not store or read back every block")
             return {"put": put_s, "get_into": get_s, "put_cpu": put_cpu, "get_into_cpu": get_cpu}
 
         for r in range(rounds + 1):
-            store_first = r % 2 == 0
-            theirs = {} if store_first else through_floor()
-            ours = through_store()
-            theirs = theirs or through_floor()
+            if r % 2:
+                theirs, ours = floor.round(blocks, parity, into), through_store()
+            else:
+                ours, theirs = through_store(), floor.round(blocks, parity, into)
             if not np.array_equal(into[:, :block_size], blocks[:, :block_size]):
                 raise RuntimeError("a read returned wrong bytes")
             if r:  # round 0 warms up
@@ -260,13 +259,6 @@ def against_store(floor: Floor, block_size: int, batch_bytes: int, rounds: int) 
                     sample |= {f"{side}_{op}_cpu": t[f"{op}_cpu"] / gb for op in ("put", "get_into")}
                 samples.append(sample)
     return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-
-
-def _timed(meter: CpuMeter, call: Callable[[], Any]) -> tuple[Any, float, float]:
-    """``call()``'s result, its wall seconds, and the CPU seconds ``meter``'s processes and this one spent."""
-    cpu, start = meter.read(), time.perf_counter()
-    result = call()
-    return result, time.perf_counter() - start, meter.read() - cpu
 
 
 def _wait(selector: selectors.BaseSelector, socks: list[socket.socket], event: int) -> None:
@@ -290,12 +282,8 @@ def bench_size(floor: Floor, block_size: int, batch_bytes: int, rounds: int) -> 
     samples: list[dict[str, float]] = []
     for r in range(rounds + 1):
         raw, raw_tcp = raw_stream_gbps(n * block_size, unix=True), raw_stream_gbps(n * block_size)
-        cpu, start = floor.meter.read(), time.perf_counter()
-        crcs = floor.put(blocks, parity)
-        put_s, put_cpu = time.perf_counter() - start, floor.meter.read() - cpu
-        cpu, start = floor.meter.read(), time.perf_counter()
-        floor.get_into(into, crcs)
-        get_s, get_cpu = time.perf_counter() - start, floor.meter.read() - cpu
+        t = floor.round(blocks, parity, into)
+        put_s, put_cpu, get_s, get_cpu = t["put"], t["put_cpu"], t["get_into"], t["get_into_cpu"]
         if not np.array_equal(into, blocks):
             raise RuntimeError("get_into returned wrong bytes")
         gb = n * block_size / 1e9

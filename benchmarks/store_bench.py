@@ -46,7 +46,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -87,13 +86,6 @@ class Batch:
         return [os.urandom(16) for _ in range(self.n)]
 
 
-def _timed(meter: CpuMeter, call: Callable[[], object]) -> tuple[object, float, float]:
-    """``call()``'s result, wall seconds and CPU seconds."""
-    cpu, start = meter.read(), time.perf_counter()
-    result = call()
-    return result, time.perf_counter() - start, meter.read() - cpu
-
-
 def put_fresh(writer: Client, batch: Batch) -> tuple[list[bytes], int]:
     """Put one batch of new keys; (keys, blocks refused for lack of space)."""
     keys = batch.fresh_keys()
@@ -108,14 +100,14 @@ def bench_round(writer: Client, reader: Client, batch: Batch, meter: CpuMeter) -
     """One timed round: put of fresh keys, then ``get_into`` and ``get`` of them by the other client, and the raw
     stream; GB/s, ratio to the raw stream of this round, and CPU seconds per GB of each."""
     raw, raw_tcp = raw_stream_gbps(batch.nbytes, unix=True), raw_stream_gbps(batch.nbytes)
-    (keys, refused), put_s, put_cpu = _timed(meter, lambda: put_fresh(writer, batch))  # type: ignore[misc]
-    found, get_into_s, get_into_cpu = _timed(meter, lambda: reader.get_into(keys, batch.buffers))
+    (keys, refused), put_s, put_cpu = meter.timed(lambda: put_fresh(writer, batch))
+    found, get_into_s, get_into_cpu = meter.timed(lambda: reader.get_into(keys, batch.buffers))
     stored = [i for i, hit in enumerate(found) if hit]  # type: ignore[attr-defined]
     if len(stored) + refused < batch.n:
         raise RuntimeError(f"{batch.n - refused - len(stored)} stored blocks could not be read back")
     if any(batch.buffers[i] != batch.blocks[i] for i in stored):
         raise RuntimeError("get_into returned wrong bytes")
-    got, get_s, get_cpu = _timed(meter, lambda: reader.get(keys))
+    got, get_s, get_cpu = meter.timed(lambda: reader.get(keys))
     if any(got[i] != batch.blocks[i] for i in stored):  # type: ignore[index]
         raise RuntimeError("get returned wrong bytes")
     put_gb = (batch.n - refused) * batch.block_size / 1e9

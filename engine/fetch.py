@@ -105,6 +105,7 @@ class StorePages:
         views = self._views[: len(keys)]
         ended: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         watch = ReadWatch()
+        got: list[int] = []
         copied: dict[int, int] = {}  # a lane's first block -> the end of what is copied of it
 
         def read() -> None:
@@ -123,7 +124,6 @@ class StorePages:
             for at, first, n in _runs(pages[start:hi]):  # one copy per run of consecutive pages
                 self.cache.block_run(first, n).copy_(rows[start + at : start + at + n], non_blocking=True)
 
-        got: list[int] = []
         reader = threading.Thread(target=read, name="kvtier-fetch")
         reader.start()
         try:

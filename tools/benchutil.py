@@ -24,9 +24,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
+
+T = TypeVar("T")
 
 CHUNK = 4 << 20
 ACCEPT_TIMEOUT_S = 60.0
@@ -144,6 +147,12 @@ class CpuMeter:
                 self._nodes_ns += ns - self._seen.get(key, 0)
                 self._seen[key] = ns
         return time.process_time() + self._nodes_ns / 1e9
+
+    def timed(self, call: Callable[[], T]) -> tuple[T, float, float]:
+        """``call()``'s result, its wall seconds, and the CPU seconds this process and the nodes spent on it."""
+        cpu, start = self.read(), time.perf_counter()
+        result = call()
+        return result, time.perf_counter() - start, self.read() - cpu
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
