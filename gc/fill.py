@@ -9,10 +9,13 @@ shards are parity's to replace), so reads stay correct throughout. Every node pr
 2. If it owes any: one full repair pass (``Repairer.full_pass``): every block whose record is held here (acted on
    by the first holder of shards 0-2 that still keeps it) is surveyed on its 12 nodes and its missing shards are
    rewritten, at most ``gc.repair_bytes_per_s``. After each batch of blocks ``progress/<id>`` in
-   etcd says ``{"fills": tokens, "checked", "total", "repaired", "done": false}``; at the end ``done`` is true.
+   etcd says ``{"fills": this pass's tokens, "covered": tokens, "checked", "total", "repaired", "done": false}``;
+   at the end ``done`` is true. ``covered`` is every token still in the map that a finished pass of this node
+   covered (the tokens of this pass once it is done): a later pass for another fill does not hide an earlier one.
 3. A fill is complete once every node that is ``up`` in the filling node's groups (itself excepted) has a finished
-   pass covering its token: then its ``filling`` is cleared, by a map transaction that checks the token is still
-   the node's (any node may do it; the first wins, the others find nothing to change). Reads use it again.
+   pass covering its token (it is in their ``covered``): then its ``filling`` is cleared, by a map transaction that
+   checks the token is still the node's (any node may do it; the first wins, the others find nothing to change).
+   Reads use it again.
 
 ``kvctl map`` shows the progress. A node down during the fill does not hold it up (its blocks' other record
 holder repairs them); one that comes back later finds its shards rewritten by the next pass anyone makes.
@@ -106,8 +109,9 @@ class Filler:
 
         def progress(checked: int, total: int, repaired: int, done: bool = False) -> None:
             last[:] = [checked, total, repaired]
-            record = {"fills": sorted(tokens), "checked": checked, "total": total, "repaired": repaired}
-            record.update(done=done, started=started, at=time.time())
+            covered = self.covered & _tokens(self.feed.doc)
+            record = {"fills": sorted(tokens), "covered": sorted(covered), "checked": checked, "total": total}
+            record.update(repaired=repaired, done=done, started=started, at=time.time())
             self._publish(record)
 
         progress(0, -1, 0)
@@ -136,7 +140,7 @@ class Filler:
             token = node["filling"]
             peers = {p for g in doc["groups"] if node["id"] in g for p in g} - {node["id"]}
             up = {n["id"] for n in doc["nodes"] if n["id"] in peers and n["state"] == "up"}
-            if not all(progress.get(p, {}).get("done") and token in progress[p].get("fills", []) for p in up):
+            if not all(_covers(progress.get(p, {}), token) for p in up):
                 continue
 
             def clear(doc: Doc, nid: int = node["id"], token: str = token) -> bool:
@@ -153,7 +157,7 @@ class Filler:
         token = doc["growth"]
         old = {n for g in doc["previous_groups"] for n in g}
         up = {n["id"] for n in doc["nodes"] if n["id"] in old and n["state"] == "up"}
-        if not all(progress.get(p, {}).get("done") and token in progress[p].get("fills", []) for p in up):
+        if not all(_covers(progress.get(p, {}), token) for p in up):
             return
 
         def settle(doc: Doc) -> bool:
@@ -245,6 +249,16 @@ class Mover:
             if len(rows):
                 with self.client.placed_by(previous):
                     self.client.delete_on(node_id, [keys[r] for r in rows.tolist()])
+
+
+def _tokens(doc: Doc) -> set[str]:
+    """The fills the map still has open: the filling nodes' tokens and a growth's."""
+    return {n["filling"] for n in doc["nodes"] if n["filling"]} | ({doc["growth"]} if doc.get("growth") else set())
+
+
+def _covers(record: dict[str, Any], token: str) -> bool:
+    """Whether a node's progress record says a finished pass of it covered ``token``."""
+    return token in record.get("covered", [])
 
 
 def read_progress(feed: MapFeed) -> dict[int, dict[str, Any]]:

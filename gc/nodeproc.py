@@ -50,6 +50,7 @@ def run_node(config_path: str, node_id: int, etcd: str | None = None) -> None:
         serve(node, server, [worker.run, worker.repairer.run, worker.scrubber.run])
         return
     feed.listeners.append(node.adopt)
+    feed.listeners.append(worker.adopt)
     placed = node.config.nodes[node_id]
 
     def leave_if_moved(config: ClusterConfig) -> None:  # `kvctl node replace` put this node elsewhere

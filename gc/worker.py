@@ -81,6 +81,12 @@ class GCWorker:
         self.scrubber = Scrubber(engine, config, self.repairer, self.stats, lambda c: self.ttl_classes().get(c))
         self._next_zombie_scan = 0.0
 
+    def adopt(self, config: ClusterConfig) -> None:
+        """A newer cluster map (etcd): its ``[gc]`` settings apply from the next cycle, repair step and scrub step
+        (the rates, intervals and watermarks; the worker's clients follow the map themselves)."""
+        self.config = self.repairer.config = self.scrubber.config = config
+        self.evictor.low_watermark = config.gc.low_watermark
+
     def wake(self) -> None:
         """Evict down to the low watermark soon (a write took usage past the high one). Called on every such
         write: costs a flag test while the worker is awake already."""

@@ -236,6 +236,7 @@ class Etcd:
                 raise
             raise ConnectionError("the watch's channel was closed (a request failed over)") from None
         finally:
+            requests.put_nowait(None)  # ends outgoing(): gRPC's task feeding it finishes instead of being dropped
             call.cancel()
         raise ConnectionError("the watch stream ended")
 

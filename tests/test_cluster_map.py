@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.gc import fill
 from kvtier.kvstore import cluster_map
 from kvtier.kvstore.client import connect
 from kvtier.kvstore.cluster import ConfigError, token_hash
@@ -233,6 +234,46 @@ def test_a_client_on_an_older_map_refreshes_when_a_node_answers_on_a_newer_one(l
         client.get([os.urandom(16)])  # ... so the next call asks for it, and adopts it
         assert lagging.asked and lagging.asked[0] >= newest
         assert client.config.revision >= newest and "refresh" in client.config.ttl_classes
+
+
+def test_a_replacement_made_while_another_fills_does_not_keep_the_first_filling(
+    loopback_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Every peer runs one pass for the first replacement, then one for the second: the second pass's progress
+    record must still say the first was covered, or the first stays ``filling`` (read around) for good."""
+    local = loopback_cluster
+    kvctl = [str(BIN / "kvctl"), "--config", str(local.config_path), "--json"]
+    with connect(local.config_path) as client:
+        feed = client.config.feed
+        keys = [os.urandom(16) for _ in range(240)]
+        data = [os.urandom(60_000) for _ in keys]
+        assert all(client.put(keys, data))
+        feed.store.update(lambda d: d["gc"].update(repair_bytes_per_s=400_000) or True)  # a pass takes seconds
+
+        def replace(nid: int) -> str:
+            local.kill(nid)
+            run = subprocess.run(
+                [*kvctl, "node", "replace", str(nid), "--host", "h", "--data-dir", str(tmp_path / f"new-{nid}")],
+                capture_output=True,
+                text=True,
+            )
+            assert run.returncode == 0, run.stderr
+            wait_for(lambda: local.config.nodes[nid].filling, 10, f"node {nid} marked filling")
+            local.start([nid])
+            return str(json.loads(run.stdout)["filling"])
+
+        def passes(token: str) -> list[dict[str, object]]:
+            return [p for p in fill.read_progress(feed).values() if token in p.get("fills", [])]
+
+        first = replace(4)
+        wait_for(lambda: len(passes(first)) >= 6, 30, "the peers' passes for the first replacement to start")
+        replace(5)
+        try:
+            wait_for(lambda: not any(n.filling for n in local.config.nodes.values()), 90, "both fills to complete")
+        finally:
+            feed.store.update(lambda d: d["gc"].pop("repair_bytes_per_s", None) is not None)
+        assert client.get(keys) == data
+        assert client.probe(keys).all()  # the replacements hold their shards again
 
 
 def test_a_new_group_takes_its_share_of_blocks_by_repair_and_reads_stay_right(loopback_cluster: LocalCluster) -> None:

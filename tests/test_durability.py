@@ -199,6 +199,7 @@ def test_blocks_whose_every_record_was_lost_are_rebuilt_from_their_shards(own_cl
         local.start([7])
         wipe(local, [5, 6])  # ... and the other two went with two disks
         wait_reachable(client)
+        time.sleep(1.0)  # older than write_timeout_s: an orphan younger may be a put still committing (waits)
         done = kvctl(local.config_path, "repair", "--rebuild")
         assert done.returncode == 0, done.stderr
         assert client.probe(keys).all()
