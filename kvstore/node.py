@@ -31,6 +31,7 @@ Other connections never notice a closed one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import math
 import os
@@ -719,6 +720,7 @@ def open_node(config_path: str, node_id: int, etcd: str | None = None) -> tuple[
     config = cluster_map.load(config_path, etcd_endpoints=etcd)
     if node_id not in config.nodes:
         raise cluster_mod.ConfigError(f"node {node_id} is not in {config_path}")
+    _return_large_buffers_to_the_kernel()
     node_cfg = config.nodes[node_id]
     capacities = {nid: n.capacity_bytes for nid, n in config.nodes.items()}
     engine = ChunkEngine(
@@ -743,6 +745,21 @@ def open_node(config_path: str, node_id: int, etcd: str | None = None) -> tuple[
         raise cluster_mod.ConfigError(
             f"node {node_id} cannot listen on {where} (its port in {config_path}): {cause}"
         ) from None
+
+
+MMAP_THRESHOLD_BYTES = 256 << 10
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _return_large_buffers_to_the_kernel() -> None:
+    """Allocations of ``MMAP_THRESHOLD_BYTES`` or more get mappings of their own, unmapped when freed. glibc's
+    default raises that threshold to the size of each large buffer freed, up to 32 MiB, so a request's metadata
+    buffer, grown by doubling on a connection thread, then leaves its smaller steps in that thread's arena: 12
+    connections filling the 32 MiB metadata budget held ~55 MiB (``limits.max_buffered_meta_bytes`` would not
+    bound the node's memory). Fixing the threshold turns that off. No-op where ``mallopt`` is not glibc's."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD_BYTES))
 
 
 def serve(node: StorageNode, server: NodeServer, workers: Sequence[Callable[[threading.Event], None]] = ()) -> None:

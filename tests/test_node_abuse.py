@@ -232,7 +232,8 @@ def test_metadata_buffered_by_all_connections_together_is_capped(local: LocalClu
             1 for sock in socks if select.select([sock], [], [], 0.2)[0] and error_code(sock) == ErrorCode.BUSY
         )
     assert refused >= 12 - META_BUDGET // (8 << 20), f"{refused} of 12 refused"
-    assert grown_mib < META_BUDGET / (1 << 20) + 24, f"the node grew by {grown_mib:.0f} MiB"
+    # the budget's worth (4 × 6 MiB received here), plus a little: not also the buffers each grew out of
+    assert grown_mib < META_BUDGET / (1 << 20) + 8, f"the node grew by {grown_mib:.0f} MiB"
     assert_round_trip(local)
 
 
