@@ -1058,11 +1058,9 @@ class ChunkEngine:
             else:
                 reads.pin(self.slabs)
                 self._touch(tenant, live, reads.status[live_rows] == _OK, now)
-        if verify and not probe and len(reads.pins[1]):
-            corrupt = reads.check()
-            if len(corrupt[1]):
-                with self._lock:
-                    self.slabs.unpin(*corrupt)
+        if verify and not probe and len(reads.pins[1]) and reads.check():
+            with self._lock:
+                reads.repin(self.slabs)  # the corrupt shards leave the payload: no longer pinned
         return reads
 
     def _record_states(self, names: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -1081,7 +1079,7 @@ class ChunkEngine:
     def unpin(self, reads: ShardReads) -> None:
         """Release the pins ``read`` took."""
         with self._lock:
-            self.slabs.unpin(*reads.pins)
+            self.slabs.unpin(reads.hold)
             if self.slabs.quarantine:
                 self._room.notify_all()  # a removed slot whose reply was in flight may be free now
 
@@ -1160,9 +1158,8 @@ class ChunkEngine:
             reads = ShardReads(current, records, self._index.ttl_classes, _ExpiryCutoffs(ttl_s, self.clock()), None)
             reads.settle()
             reads.pin(self.slabs)
-        corrupt_pins = reads.check() if len(reads.pins[1]) else (_NONE, _NONE)
-        with self._lock:
-            self.slabs.unpin(*corrupt_pins)
+        if len(reads.pins[1]):
+            reads.check()
         self.unpin(reads)
         corrupt = []
         for row in np.flatnonzero(reads.status == Status.CORRUPT).tolist():
@@ -1279,7 +1276,6 @@ class _ExpiryCutoffs(dict[str, float]):
 
 _OK = int(Status.OK)  # a plain int: numpy probes an IntEnum operand for array protocols (~3 us a comparison)
 _EXISTS, _MISSING, _NO_SPACE = int(Status.EXISTS), int(Status.MISSING), int(Status.NO_SPACE)
-_EXTENT_SLOTS = np.asarray([SlabFiles.extent_slots(c) for c in range(len(SIZE_CLASSES))], dtype=np.int64)
 _NONE = np.zeros(0, dtype=np.int64)
 
 
@@ -1290,7 +1286,8 @@ class ShardReads:
     ``status`` per row (``Status`` values). For OK rows, the shard ``records`` (``shard_index.RECORD``: ``length``,
     ``block_len``, ``crc``, ``header`` …) and ``ttl`` (an index into ``ttl_classes``); zero (``ttl`` 255) elsewhere.
     ``payload``: the OK shards' bytes in row order, a ``_native.Scatter`` over the slab mappings that keeps them
-    mapped (None until pinned). ``pins``: the (size classes, slots) pinned for it, as two int64 arrays.
+    mapped (None until pinned). ``pins``: the (size classes, slots) of the payload, as two int64 arrays, pinned
+    under ``hold`` (``SlabFiles.pin``).
     """
 
     def __init__(
@@ -1320,6 +1317,7 @@ class ShardReads:
         self.payload: _native.Scatter | None = None
         self.record_states: np.ndarray | None = None  # a probe's: per row, the block record's state here
         self.pins: tuple[np.ndarray, np.ndarray] = (_NONE, _NONE)
+        self.hold = 0  # pins nothing
         self._plan = np.zeros((0, 2), dtype=np.int64)
         self._keep: list[memoryview] = []
 
@@ -1340,34 +1338,31 @@ class ShardReads:
         size_class = self.records["size_class"][ok].astype(np.int64)
         slot = self.records["slot"][ok].astype(np.int64)
         self.pins = (size_class, slot)
-        slabs.pin(size_class, slot)
+        self.hold = slabs.pin(size_class, slot)
         if not len(ok):
             return
-        per_extent = _EXTENT_SLOTS
-        extent = slot // per_extent[size_class]
-        maps, which = np.unique(size_class * (1 << 32) + extent, return_inverse=True)
-        for m in maps.tolist():  # a view of each mapping's start: the mapping cannot be closed while it lives
-            c, e = divmod(m, 1 << 32)
-            self._keep.append(slabs.view(c, e * int(per_extent[c]), 0))
-        bases = np.frombuffer(_native.addresses(self._keep), dtype=np.int64)
+        addresses, self._keep = slabs.addresses(size_class, slot)
         self._plan = np.empty((len(ok), 2), dtype=np.int64)
-        offset = (slot - extent * per_extent[size_class]) * _CLASS_BYTES[size_class]
-        self._plan[:, 0] = bases[which.reshape(-1)] + offset
+        self._plan[:, 0] = addresses
         self._plan[:, 1] = self.records["length"][ok]
         self.payload = _native.Scatter(self._plan, self._keep)
 
-    def check(self) -> tuple[np.ndarray, np.ndarray]:
-        """Checksum the pinned shards in the slab files; those that fail become ``CORRUPT`` and leave the payload.
-        Returns their pins (size classes, slots), which the caller releases."""
+    def check(self) -> int:
+        """Checksum the pinned shards in the slab files; those that fail become ``CORRUPT`` and leave the payload
+        and ``pins`` (``repin`` then releases them). Returns how many failed."""
         ok = self.ok
         bad = np.frombuffer(_native.crc32c_pieces(self._plan), dtype="<u4") != self.records["crc"][ok]
         if not bad.any():
-            return (_NONE, _NONE)
+            return 0
         self.status[ok[bad]] = Status.CORRUPT
         self.settle()
         classes, slots = self.pins
-        corrupt = (classes[bad], slots[bad])
         self.pins = (classes[~bad], slots[~bad])
         self._plan = np.ascontiguousarray(self._plan[~bad])
         self.payload = _native.Scatter(self._plan, self._keep)
-        return corrupt
+        return int(bad.sum())
+
+    def repin(self, slabs: SlabFiles) -> None:
+        """With the engine lock held: pin ``pins`` alone (after ``check`` took shards out)."""
+        old, self.hold = self.hold, slabs.pin(*self.pins)
+        slabs.unpin(old)

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.kvstore import _native
+
 
 def _size_classes() -> list[int]:
     sizes = set()
@@ -65,6 +67,8 @@ def _extent_slots(size: int) -> int:
 
 
 _EXTENT_SLOTS = [_extent_slots(size) for size in SIZE_CLASSES]
+_EXTENT_SLOTS_ARRAY = np.asarray(_EXTENT_SLOTS, dtype=np.int64)
+_CLASS_BYTES_ARRAY = np.asarray(SIZE_CLASSES, dtype=np.int64)
 POPULATE_MIN_BYTES = 64 << 10  # below this, a handful of page faults cost less than the system call
 
 
@@ -85,53 +89,55 @@ class NoSpace(Exception):
 
 
 class Pins:
-    """How many readers pin each (size class, slot): a count per slot of each class, grown on demand, so that a
-    read of a thousand shards pins and unpins them in a few numpy operations (a dict entry per shard cost
-    ~0.25 ms a GET). ``(size class, slot) in pins`` and ``len(pins)`` (slots pinned) as for a dict."""
+    """The slots readers are sending, held per read: ``hold`` keeps a read's (size classes, slots) arrays under a
+    number and ``release`` lets them go, one dict operation each however many shards the read has (a count per
+    slot, kept in numpy arrays, cost a GET a dozen numpy calls, several times dearer in a node woken cold). The
+    questions asked of the pins, by deletes, evictions and reaps (rarer than reads): whether a slot is pinned
+    (``(size class, slot) in pins``, ``pinned``) and how many are (``len``), answered from the holds merged into
+    one sorted array, kept until the holds change. A slot held by two reads stays pinned until both let go."""
 
     def __init__(self) -> None:
-        self._counts: dict[int, np.ndarray] = {}
-        self._total = 0  # pins held, all slots together: none, the usual case for a delete, is one test
+        self._holds: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._last = 0
+        self._merged: np.ndarray | None = None  # every held slot as class << 40 | slot, sorted, once each
 
     def __len__(self) -> int:
-        return sum(int(np.count_nonzero(counts > 0)) for counts in self._counts.values())
+        return len(self._keys())
 
     def __contains__(self, key: object) -> bool:
         size_class, slot = key  # type: ignore[misc]
-        counts = self._counts.get(size_class)
-        return counts is not None and 0 <= slot < len(counts) and bool(counts[slot] > 0)
+        return bool(self.pinned(np.asarray([size_class], np.int64), np.asarray([slot], np.int64))[0])
+
+    def hold(self, classes: np.ndarray, slots: np.ndarray) -> int:
+        """Pin (``classes[i]``, ``slots[i]``) until ``release`` of the number returned."""
+        self._last += 1
+        if len(slots):
+            self._holds[self._last] = (classes, slots)
+            self._merged = None
+        return self._last
+
+    def release(self, hold: int) -> None:
+        """Let go of what ``hold`` pinned (nothing if it pinned nothing, or was let go already)."""
+        if self._holds.pop(hold, None) is not None:
+            self._merged = None
 
     def pinned(self, classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Whether each (``classes[i]``, ``slots[i]``) is pinned, as one array."""
-        out = np.zeros(len(slots), dtype=bool)
-        if not self._total:
-            return out
-        for size_class, rows in by_class(classes, np.arange(len(slots))):
-            counts = self._counts.get(size_class)
-            if counts is not None:
-                inside = rows[slots[rows] < len(counts)]
-                out[inside] = counts[slots[inside]] > 0
-        return out
+        if not self._holds:
+            return np.zeros(len(slots), dtype=bool)
+        merged, asked = self._keys(), _slot_keys(classes, slots)
+        at = np.minimum(np.searchsorted(merged, asked), len(merged) - 1)
+        return merged[at] == asked
 
-    def add(self, classes: np.ndarray, slots: np.ndarray, step: int) -> None:
-        """Add ``step`` (1: pin, -1: unpin) to the count of every (``classes[i]``, ``slots[i]``); a slot listed
-        twice counts twice."""
-        if not len(slots):
-            return
-        self._total += step * len(slots)
-        for size_class, mine in by_class(classes, np.arange(len(slots))):
-            rows = slots[mine]
-            counts = self._counts.get(size_class)
-            if counts is None or len(counts) <= int(rows.max()):
-                grown = np.zeros(max(2 * (0 if counts is None else len(counts)), int(rows.max()) + 1), np.int32)
-                if counts is not None:
-                    grown[: len(counts)] = counts
-                counts = self._counts[size_class] = grown
-            ordered = np.sort(rows)
-            if (ordered[1:] == ordered[:-1]).any():
-                np.add.at(counts, rows, step)
-            else:
-                counts[rows] += step
+    def _keys(self) -> np.ndarray:
+        if self._merged is None:
+            held = [_slot_keys(classes, slots) for classes, slots in self._holds.values()]
+            self._merged = np.unique(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+        return self._merged
+
+
+def _slot_keys(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    return (np.asarray(classes, dtype=np.int64) << 40) | np.asarray(slots, dtype=np.int64)
 
 
 class FreeSlots:
@@ -207,6 +213,8 @@ class SlabFiles:
         self.pins = Pins()  # slots whose bytes a reader is still sending
         self.maps: dict[tuple[int, int], mmap.mmap] = {}
         self.map_views: dict[tuple[int, int], memoryview] = {}  # one view per map: slicing it is cheap
+        self._bases = np.zeros((len(SIZE_CLASSES), 0), dtype=np.int64)  # [class, extent]: its mapping's address
+        self._anchors: list[memoryview] = []  # an empty view of each mapping (``addresses``)
 
     @staticmethod
     def extent_slots(size_class: int) -> int:
@@ -278,6 +286,12 @@ class SlabFiles:
             mapped = mmap.mmap(self.fd(size_class), per_extent * size, offset=extent * per_extent * size)
             self.maps[(size_class, extent)] = mapped
             whole = self.map_views[(size_class, extent)] = memoryview(mapped)
+            self._anchors.append(whole[:0])  # an export of the mapping: it cannot be closed while this lives
+            if extent >= self._bases.shape[1]:
+                grown = np.zeros((len(SIZE_CLASSES), max(2 * self._bases.shape[1], extent + 1)), dtype=np.int64)
+                grown[:, : self._bases.shape[1]] = self._bases
+                self._bases = grown
+            self._bases[size_class, extent] = np.frombuffer(_native.addresses([whole]), dtype=np.int64)[0]
         if for_write and _POPULATE_WRITE and length >= POPULATE_MIN_BYTES:
             with contextlib.suppress(OSError):  # older kernels: the faults happen during the receive
                 self.maps[(size_class, extent)].madvise(
@@ -309,13 +323,25 @@ class SlabFiles:
         """Make a slot reusable at once (it was never visible to any reader)."""
         self.free[size_class].add([slot])
 
-    def pin(self, classes: np.ndarray, slots: np.ndarray) -> None:
-        """Readers are sending these (``classes[i]``, ``slots[i]``): they are not reused until unpinned."""
-        self.pins.add(np.asarray(classes, dtype=np.int64), np.asarray(slots, dtype=np.int64), 1)
+    def pin(self, classes: np.ndarray | Sequence[int], slots: np.ndarray | Sequence[int]) -> int:
+        """A reader is sending these (``classes[i]``, ``slots[i]``): they are not reused until ``unpin`` of the
+        number returned."""
+        return self.pins.hold(np.asarray(classes, dtype=np.int64), np.asarray(slots, dtype=np.int64))
 
-    def unpin(self, classes: np.ndarray, slots: np.ndarray) -> None:
-        """Release one pin of each, as ``pin`` took them."""
-        self.pins.add(np.asarray(classes, dtype=np.int64), np.asarray(slots, dtype=np.int64), -1)
+    def unpin(self, hold: int) -> None:
+        """Release what ``pin`` pinned under ``hold``."""
+        self.pins.release(hold)
+
+    def addresses(self, classes: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, list[memoryview]]:
+        """Where each (``classes[i]``, ``slots[i]``) starts in memory (int64 addresses into the slab mappings,
+        mapped now where not yet), and what keeps those mappings from being closed while it is referenced (pass
+        it along with the addresses, as ``_native.Scatter`` does). One table lookup per call once mapped."""
+        per_extent = _EXTENT_SLOTS_ARRAY[classes]
+        extent = slots // per_extent
+        if len(extent) and (int(extent.max()) >= self._bases.shape[1] or not self._bases[classes, extent].all()):
+            for c, e in set(zip(classes.tolist(), extent.tolist(), strict=True)):
+                self.view(c, e * _EXTENT_SLOTS[c], 0)  # maps it
+        return self._bases[classes, extent] + (slots - extent * per_extent) * _CLASS_BYTES_ARRAY[classes], self._anchors
 
     def reap(self, now: float) -> int:
         """Free the quarantined slots whose grace has passed and that no reader pins; returns their bytes."""
@@ -333,6 +359,8 @@ class SlabFiles:
         return freed
 
     def close(self) -> None:
+        self._bases = np.zeros((len(SIZE_CLASSES), 0), dtype=np.int64)
+        self._anchors = []  # a payload in flight keeps the old list, and with it its mappings
         for view in self.map_views.values():
             view.release()
         self.map_views.clear()

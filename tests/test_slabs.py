@@ -5,8 +5,11 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
+import crc32c
+import numpy as np
 import pytest
 
+from kvtier.kvstore import _native
 from kvtier.kvstore.slabs import EXTENT_BYTES, SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
 
 
@@ -44,7 +47,7 @@ def test_a_released_slot_is_reused_only_after_its_grace(tmp_path: Path) -> None:
 def test_a_released_slot_without_grace_or_pin_is_free_at_once(tmp_path: Path) -> None:
     slabs = SlabFiles(tmp_path)
     first, second = slabs.allocate(0, 2)
-    slabs.pin([0], [second])
+    slabs.pin([0], [second])  # never released here
     assert slabs.release([0, 0], [first, second], after=3.0, now=3.0) == SIZE_CLASSES[0]
     assert slabs.quarantined_bytes == SIZE_CLASSES[0]  # the pinned one waits for its reader
     assert list(slabs.allocate(0, 1)) == [first]
@@ -64,11 +67,11 @@ def test_a_full_disk_is_no_space_at_allocation(small_disk: Path) -> None:
 def test_a_pinned_slot_is_not_reused_after_its_grace_until_unpinned(tmp_path: Path) -> None:
     slabs = SlabFiles(tmp_path)
     (slot,) = slabs.allocate(0, 1)
-    slabs.pin([0], [slot])  # a reader is still sending it
+    hold = slabs.pin([0], [slot])  # a reader is still sending it
     assert slabs.release([0], [slot], after=1.0, now=5.0) == 0
     assert slabs.reap(now=5.0) == 0
     assert slot not in slabs.allocate(0, 1)
-    slabs.unpin([0], [slot])
+    slabs.unpin(hold)
     assert slabs.reap(now=5.0) == SIZE_CLASSES[0]
     assert slabs.allocate(0, 1) == [slot]
     slabs.close()
@@ -78,13 +81,34 @@ def test_a_slot_pinned_twice_stays_pinned_until_both_pins_are_released(tmp_path:
     slabs = SlabFiles(tmp_path)
     slots = slabs.allocate(0, 3)
     big = slabs.allocate(size_class_for(1 << 20), 1)
-    slabs.pin([0, 0, 0, size_class_for(1 << 20)], [slots[0], slots[0], slots[1], big[0]])  # one read asked twice
-    slabs.pin([0], [slots[1]])  # another reader
+    first = slabs.pin([0, 0, 0, size_class_for(1 << 20)], [slots[0], slots[0], slots[1], big[0]])  # asked twice
+    second = slabs.pin([0], [slots[1]])  # another reader
     assert len(slabs.pins) == 3 and (0, slots[0]) in slabs.pins and (0, slots[2]) not in slabs.pins
-    slabs.unpin([0, 0, size_class_for(1 << 20)], [slots[0], slots[1], big[0]])
-    assert (0, slots[0]) in slabs.pins and (0, slots[1]) in slabs.pins and len(slabs.pins) == 2
-    slabs.unpin([0, 0], [slots[0], slots[1]])
-    assert len(slabs.pins) == 0 and (0, slots[0]) not in slabs.pins
+    assert slabs.pins.pinned(np.asarray([0, 0, 0]), slots).tolist() == [True, True, False]
+    slabs.unpin(first)
+    assert (0, slots[0]) not in slabs.pins and (0, slots[1]) in slabs.pins and len(slabs.pins) == 1
+    assert (size_class_for(1 << 20), big[0]) not in slabs.pins
+    slabs.unpin(second)
+    slabs.unpin(second)  # (once is enough: a second release changes nothing)
+    assert len(slabs.pins) == 0 and (0, slots[1]) not in slabs.pins
+    slabs.close()
+
+
+def test_addresses_point_at_each_slots_bytes_in_its_mapping(tmp_path: Path) -> None:
+    slabs = SlabFiles(tmp_path)
+    big = size_class_for(1 << 20)
+    per_extent = SlabFiles.extent_slots(0)
+    small = slabs.allocate(0, per_extent + 2)[[1, per_extent + 1]]  # in two extents
+    (large,) = slabs.allocate(big, 1)
+    for size_class, slot, fill in ((0, small[0], b"a"), (0, small[1], b"b"), (big, large, b"c")):
+        slabs.write(size_class, slot, fill * 100)
+    classes = np.asarray([0, big, 0], dtype=np.int64)
+    addresses, keep = slabs.addresses(classes, np.asarray([small[1], large, small[0]], dtype=np.int64))
+    plan = np.stack([addresses, np.full(3, 100, dtype=np.int64)], axis=1)
+    assert _native.crc32c_pieces(plan) == b"".join(
+        crc32c.crc32c(fill * 100).to_bytes(4, "little") for fill in (b"b", b"c", b"a")
+    )
+    assert keep  # the mappings' anchors
     slabs.close()
 
 
