@@ -1178,9 +1178,11 @@ static int send_more(int fd, const char *buf, size_t len, size_t *sent) {
  * None. Per socket the bytes, or -1 (the peer closed first), the errno of a failed send or recv, None when
  * timeout_ms passed with its request sent and no byte of the head come (the stream is in step: the head may still
  * be received), or ETIMEDOUT when it passed with the request sent in part or part of the head received (the stream
- * is out of step). quiet_ms (below timeout_ms): a socket whose request is out and that has received nothing by then
- * is left (None) without waiting longer, while the others are waited for until timeout_ms. A whole round of
- * requests (MATCH to every primary, a read's GET_SHARDS to each node) and their replies' heads in one call. */
+ * is out of step). quiet_ms: once a head is whole, a socket whose request is out and that has received nothing
+ * quiet_ms later is left (None) without waiting longer, while the heads begun are waited for until timeout_ms (the
+ * caller has the whole heads' payloads to receive meanwhile; before any head is whole it has nothing to do). A whole
+ * round of requests (MATCH to every primary, a read's GET_SHARDS to each node) and their replies' heads in one
+ * call. */
 static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
     PyObject *fds, *sends_obj = Py_None;
     int timeout_ms, quiet_ms = -1;
@@ -1229,8 +1231,8 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS;
     struct pollfd pfds[RECV_MANY_MAX];
-    int64_t start = now_ms(), deadline = start + (timeout_ms > 0 ? timeout_ms : 0);
-    int64_t quiet_until = quiet_ms >= 0 && quiet_ms < timeout_ms ? start + quiet_ms : deadline;
+    int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 0), quiet_until = deadline;
+    int quiet_started = quiet_ms < 0; /* (without a quiet time, the sockets that got nothing wait until timeout_ms) */
     for (;;) { /* each socket: its request out (as fast as it takes it), then its head in */
         nfds_t waiting = 0;
         int quiet = now_ms() >= quiet_until, nothing_yet = 0; /* quiet: a socket that got nothing is left as it is */
@@ -1243,6 +1245,11 @@ static PyObject *py_recv_heads(PyObject *self, PyObject *args) {
                 if (err || sent[i] < out_len) continue;
             }
             head_receive(&st[i], MSG_DONTWAIT, (size_t)head_size, (size_t)length_at, (size_t)max_length);
+            if (!quiet_started && (st[i].state == HEAD_WHOLE || st[i].state == HEAD_ALONE)) {
+                quiet_started = 1; /* the first head whole: the quiet time starts */
+                int64_t until = now_ms() + quiet_ms;
+                quiet_until = until < deadline ? until : deadline;
+            }
             if (st[i].state != HEAD_RECEIVING || (quiet && !st[i].got)) continue;
             nothing_yet |= !st[i].got;
             pfds[waiting++] = (struct pollfd){.fd = st[i].fd, .events = POLLIN};

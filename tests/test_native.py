@@ -444,6 +444,20 @@ def test_recv_heads_leaves_a_silent_socket_after_the_quiet_time_but_waits_for_a_
     assert got == [head, None] and time.monotonic() - started < 2
 
 
+def test_recv_heads_counts_the_quiet_time_from_the_first_whole_head() -> None:
+    (a1, b1), (a2, b2) = socket.socketpair(), socket.socketpair()
+    with a1, b1, a2, b2:
+        b1.setblocking(False)
+        b2.setblocking(False)
+        head = _frame_head(20)
+        later = threading.Timer(0.2, a1.sendall, args=(head,))  # the first head: long after the quiet time
+        later.start()
+        started = time.monotonic()
+        got = _native.recv_heads([b1.fileno(), b2.fileno()], 5000, 32, 16, 4 << 10, None, 30)
+        later.join()
+    assert got == [head, None] and 0.2 <= time.monotonic() - started < 2  # the silent one: left 30 ms after
+
+
 def test_recv_heads_sends_each_request_whole_before_taking_the_replies() -> None:
     pairs = [socket.socketpair() for _ in range(3)]
     requests = [bytes([97 + i]) * (10 + 1000 * i) for i in range(3)]
