@@ -429,33 +429,32 @@ def test_recv_heads_leaves_a_socket_that_got_nothing_by_the_timeout_in_step_for_
         assert _native.recv_heads([b.fileno()], 5000, 32, 16, 4 << 10) == [_frame_head(5)]
 
 
-def test_recv_heads_leaves_a_silent_socket_after_the_quiet_time_but_waits_for_a_head_begun() -> None:
+def _heads_with_a_silent_socket(now: bytes, later: bytes) -> tuple[list[bytes | int | None], float]:
+    """recv_heads (quiet time 30 ms) over two sockets: the first gets ``now`` at once and ``later`` 0.2 s on, the
+    second nothing. Returns what it got and the seconds it took."""
     (a1, b1), (a2, b2) = socket.socketpair(), socket.socketpair()
     with a1, b1, a2, b2:
         b1.setblocking(False)
         b2.setblocking(False)
-        head = _frame_head(20)
-        a1.sendall(head[:10])  # begun: the rest comes after the quiet time, well before the timeout
-        later = threading.Timer(0.2, a1.sendall, args=(head[10:],))
-        later.start()
+        a1.sendall(now)
+        timer = threading.Timer(0.2, a1.sendall, args=(later,))
+        timer.start()
         started = time.monotonic()
         got = _native.recv_heads([b1.fileno(), b2.fileno()], 5000, 32, 16, 4 << 10, None, 30)
-        later.join()
-    assert got == [head, None] and time.monotonic() - started < 2
+        timer.join()
+    return got, time.monotonic() - started
+
+
+def test_recv_heads_leaves_a_silent_socket_after_the_quiet_time_but_waits_for_a_head_begun() -> None:
+    head = _frame_head(20)
+    got, took = _heads_with_a_silent_socket(head[:10], head[10:])  # begun: the rest well before the timeout
+    assert got == [head, None] and took < 2
 
 
 def test_recv_heads_counts_the_quiet_time_from_the_first_whole_head() -> None:
-    (a1, b1), (a2, b2) = socket.socketpair(), socket.socketpair()
-    with a1, b1, a2, b2:
-        b1.setblocking(False)
-        b2.setblocking(False)
-        head = _frame_head(20)
-        later = threading.Timer(0.2, a1.sendall, args=(head,))  # the first head: long after the quiet time
-        later.start()
-        started = time.monotonic()
-        got = _native.recv_heads([b1.fileno(), b2.fileno()], 5000, 32, 16, 4 << 10, None, 30)
-        later.join()
-    assert got == [head, None] and 0.2 <= time.monotonic() - started < 2  # the silent one: left 30 ms after
+    head = _frame_head(20)
+    got, took = _heads_with_a_silent_socket(b"", head)  # the first head whole long after the quiet time
+    assert got == [head, None] and 0.2 <= took < 2  # the silent one: left 30 ms after it
 
 
 def test_recv_heads_sends_each_request_whole_before_taking_the_replies() -> None:
