@@ -60,10 +60,6 @@ _READABLE = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 RECV_IOV = 64
 MAX_BACKOFF_S = 30.0
 _request_ids = itertools.count(1)
-# how long after its first reply's head a read's round waits for the heads not begun before it leaves them to the poll
-# loop, which receives the payloads already coming meanwhile (the nodes of a machine with fewer cores than nodes answer
-# one after another: waiting 5 ms from the start for every head cost a 64 MiB get_into 8 % here, 24.6 against 22.5 ms)
-_HEADS_QUIET_MS = 1
 
 
 class AuthError(Exception):
@@ -386,16 +382,19 @@ class Exchange:
         until: Callable[[], bool] | None = None,
         work: Callable[[], bool] | None = None,
         keep: bool = False,
+        heads_quiet_ms: int = -1,
     ) -> None:
         """Drive every queued request until all are done, ``until()`` holds, or ``timeout_s`` passes.
 
         ``work()`` is a step of the caller's own work (e.g. encoding what it ``extend``s requests with next), run
         whenever the sockets have taken everything queued; it returns False once nothing is left to do.
         ``keep``: requests still unanswered stay in flight (the caller queues more and runs again); otherwise
-        they are given up (see ``_finish``).
+        they are given up (see ``_finish``). ``heads_quiet_ms`` (without ``work``; -1: none): how long after the
+        first whole head the round of requests and heads (``_round_trip_heads``) waits for heads not begun before
+        it leaves them to the poll loop, which receives the payloads already coming meanwhile.
         """
         try:
-            self._run(timeout_s, until, work, keep)
+            self._run(timeout_s, until, work, keep, heads_quiet_ms)
         except BaseException:
             self.abandon()
             raise
@@ -424,11 +423,16 @@ class Exchange:
                 self.pool.conns[pending.node_id].close("abandoned")
 
     def _run(
-        self, timeout_s: float, until: Callable[[], bool] | None, work: Callable[[], bool] | None, keep: bool
+        self,
+        timeout_s: float,
+        until: Callable[[], bool] | None,
+        work: Callable[[], bool] | None,
+        keep: bool,
+        heads_quiet_ms: int,
     ) -> None:
         deadline = time.monotonic() + timeout_s
-        if work is None:  # a read (``until``) leaves heads late by more than a moment to the loop, as it keeps going
-            self._round_trip_heads(deadline, _HEADS_QUIET_MS if until is not None else -1)
+        if work is None:
+            self._round_trip_heads(deadline, heads_quiet_ms)
         poller = select.poll()  # no syscall to (un)register: an exchange is short-lived
         watched: dict[int, tuple[NodeConn, socket.socket, int]] = {}  # by descriptor: (conn, its socket, mask)
         early = False

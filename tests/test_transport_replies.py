@@ -171,7 +171,7 @@ def test_a_reply_whose_head_comes_after_the_rounds_quiet_time_is_received_on_the
             exchange.request(node, Op.MATCH, {"keys": b"k" * 16, "klen": 16}, sink=lambda _head, b=buf: [memoryview(b)])
             for node, buf in enumerate(landed)
         ]
-        exchange.run(5.0, until=lambda: False)  # as a read runs: the round leaves late heads to the loop
+        exchange.run(5.0, until=lambda: False, heads_quiet_ms=1)  # as a read runs: late heads left to the loop
         assert all(p.error is None and p.frame is not None for p in pendings)
         assert landed == [payload, payload] and sorted(asked) == [0, 1]  # no connection replaced, nothing resent
         pool.close()
