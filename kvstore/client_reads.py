@@ -194,7 +194,7 @@ class Reads(Writes):
             raise ValueError("get_into needs writable buffers")
         digests = self._headers(keys, tokens, namespace, headers)[0]
         lengths = np.fromiter(map(len, views), dtype=np.int64, count=len(views))  # type: ignore[arg-type]
-        lanes = self._lane_count(int(lengths.sum()))
+        lanes = self.lane_count(int(lengths.sum()))
         if lanes > 1:
             return self._read_in_lanes(keys, views, digests, lengths, lanes, on_landed, watch)
         found = self._read_moving(keys, views, False, digests, watch.lane(0) if watch is not None else None)
@@ -202,7 +202,7 @@ class Reads(Writes):
             on_landed(0, len(keys))
         return found
 
-    def _lane_count(self, total_bytes: int) -> int:
+    def lane_count(self, total_bytes: int) -> int:
         """How many lanes a read of ``total_bytes`` runs in: ``[client] read_lanes`` (0: one per two cores),
         each carrying at least ``read_lane_min_bytes``."""
         settings = self.config.client

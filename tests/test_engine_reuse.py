@@ -297,7 +297,7 @@ def test_a_model_without_sliding_layers_reuses_up_to_the_last_block(
 # -- the benchmarks that drive the engine (what they report, not how fast) ---------------------------------
 
 
-def test_kvbench_ttft_reports_each_hit_ratio_with_its_bound(
+def test_kvbench_ttft_reports_each_hit_ratio_with_its_bound_and_the_raw_stream_beside_its_read(
     cluster_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bench = ["ttft", "--prompt-tokens", "300", "--hits", "0,50", "--repeats", "1", "--json"]
@@ -306,6 +306,8 @@ def test_kvbench_ttft_reports_each_hit_ratio_with_its_bound(
     points = json.loads(capsys.readouterr().out)["points"]
     assert [p["hit_tokens"] for p in points] == [0, 128]
     assert all(p["bound_s"] > 0 and p["speedup"] > 0 for p in points)
+    assert [p["raw_stream_bytes_per_s"] is None for p in points] == [True, False]  # no hit, nothing to carry
+    assert points[1]["raw_stream_bytes_per_s"] > 0
 
 
 def test_kvbench_ttft_through_the_fetcher_reports_the_cold_store_hit_and_the_warm_pool_hit(

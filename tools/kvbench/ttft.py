@@ -17,10 +17,12 @@ synchronizes).
 
 Beside each point its **bound**: the hit bytes at the store's ``get_into`` rate plus that run's own suffix
 compute time. The rate is measured at each point right after its runs: the point's last prefix read whole (page-
-sized blocks into touched host buffers), the faster of two reads. Reported: TTFT with and without reuse,
-``speedup`` (the median over repeats of without / with, each pair measured back to back, so that load from other
-processes cancels) and ``vs_bound`` (with / bound). Targets: ``vs_bound`` ≤ 1.25; at 96 % on the CPU,
-``speedup`` ≥ 10.
+sized blocks into touched host buffers), the faster of two reads. Beside it, the **raw** loopback stream of that
+host in the same run: the hit bytes over as many Unix-socket streams as the read has lanes (each from its own
+sender process into its own receiving thread), what the nodes' sockets alone could carry. Reported: TTFT with and
+without reuse, ``speedup`` (the median over repeats of without / with, each pair measured back to back, so that
+load from other processes cancels) and ``vs_bound`` (with / bound). Targets: ``vs_bound`` ≤ 1.25; at 96 % on the
+CPU, ``speedup`` ≥ 10.
 
 Through the fetcher every repeat has two hits: the prefix is stored through the store client alone (the fetcher's
 pool does not hold it), so the first request with reuse is a **cold** store hit (the fetcher reads the blocks into
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.tools.benchutil import raw_streams_gbps
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import BenchError, UsageError
 from kvtier.tools.kvbench.enginebench import add_model_arguments, checkpoint_and_cluster, describe
@@ -186,6 +189,7 @@ def _bench(engine: Engine, length: int, hits: list[float], repeats: int, pooled:
             runs["fetch"].append(r.timings["lookup_fetch_s"])
         rate = _get_rate(engine, prefix)
         hit_bytes = h // engine.block_tokens * engine.cache.page_bytes
+        raw = _raw_rate(engine, hit_bytes)
         reuse_s, compute_s = statistics.median(runs["reuse"]), statistics.median(runs["compute"])
         bound = hit_bytes / rate + compute_s if h else compute_s
         point = {
@@ -199,6 +203,7 @@ def _bench(engine: Engine, length: int, hits: list[float], repeats: int, pooled:
             "speedup": statistics.median(c / w for c, w in zip(runs["recompute"], runs["reuse"], strict=True)),
             "hit_bytes": hit_bytes,
             "get_into_bytes_per_s": rate if h else None,
+            "raw_stream_bytes_per_s": raw if h else None,
             "bound_s": bound,
             "vs_bound": reuse_s / bound,
         }
@@ -296,6 +301,16 @@ def _get_rate(engine: Engine, prefix: list[int]) -> float:
     return len(keys) * engine.cache.page_bytes / best
 
 
+def _raw_rate(engine: Engine, hit_bytes: int) -> float:
+    """Bytes per second of ``hit_bytes`` over raw loopback Unix streams, one per lane of a read of that size; inf for
+    nothing to read."""
+    if not hit_bytes:
+        return float("inf")
+    store = engine.store
+    assert store is not None
+    return raw_streams_gbps(hit_bytes, store.client.lane_count(hit_bytes), unix=True) * 1e9
+
+
 def _text(result: dict[str, Any], length: int) -> str:
     s = result["settings"]
     lines = [
@@ -303,7 +318,7 @@ def _text(result: dict[str, Any], length: int) -> str:
         f"chunks of {s['chunk_tokens']}, blocks of {s['block_tokens']} tokens / {s['block_bytes']} B via the "
         f"{s['through']}; medians of {s['repeats']}",
         f"{'hit %':>6} {'hit tok':>8} {'reuse ms':>9} {'fetch ms':>9} {'recompute ms':>13} {'speedup':>8} "
-        f"{'get_into GB/s':>14} {'bound ms':>9} {'vs bound':>9}",
+        f"{'get_into GB/s':>14} {'raw GB/s':>9} {'bound ms':>9} {'vs bound':>9}",
     ]
     pooled = s["through"] == "fetcher"
     if pooled:
@@ -316,7 +331,8 @@ def _text(result: dict[str, Any], length: int) -> str:
         line = (
             f"{p['hit_percent']:>6.0f} {p['hit_tokens']:>8} {p['ttft_reuse_s'] * 1e3:>9.1f} "
             f"{p['lookup_fetch_s'] * 1e3:>9.1f} {p['ttft_recompute_s'] * 1e3:>13.1f} {p['speedup']:>7.1f}x "
-            f"{(rate or 0) / 1e9:>14.2f} {p['bound_s'] * 1e3:>9.1f} {p['vs_bound']:>9.2f}"
+            f"{(rate or 0) / 1e9:>14.2f} {(p['raw_stream_bytes_per_s'] or 0) / 1e9:>9.2f} "
+            f"{p['bound_s'] * 1e3:>9.1f} {p['vs_bound']:>9.2f}"
         )
         if pooled:
             line += (
