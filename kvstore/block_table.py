@@ -20,13 +20,14 @@ transaction. ``get`` may be called without it (a record deleted meanwhile reads 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import lmdb
 import numpy as np
 
 _SEQ = struct.Struct(">Q")
 _NAME_LEN = struct.Struct("<H")
+_TIME = struct.Struct("<d")
 
 
 class BlockTable:
@@ -93,6 +94,23 @@ class BlockTable:
             cursor.putmulti(again)
         if new:
             cursor.putmulti(new, append=True)
+
+    def stamp_many(self, txn: lmdb.Transaction, times: Mapping[bytes, float], at: int) -> int:
+        """Write each name's time (a little-endian double) over bytes ``at``..``at`` + 7 of its packed record, in
+        place; names not here are skipped. Returns how many records were written. No record is unpacked: one
+        ``getmulti``, one slice and join a record, one ``putmulti`` (unpacking and packing each whole record cost ~5
+        us a record, more than the read that touched it)."""
+        seq = self._seq
+        stamped = {key: time for key, time in zip(map(seq.get, times), times.values(), strict=True) if key is not None}
+        if not stamped:
+            return 0
+        cursor = txn.cursor(db=self.db)
+        items = []
+        for key, value in cursor.getmulti(list(stamped)):
+            cut = _NAME_LEN.size + _NAME_LEN.unpack_from(value)[0] + at
+            items.append((key, b"".join((value[:cut], _TIME.pack(stamped[key]), value[cut + _TIME.size :]))))
+        cursor.putmulti(items)
+        return len(items)
 
     def put_rows(self, txn: lmdb.Transaction, names: np.ndarray, packed: np.ndarray) -> None:
         """``put_many`` of names and packed records given as tables (a row each, each table of one width): the

@@ -105,6 +105,7 @@ _BLOCK_DTYPE = np.dtype(  # _BLOCK as a numpy row
     }
 )
 assert _BLOCK_DTYPE.itemsize == _BLOCK.size
+_LAST_ACCESS_AT = _BLOCK_DTYPE.fields["last_access"][1]  # where a packed block record keeps its last access
 
 
 class ShardRecord(NamedTuple):
@@ -929,12 +930,7 @@ class ChunkEngine:
             if not accessed:
                 return 0
             with self.env.begin(write=True) as txn:
-                records = self.block_table.get_many(txn, list(accessed))
-                touched = [
-                    (bkey, BlockRecord.unpack(raw)._replace(last_access=accessed[bkey]))
-                    for bkey, raw in records.items()
-                ]
-                self.block_table.put_many(txn, [(bkey, record.pack()) for bkey, record in touched])
+                self.block_table.stamp_many(txn, accessed, _LAST_ACCESS_AT)
         return len(accessed)
 
     def lru_entries(self) -> list[BlockEntry]:

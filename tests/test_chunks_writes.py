@@ -144,6 +144,26 @@ def test_a_read_of_shard_0_makes_the_block_most_recently_used_and_a_read_of_shar
     assert [entry.key[-16:] for entry in engine.lru] == [keys[1], keys[2], keys[0]]
 
 
+def test_a_flushed_access_rewrites_only_the_last_access_of_the_block_record_and_outlives_a_restart(
+    tmp_path: Path,
+) -> None:
+    engine = ChunkEngine(tmp_path, CAPACITY)
+    keys = [os.urandom(16) for _ in range(3)]
+    put_id, _ = staged(engine, keys, index=0)
+    engine.commit("default", put_id)
+    stored = [engine.block_record("default", key) for key in keys]
+    read_at = engine.clock() + 100.0
+    engine.clock = lambda: read_at
+    reads = engine.read("default", b"".join(keys[:2]), np.zeros(2, dtype=np.uint8), None, TTL, verify=False)
+    engine.unpin(reads)
+    assert engine.flush_access() == 2
+    engine.close()
+    engine = ChunkEngine(tmp_path, CAPACITY)
+    records = [engine.block_record("default", key) for key in keys]
+    assert records == [stored[0]._replace(last_access=read_at), stored[1]._replace(last_access=read_at), stored[2]]
+    engine.close()
+
+
 def test_a_commit_whose_lmdb_write_fails_leaves_the_shards_unseen_and_can_be_committed_again(
     engine: ChunkEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
