@@ -118,3 +118,48 @@ def test_a_table_of_impossible_widths_or_used_before_it_is_made_is_refused() -> 
     with pytest.raises(RuntimeError, match="before __init__"):
         bare.contains(bytes(25))
     assert len(bare) == 0
+
+
+def _agrees(table: ShardIndexTable, model: dict[bytes, bytes]) -> None:
+    """Every name of ``model`` is found with its value, ``items`` gives exactly the model, a new name is absent."""
+    keys = b"".join(model)
+    out = bytearray(len(model) * table.value_width)
+    assert table.lookup(keys, out) == b"\x01" * len(model)
+    assert bytes(out) == b"".join(model.values())
+    names, values = table.items()
+    width, value_width = table.key_width, table.value_width
+    got = {
+        names[i * width : (i + 1) * width]: values[i * value_width : (i + 1) * value_width] for i in range(len(table))
+    }
+    assert got == model and len(table) == len(model)
+    assert table.contains(os.urandom(width)) == b"\x00"
+
+
+def test_a_growth_moves_entries_a_batch_at_a_time_and_answers_stay_whole_while_it_does() -> None:
+    table, model = ShardIndexTable(25, 8), {}
+    rng = random.Random(3)
+
+    def insert(count: int) -> None:
+        keys, values = os.urandom(25 * count), os.urandom(8 * count)
+        assert table.insert(keys, values, False) == bytes(count)
+        model.update((keys[i * 25 : (i + 1) * 25], values[i * 8 : (i + 1) * 8]) for i in range(count))
+
+    while table.moving == 0:  # 16 rows an insert drain 128 slots: the first growth (from 1,024 slots) takes several
+        insert(16)
+    assert 0 < table.moving < len(table)  # both tables hold entries
+    _agrees(table, model)
+    again = rng.sample(sorted(model), 8)  # names already here, wherever they are: kept, or replaced when asked
+    assert table.insert(b"".join(again), bytes(64), False) == b"\x01" * 8
+    assert table.insert(b"".join(again[:4]), b"\xff" * 32, True) == b"\x01" * 4
+    model.update(dict.fromkeys(again[:4], b"\xff" * 8))
+    gone = rng.sample(sorted(model), 40)
+    out = bytearray(40 * 8)
+    assert table.remove(b"".join(gone), out) == b"\x01" * 40
+    assert bytes(out) == b"".join(model.pop(name) for name in gone)
+    _agrees(table, model)
+    inserts = 0
+    while table.moving:
+        insert(16)
+        inserts += 1
+    assert inserts > 1
+    _agrees(table, model)
