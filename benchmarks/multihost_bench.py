@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.kvstore.units import parse_size
-from kvtier.tools.netns import BIN, NetCluster, Network, has_netem, netns_unavailable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: dev/ is not in the installed package
+from dev.netns import BIN, NetCluster, Network, has_netem, netns_unavailable
 
 STORAGE = [f"h{i}" for i in range(6)]
 ETCD = ["e0", "e1", "e2"]

@@ -24,6 +24,8 @@ ALLOWED = {
     "tools": {"kvstore", "gc", "transfer", "engine", "serving", "kernels", "adapters"},
 }
 HOST_ENGINES = ("sglang", "vllm", "lmcache")
+# what only tests, benchmarks and device runs use: never a module a user of the package can import
+HARNESSES = ("dev", "tests", "pytest")
 
 
 def modules() -> dict[str, Path]:
@@ -83,6 +85,34 @@ def test_no_modules_import_each_other() -> None:
         tuple(TopologicalSorter(graph).static_order())
     except CycleError as exc:
         raise AssertionError(f"import cycle: {' -> '.join(exc.args[1])}") from None
+
+
+def test_no_test_or_device_harness_is_importable_from_kvtier() -> None:
+    harnesses = sorted(path.stem for path in (ROOT / "dev").glob("*.py") if path.stem != "__init__")
+    packages = {name for name, path in modules().items() if path.name == "__init__.py"}
+    shipped = [
+        f"{package}.{name}" for package in sorted(packages) for name in harnesses if is_module(f"{package}.{name}")
+    ]
+    importing = [
+        f"{name} imports {target}"
+        for name, path in modules().items()
+        for target in sorted(any_imports(path))
+        if target.split(".")[0] in HARNESSES
+    ]
+    assert harnesses, "dev/ holds the harnesses"
+    assert shipped == []
+    assert importing == []
+
+
+def any_imports(path: Path) -> set[str]:
+    """Every absolute module ``path`` names in an import, kvtier's or not."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found
 
 
 def test_the_store_imports_without_torch() -> None:

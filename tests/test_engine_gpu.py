@@ -1,4 +1,4 @@
-"""The engine's GPU paths against its CPU ones (run on a machine with CUDA; `tools/gpu_ttft.py` runs them there)."""
+"""The engine's GPU paths against its CPU ones (run on a machine with CUDA; `dev/gpu_ttft.py` runs them there)."""
 
 from __future__ import annotations
 

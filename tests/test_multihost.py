@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.tools.netns import NetCluster, Network, has_netem, netns_unavailable
+from dev.netns import NetCluster, Network, has_netem, netns_unavailable
 
 STORAGE = [f"h{i}" for i in range(6)]
 SPARE = "h6"

@@ -1,8 +1,8 @@
 """The engine's GPU run in one device call: ``kvbench ttft`` with a seeded ~8 B checkpoint drawn on the GPU, the
 engine's GPU tests, then ``kvbench swapin``; every step's log and JSON under OUT as it goes.
 
-    python3 tools/gpu_ttft.py $OUT                  # on the lent H200 (carry .gpu, built by gpu_bundle.py build)
-    .venv/bin/python tools/gpu_ttft.py OUT --rehearse   # here: the same steps on the CPU with the tiny preset
+    python3 dev/gpu_ttft.py $OUT                  # on the lent H200 (carry .gpu, built by gpu_bundle.py build)
+    .venv/bin/python dev/gpu_ttft.py OUT --rehearse   # here: the same steps on the CPU with the tiny preset
 
 Steps (each with its own time limit; a step that fails or runs out is logged and the next one runs):
 ``env`` (GPU, memory, disks), ``tests`` (tests/test_engine_gpu.py), ``checkpoint`` (``kvtier-engine
@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import gpu_bundle  # a script beside this one: `python dev/gpu_ttft.py` puts dev/ first on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import gpu_bundle  # noqa: E402  (a script beside this one, not a package)
 
 ENV = (
     "nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; free -g; df -h /dev/shm /tmp; nproc; "

@@ -5,9 +5,9 @@ The GPU machine (Python 3.12, torch with CUDA, nvcc; no package index) has no Ti
 dependencies outside its image. As wheels they are over the 64 MiB a call carries; unpacked into one folder and
 packed with xz they fit (about 53 MB). Three subcommands::
 
-    python3 tools/gpu_bundle.py build              # here: download the cp312 wheels, write .gpu/bundle.tar.xz
-    python3 tools/gpu_bundle.py unpack DEST        # there: unpack into DEST, a folder to put on PYTHONPATH
-    python3 tools/gpu_bundle.py device OUT [--runs N] [--bench-args ARGS] [--then SCRIPT]
+    python3 dev/gpu_bundle.py build              # here: download the cp312 wheels, write .gpu/bundle.tar.xz
+    python3 dev/gpu_bundle.py unpack DEST        # there: unpack into DEST, a folder to put on PYTHONPATH
+    python3 dev/gpu_bundle.py device OUT [--runs N] [--bench-args ARGS] [--then SCRIPT]
                                                    # there: unpack, link kvtier's packages, build its C
                                                    # extensions, run the GPU tests, then the swap-in benchmark N
                                                    # times (default 3; ARGS: more of its options, e.g. --no-cpu),
@@ -16,7 +16,7 @@ packed with xz they fit (about 53 MB). Three subcommands::
 
 The device run, as one ``run`` call (carry ``.gpu``)::
 
-    python3 tools/gpu_bundle.py device $OUT
+    python3 dev/gpu_bundle.py device $OUT
 
 ``build`` needs pip and the package index; ``unpack`` and ``device`` need only the standard library (plus, for
 ``device``, what the tests and the benchmark import). Each exits non-zero with one ``gpu_bundle: error:`` line
@@ -87,7 +87,7 @@ def _restore_modes(wheels: Path, tree: Path) -> None:
 def unpack(archive: Path, dest: Path) -> Path:
     """Unpack the bundle (and ``EXTRA_WHEELS`` over it); returns the folder to put on ``PYTHONPATH``."""
     if not archive.is_file():
-        raise BundleError(f"no bundle at {archive}: run `python3 tools/gpu_bundle.py build` here and carry .gpu")
+        raise BundleError(f"no bundle at {archive}: run `python3 dev/gpu_bundle.py build` here and carry .gpu")
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="tar")

@@ -16,7 +16,7 @@ namespaces and deletes them, which removes their veths, bridge, nftables tables 
 Needs root and network namespaces (:func:`netns_unavailable` says why not, or None).
 
 :class:`NetCluster` builds a whole kvtier cluster on such hosts: etcd members, ``kvstore init --etcd``,
-``kvstore serve --host-id`` on every storage host, and a client driver (``kvtier.tools.netns_driver``) on every
+``kvstore serve --host-id`` on every storage host, and a client driver (``dev/netns_driver.py``) on every
 client host (tests/test_multihost.py, benchmarks/multihost_bench.py).
 """
 
@@ -243,12 +243,12 @@ BIN = Path(sys.executable).parent
 
 
 class Remote:
-    """A client driver process (``kvtier.tools.netns_driver``) on a client host: JSON commands and answers."""
+    """A client driver process (``dev/netns_driver.py``) on a client host: JSON commands and answers."""
 
     def __init__(self, net: Network, host: str, config: Path) -> None:
         self.proc = net.spawn(
             host,
-            [sys.executable, "-m", "kvtier.tools.netns_driver", str(config)],
+            [sys.executable, str(Path(__file__).with_name("netns_driver.py")), str(config)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

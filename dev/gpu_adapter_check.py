@@ -1,8 +1,8 @@
 """An engine serving with kvtier as its external KV store, end to end on a GPU: the same 768-token prompt twice, the
 engine's own caches flushed in between, and the second answer's cached tokens read from kvtier.
 
-    python3 tools/gpu_adapter_check.py OUT --engine vllm      # vllm 0.33.0 installed, with kvtier
-    python3 tools/gpu_adapter_check.py OUT --engine sglang    # sglang 0.5.23 installed (and its kernels)
+    python3 dev/gpu_adapter_check.py OUT --engine vllm      # vllm 0.33.0 installed, with kvtier
+    python3 dev/gpu_adapter_check.py OUT --engine sglang    # sglang 0.5.23 installed (and its kernels)
 
 Prepared, not run here: the lent GPU machine has torch 2.11 and no network, and neither engine could be carried to
 it (docs/adapters.md, "On a GPU", gives the sizes and what is missing). On a machine with the engine:

@@ -1,4 +1,4 @@
-"""A client on another host (``kvtier.tools.netns.Remote``): one JSON command per stdin line, one JSON answer a line.
+"""A client on another host (``dev/netns.py``'s ``Remote``): one JSON command per stdin line, one JSON answer a line.
 
 Blocks are numbered; block ``i``'s key and bytes are derived from ``i`` alone, so any host can check any other's.
 
