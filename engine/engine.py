@@ -39,7 +39,7 @@ from kvtier.engine.model import CausalLM
 from kvtier.engine.paged_cache import PagedKVCache, block_layout
 from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.runner import Runner
-from kvtier.engine.sampling import GREEDY, Sampling, sample
+from kvtier.engine.sampling import GREEDY, Sampling, sample, token_logprobs
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.sliding import STATE_INTERVAL, SlidingState, state_block_bytes
 from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
@@ -406,6 +406,7 @@ class Generation:
         self.computed: int | None = None  # prompt positions in the cache; None until the lookup ran
         self.finish_reason: str | None = None  # "stop" (a stop token) or "length"; None while running
         self.first_logits: torch.Tensor | None = None
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per token, with ``sampling.logprobs``
         self._keys: list[bytes] = []
         self._matched = 0
         self._states: dict[int, torch.Tensor] = {}  # StateBlocks this request computed, by position
@@ -480,7 +481,9 @@ class Generation:
         if index == 0 and self.first_token is not None:
             token = self.first_token
         else:
-            token = sample(logits, self.sampling, index)
+            token = sample(logits, self.sampling, index, seq.ids, seq.generated)
+        if self.sampling.logprobs is not None:
+            self.logprobs.append(token_logprobs(logits, token, self.sampling.logprobs))
         seq.generated.append(token)
         if token in self.sampling.stop_token_ids:
             self.finish_reason = "stop"

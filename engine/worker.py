@@ -14,13 +14,18 @@ it):
 The protocol (:data:`PROTOCOL`, also in ``kvtier-engine prefill --help`` and ``docs/engine.md``), stdin → stdout,
 one JSON object a line: the worker first prints
 ``{"ready": true, "role": ..., "state_host": "HOST:PORT" | null}``, then takes requests
-``{"id", "prompt": [token ids], "max_new_tokens": n, "temperature"?, "top_p"?, "seed"?, "stop_token_ids"?,
-"first_token"? (decode), "stream"?}`` and ``{"abort": id}``. It works on every request it holds at once
-(:class:`WorkerLoop`), so answers come in the order requests finish, each naming its ``id``:
+``{"id", "prompt": [token ids], "max_new_tokens": n, sampling settings?, "first_token"? (decode), "stream"?}``
+and ``{"abort": id}``; the sampling settings are :class:`~kvtier.engine.sampling.Sampling`'s, by the same names
+(``logit_bias`` an object of token id → bias; ``logprobs`` the alternatives to report with each token). It works
+on every request it holds at once (:class:`WorkerLoop`), so answers come in the order requests finish, each naming
+its ``id``:
 
 - prefill: ``{"id", "hit_tokens", "replayed", "ttft_s", "first_token", "finish_reason"}``;
 - decode and both: ``{"id", "tokens", "finish_reason", "hit_tokens", "recomputed_tokens", "replayed",
   "ttft_s"}``, preceded with ``"stream": true`` by one ``{"id", "token"}`` line per token as it is made;
+- with ``logprobs``: each token line also has ``"logprob"`` and ``"top_logprobs"`` (``[[id, logprob], ...]``, most
+  likely first), and the answer ``"logprobs"``: ``[[logprob, top_logprobs], ...]`` for its tokens (prefill: the
+  first token's);
 - an abort: ``{"id", "aborted": true}`` once its pages are released (nothing if the id is not running);
 - a bad request: ``{"id", "error": "one line"}``; the worker carries on. End of input ends the worker.
 """
@@ -55,12 +60,15 @@ PROTOCOL = """\
 protocol: JSON lines, one object a line. The worker first prints
   {"ready": true, "role": "prefill"|"decode"|"both", "state_host": "HOST:PORT"|null}
 then takes requests and aborts on stdin, and works on every request it holds at once:
-  {"id": ANY, "prompt": [token ids], "max_new_tokens": N, "temperature"?, "top_p"?, "seed"?,
-   "stop_token_ids"?, "first_token"? (decode), "stream"?}            {"abort": ID}
+  {"id": ANY, "prompt": [token ids], "max_new_tokens": N, "temperature"?, "top_p"?, "top_k"?, "min_p"?,
+   "seed"?, "logit_bias"? {"ID": bias}, "presence_penalty"?, "frequency_penalty"?, "repetition_penalty"?,
+   "min_tokens"?, "stop_token_ids"?, "logprobs"? N, "first_token"? (decode), "stream"?}      {"abort": ID}
 answering each on stdout as it finishes, naming its id:
   prefill        {"id", "hit_tokens", "replayed", "ttft_s", "first_token", "finish_reason"}
   decode, both   {"id", "tokens", "finish_reason", "hit_tokens", "recomputed_tokens", "replayed", "ttft_s"}
                  (with "stream": true, first one {"id", "token"} line per token as it is made)
+  with logprobs  "logprob" and "top_logprobs" [[id, logprob], ...] on each token line; "logprobs"
+                 [[logprob, top_logprobs], ...] in the answer (prefill: the first token's)
   an abort       {"id", "aborted": true} once its pages are released
 A request it cannot take is answered {"id", "error": "one line"} and the worker carries on; end of input ends it."""
 
@@ -240,12 +248,7 @@ class WorkerLoop:
             prompt = request["prompt"]
             if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
                 raise ValueError("prompt must be a list of token ids")
-            sampling = Sampling(
-                float(request.get("temperature", 0.0)),
-                float(request.get("top_p", 1.0)),
-                int(request.get("seed", 0)),
-                frozenset(int(t) for t in request.get("stop_token_ids", ())),
-            )
+            sampling = sampling_of(request, self.engine.config.vocab_size)
             new = 1 if self.role == "prefill" else int(request.get("max_new_tokens", 16))
             if new < 0:
                 raise ValueError(f"max_new_tokens must be >= 0, got {new}")
@@ -319,7 +322,7 @@ class WorkerLoop:
             self.emit({"id": r.rid, "error": f"{type(e).__name__}: {e}"})
             return
         if token is not None and r.stream:
-            self.emit({"id": r.rid, "token": token})
+            self.emit({"id": r.rid, "token": token, **_token_logprobs(g, -1)})
         if g.finish_reason:
             self._end(r)
             self.emit(self._answer(r.rid, g))
@@ -327,12 +330,47 @@ class WorkerLoop:
     def _answer(self, rid: Any, g: Generation) -> dict[str, Any]:
         seq = g.seq
         common = {"hit_tokens": seq.hit_tokens, "replayed": seq.replayed, "ttft_s": seq.ttft_s}
+        if g.sampling.logprobs is not None:
+            common["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in g.logprobs]
         if self.role == "prefill":
             first = seq.generated[0] if seq.generated else None
             return {"id": rid, **common, "first_token": first, "finish_reason": g.finish_reason}
         recomputed = len(seq.prompt) - seq.hit_tokens
         answer = {"id": rid, "tokens": seq.generated, "finish_reason": g.finish_reason}
         return {**answer, **common, "recomputed_tokens": recomputed}
+
+
+def sampling_of(request: dict[str, Any], vocab_size: int) -> Sampling:
+    """A request's sampling settings (the protocol's names, :class:`Sampling`'s meanings); ValueError (one line)
+    for one out of range."""
+    bias = []
+    for key, value in (request.get("logit_bias") or {}).items():
+        if not 0 <= int(key) < vocab_size:
+            raise ValueError(f"logit_bias names token {key}, outside the vocabulary (0…{vocab_size - 1})")
+        bias.append((int(key), float(value)))
+    logprobs = request.get("logprobs")
+    return Sampling(
+        temperature=float(request.get("temperature", 0.0)),
+        top_p=float(request.get("top_p", 1.0)),
+        seed=int(request.get("seed", 0)),
+        stop_token_ids=frozenset(int(t) for t in request.get("stop_token_ids", ())),
+        top_k=int(request.get("top_k", 0)),
+        min_p=float(request.get("min_p", 0.0)),
+        logit_bias=tuple(bias),
+        presence_penalty=float(request.get("presence_penalty", 0.0)),
+        frequency_penalty=float(request.get("frequency_penalty", 0.0)),
+        repetition_penalty=float(request.get("repetition_penalty", 1.0)),
+        min_tokens=int(request.get("min_tokens", 0)),
+        logprobs=None if logprobs is None else int(logprobs),
+    )
+
+
+def _token_logprobs(g: Generation, at: int) -> dict[str, Any]:
+    """The protocol's ``logprob`` and ``top_logprobs`` of ``g``'s token ``at``, when it was asked for them."""
+    if g.sampling.logprobs is None:
+        return {}
+    logprob, top = g.logprobs[at]
+    return {"logprob": logprob, "top_logprobs": [list(t) for t in top]}
 
 
 def _say(out: TextIO, obj: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvtier.engine.engine import Engine
-from kvtier.engine.sampling import Sampling, sample
+from kvtier.engine.sampling import Sampling, sample, token_logprobs
 from kvtier.engine.worker import WorkerLoop
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -106,3 +106,49 @@ def test_sampling_is_a_pure_function_of_seed_and_index(engine: Engine) -> None:
     assert len({sample(logits, Sampling(1.5, 1.0, seed), 0) for seed in range(40)}) > 1
     assert sample(logits, Sampling(), 0) == int(logits.argmax())
     assert sample(logits, Sampling(2.0, top_p=1e-9, seed=1), 0) == int(logits.argmax())  # top_p keeps one token
+
+
+SETTINGS = {"temperature": 0.8, "seed": 3, "top_k": 20, "min_p": 0.02, "logit_bias": {"7": 4.0, "9": -100.0},
+            "presence_penalty": 0.4, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_tokens": 3}  # fmt: skip
+
+
+def as_sampling(settings: dict[str, Any]) -> Sampling:
+    bias = tuple((int(k), v) for k, v in settings.get("logit_bias", {}).items())
+    return Sampling(**{**settings, "logit_bias": bias})
+
+
+def test_every_sampling_setting_of_a_request_reaches_its_tokens(engine: Engine) -> None:
+    p = prompt(120, 11)
+    [answer] = run(engine, [{"id": 1, "prompt": p, "max_new_tokens": 12, **SETTINGS}])
+    assert answer["tokens"] == engine.generate([p], 12, reuse=False, sampling=as_sampling(SETTINGS))[0].tokens
+    plain = engine.generate([p], 12, reuse=False, sampling=Sampling(0.8, seed=3))[0].tokens
+    assert answer["tokens"] != plain
+
+
+def test_a_decode_worker_given_the_first_token_continues_every_setting_as_one_process(engine: Engine) -> None:
+    p = prompt(150, 12)
+    for settings in (SETTINGS, {**SETTINGS, "temperature": 0.0}, {"repetition_penalty": 1.5}):
+        [whole] = run(engine, [{"id": 1, "prompt": p, "max_new_tokens": 10, **settings}])
+        [first] = run(engine, [{"id": 1, "prompt": p, **settings}], role="prefill")
+        [rest] = run(engine, [{"id": 1, "prompt": p, "max_new_tokens": 10, "first_token": first["first_token"],
+                               **settings}], role="decode")  # fmt: skip
+        assert rest["tokens"] == whole["tokens"]
+        assert whole["tokens"] == engine.generate([p], 10, reuse=False, sampling=as_sampling(settings))[0].tokens
+
+
+def test_streamed_tokens_carry_the_logprobs_of_the_raw_logits(engine: Engine) -> None:
+    p = prompt(90, 13)
+    events = run(engine, [{"id": 1, "prompt": p, "max_new_tokens": 4, "stream": True, "logprobs": 2}])
+    tokens = [e for e in events if "token" in e]
+    assert len(tokens) == 4 and all(len(e["top_logprobs"]) == 2 for e in tokens)
+    expected, top = token_logprobs(engine.logits(p)[-1], tokens[0]["token"], 2)
+    assert tokens[0]["logprob"] == pytest.approx(expected, abs=1e-4)
+    assert [t for t, _ in tokens[0]["top_logprobs"]] == [t for t, _ in top]
+    assert events[-1]["logprobs"] == [[e["logprob"], e["top_logprobs"]] for e in tokens]
+    [first] = run(engine, [{"id": 1, "prompt": p, "logprobs": 2}], role="prefill")
+    assert first["logprobs"] == events[-1]["logprobs"][:1]
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_one_error_line(engine: Engine) -> None:
+    [answer] = run(engine, [{"id": 1, "prompt": prompt(10, 1), "logit_bias": {"512": 1.0}}])
+    assert "logit_bias" in answer["error"]
