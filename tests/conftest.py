@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,24 @@ from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster, NodeStartError
 
 ClusterFactory = Callable[..., LocalCluster]
+
+
+def _import_installed(name: str) -> None:
+    """Import the installed package ``name`` ahead of a same-named folder of this repository: pytest puts the
+    repository root on ``sys.path`` (for ``tests`` and ``dev``), where ``kernels/`` (``kvtier.kernels``) would shadow
+    Hugging Face's ``kernels``, which transformers ≥ 5.25 imports."""
+    root = Path(__file__).resolve().parent.parent
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_import_installed("kernels")
 
 
 @pytest.fixture(autouse=True, scope="session")
