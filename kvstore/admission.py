@@ -361,12 +361,14 @@ def busy(reason: str) -> bytes:
 
 def recv_hello(sock: socket.socket, reader: FrameReader, ticket: Ticket, admission: Admission) -> Frame | None:
     """The connection's first frame, received by the ticket's deadline however slowly it trickles in (None: the
-    peer closed before sending one). Raises ProtocolError(AUTH_REQUIRED) past the deadline (counted), and what
-    the socket or the reader raise. Leaves the socket with a timeout set: the caller sets its own after HELLO."""
+    peer closed before sending one). Raises ProtocolError(AUTH_REQUIRED) past the deadline (counted) or for a frame
+    other than HELLO (at its header, whatever follows it), and what the socket or the reader raise. Leaves the
+    socket with a timeout set: the caller sets its own after HELLO."""
 
     def by_deadline(_reader: FrameReader) -> None:
         sock.settimeout(ticket.recv_timeout_s())
 
+    reader.expect_hello = True
     try:
         return recv_frame(sock, reader, by_deadline)
     except TimeoutError:
@@ -375,6 +377,8 @@ def recv_hello(sock: socket.socket, reader: FrameReader, ticket: Ticket, admissi
         raise ProtocolError(
             ErrorCode.AUTH_REQUIRED, f"no complete HELLO within {timeout_s:g} s of connecting"
         ) from None
+    finally:
+        reader.expect_hello = False
 
 
 def authenticate(frame: Frame, tenant_for_token: Callable[[str], str | None]) -> str:

@@ -1103,6 +1103,19 @@ class ChunkEngine:
         with self._lock, self.env.begin(write=True) as txn:
             return self.owed.add(txn, items)
 
+    def owe_short(self, tenant: str, blob: bytes, klen: int, missing: np.ndarray) -> int:
+        """Take on the repair of the blocks of ``tenant`` among the keys of ``blob`` (``klen`` bytes each) that this
+        node is the live primary of, each missing the shards ``missing`` names (a bit each; rows of 0 are skipped).
+        Returns how many repairs are new."""
+        prefix, now = tenant_prefix(tenant), self.clock()
+        with self._lock, self.env.begin(write=True) as txn:
+            short = [
+                Owed(bkey, now, mask)
+                for i, mask in enumerate(missing.tolist())
+                if mask and (bkey := prefix + blob[i * klen : (i + 1) * klen]) in self.lru
+            ]
+            return self.owed.add(txn, short)
+
     def owed_repairs(self, limit: int) -> list[Owed]:
         """Up to ``limit`` owed repairs, oldest first."""
         with self.env.begin() as txn:

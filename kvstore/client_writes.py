@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node, header_rows, key_rows
+from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node, gather_rows, header_rows, key_rows, node_runs
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec, addresses
 from kvtier.kvstore.keys import Namespace, TokenInput
 from kvtier.kvstore.placement import RECORD_HOLDERS
@@ -62,11 +62,12 @@ class Writes(ClientCore):
         views = [memoryview(b).cast("B") for b in blocks]
         shard_nodes = self.placement.shard_nodes(keys)
         write = np.ones(shard_nodes.shape, dtype=bool)
-        ok, stored, no_space = self._store(keys, views, ttl_class, shard_nodes, write, headers, parents, ns_digest)
+        done = self._store(keys, views, ttl_class, shard_nodes, write, headers, parents, ns_digest)
+        stored, no_space = done.committed, done.no_space
         result = stored.tolist()
         unavailable = ~stored & ~no_space
         if unavailable.any():
-            self._refused(shard_nodes[unavailable], ok[unavailable])
+            self._refused(shard_nodes[unavailable], done.took[unavailable])
         if (no_space & ~stored).any():
             refused = int((no_space & ~stored).sum())
             raise CapacityError(
@@ -77,11 +78,11 @@ class Writes(ClientCore):
             )
         return result
 
-    def _refused(self, shard_nodes: np.ndarray, ok: np.ndarray) -> None:
+    def _refused(self, shard_nodes: np.ndarray, took: np.ndarray) -> None:
         """Blocks refused because too few of their nodes took shards: counted, and said once a call, with the
-        nodes that did not (down, unreachable, or draining)."""
+        nodes that did not take theirs (down, unreachable, or draining)."""
         self.stats["refused_unavailable"] += len(shard_nodes)
-        missing = sorted({int(n) for n in np.unique(shard_nodes[~ok])})
+        missing = sorted({int(n) for n in np.unique(shard_nodes[~took])})
         log.warning(
             "%d blocks not stored: fewer than %d of their nodes took shards, or their primary did not "
             "(nodes %s down, unreachable or draining)",
@@ -102,14 +103,13 @@ class Writes(ClientCore):
         ns_digest: bytes = b"",
         created: Sequence[float] | None = None,
         repair: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> Stored:
         """Write the shards selected by ``write`` (n × 12) in two phases; see the module docstring.
 
         A block commits when its primary's shard and ``min_write_shards`` shards are durable, or, for a
         ``repair`` (which writes only missing or corrupt shards, replacing what is there), whenever its
-        written shards are.
-        Returns the (n × 12) shards now durable (committed), per block whether it committed (its primary
-        recorded it), and per block whether a node refused a shard for lack of space.
+        written shards are. A block that commits short of shards is owed a repair by its primary: the COMMIT names
+        the shards no node took, and an ``OWE`` afterwards those whose holder took them but did not commit them.
         """
         stripes = self._stripes(views)
         block_lens = stripes.lens.astype("<u8")
@@ -200,7 +200,39 @@ class Writes(ClientCore):
             if statuses is not None:
                 committed = entries[statuses == Status.OK]
                 durable[committed[:, 0], committed[:, 1]] = True
-        return durable, durable[:, 0], no_space
+        if not repair:
+            named = missing if missing is not None else np.zeros(len(keys), dtype=np.uint16)
+            self._owe(key_table, shard_nodes, write & ~durable, durable[:, 0], named)
+        return Stored(durable, durable[:, 0], no_space, ok)
+
+    def _owe(
+        self,
+        key_table: np.ndarray,
+        shard_nodes: np.ndarray,
+        lacking: np.ndarray,
+        committed: np.ndarray,
+        named: np.ndarray,
+    ) -> None:
+        """Tell the primaries of committed blocks which shards did not commit beyond those their COMMIT ``named`` (a
+        holder took its shard, then failed before or during its COMMIT): each owes those repairs (``OWE``), or the
+        block would stay 11 shards with nobody knowing. A primary that does not answer is logged: it failed
+        itself, and its own blocks are the rebuild's."""
+        masks = _bit_masks(lacking)
+        rows = np.flatnonzero(committed & (masks & ~named != 0))
+        if not len(rows):
+            return
+        exchange = Exchange(self.pool)
+        asks = []
+        order, runs = node_runs(shard_nodes[rows, 0])
+        for node_id, lo, hi in runs:
+            mine = rows[order[lo:hi]]
+            meta = {"keys": gather_rows(key_table, mine), "klen": key_table.shape[1]}
+            meta["miss"] = masks[mine].astype("<u2").tobytes()
+            asks.append((node_id, len(mine), exchange.request(node_id, Op.OWE, meta)))
+        exchange.run(self.config.client.op_timeout_s)
+        for node_id, count, pending in asks:
+            if not pending.ok:
+                log.warning("node %d did not take on repairs of %d blocks committed short of shards", node_id, count)
 
     put_from = put  # buffers are sent as views either way; the second name matches get_into
 
@@ -218,10 +250,8 @@ class Writes(ClientCore):
         ``created`` (and the rewritten shards carry it). Returns the (n × 12) shards committed."""
         views = [memoryview(b).cast("B") for b in blocks]
         shard_nodes = self.placement.shard_nodes(keys)
-        durable, _, _ = self._store(
-            keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True
-        )
-        return durable & which
+        done = self._store(keys, views, ttl_class, shard_nodes, which, list(headers), created=created, repair=True)
+        return done.durable & which
 
     def _stripes(self, views: Sequence[memoryview]) -> Stripes:
         """The shards of every block as (address, length) pieces, parity not computed yet (``Stripes.encode``).
@@ -258,6 +288,17 @@ class Writes(ClientCore):
 ENCODE_WINDOW = 4 << 20
 """Block bytes of a put's first window of parity, sent while the rest is encoded; each later window holds as many
 blocks as all before it (few rounds of the send loop, yet the nodes never wait for the whole batch's parity)."""
+
+
+class Stored(NamedTuple):
+    """What a two-phase write achieved: the (n × 12) shards committed, per block whether it committed (its primary
+    recorded it) and whether a node refused one of its shards for lack of space, and the (n × 12) shards their nodes
+    took in the first phase (stored pending, or there already)."""
+
+    durable: np.ndarray
+    committed: np.ndarray
+    no_space: np.ndarray
+    took: np.ndarray
 
 
 class Stripes(NamedTuple):

@@ -71,7 +71,7 @@ import tomlkit.items
 
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.keys import HASH_ALGOS
-from kvtier.kvstore.protocol import Limits
+from kvtier.kvstore.protocol import MAX_BATCH, Limits
 from kvtier.kvstore.units import format_duration, parse_duration, parse_size
 
 DEFAULT_TENANT = "default"
@@ -497,6 +497,8 @@ def _limits(table: dict[str, Any]) -> Limits:
     if "max_pre_auth_per_peer" not in table:
         per_peer = min(limits.max_pre_auth_per_peer, limits.max_pre_auth_connections)
         limits = replace(limits, max_pre_auth_per_peer=per_peer)
+    if limits.max_batch > MAX_BATCH:
+        raise ConfigError(f"limits.max_batch cannot exceed {MAX_BATCH}")
     if limits.max_pre_auth_connections > limits.max_connections:
         raise ConfigError("limits.max_pre_auth_connections cannot exceed limits.max_connections")
     if limits.max_pre_auth_per_peer > limits.max_pre_auth_connections:

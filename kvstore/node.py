@@ -166,6 +166,7 @@ class StorageNode:
             Op.STAT: self.stat,
             Op.NODE_INFO: self.node_info,
             Op.ADMIN: self.admin,
+            Op.OWE: self.owe,
         }
 
     def health(self) -> dict[str, Any]:
@@ -336,6 +337,16 @@ class StorageNode:
         except ValueError as exc:
             raise bad(str(exc)) from None
         return Reply({"st": statuses if statuses is not None else bytes([Status.MISSING]) * len(action)})
+
+    def owe(self, session: Session, frame: Frame) -> Reply:
+        """The writer of ``keys`` could not commit the shards ``miss`` names (``<u2`` a key, a bit a shard: a holder
+        took its shard and then failed before or during the COMMIT): this node, their primary, owes their repair.
+        Keys of blocks it is not the live primary of are ignored. Answers how many repairs were taken on."""
+        blob, klen = unpack_key_blob(frame.meta, self.config.limits.max_batch)
+        missing = unpack_array(frame.meta, "miss", "<u2", len(blob) // klen)
+        if len(missing) and int(missing.max()) >= 1 << TOTAL_SHARDS:
+            raise bad(f"field 'miss' names shards beyond the {TOTAL_SHARDS} of a block")
+        return Reply({"owed": self.engine.owe_short(self.tenant(session, frame.meta), blob, klen, missing)})
 
     def get_shards(self, session: Session, frame: Frame) -> Reply:
         """Shards by (key, index), sent straight from the slab mappings (pinned until sent), with per-shard

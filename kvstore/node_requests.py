@@ -13,7 +13,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvtier.kvstore.protocol import UNSET, Hello, Op, Request, Schemas, Unset
+from kvtier.kvstore.protocol import MAX_BATCH, UNSET, Hello, Op, Request, Schemas, Unset
 
 MAX_TTL_CLASSES = 1024  # an ADMIN ttl_set names at most this many classes
 MAX_PARENT_BYTES = 255
@@ -39,7 +39,11 @@ class PutShards(_Shards):
     cls: str | Unset = UNSET
     put: bytes | Unset = UNSET
     ns: bytes | Unset = UNSET
-    par: list[Annotated[bytes, msgspec.Meta(max_length=MAX_PARENT_BYTES)]] | Unset = UNSET
+    # one per shard 0, 1 or 2: bounded as it is decoded (the handler checks the count against the shards)
+    par: (
+        Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_PARENT_BYTES)]], msgspec.Meta(max_length=MAX_BATCH)]
+        | Unset
+    ) = UNSET
     created: bytes | Unset = UNSET
     replace: bool | Unset = UNSET
 
@@ -48,6 +52,10 @@ class Commit(_Request):
     put: bytes | Unset = UNSET
     act: bytes | Unset = UNSET
     miss: bytes | Unset = UNSET  # <u2 per shard: the shards of its block the writer could not store
+
+
+class Owe(_Keys):
+    miss: bytes | Unset = UNSET  # <u2 per key: the shards of its block that did not commit
 
 
 class GetShards(_Shards):
@@ -98,5 +106,6 @@ NODE_REQUESTS = Schemas(
         Op.STAT: Stat,
         Op.NODE_INFO: NodeInfo,
         Op.ADMIN: Admin,
+        Op.OWE: Owe,
     }
 )

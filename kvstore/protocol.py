@@ -64,6 +64,7 @@ class Op(enum.IntEnum):
     STAT = 7
     NODE_INFO = 8
     ADMIN = 9
+    OWE = 10  # a writer tells blocks' primary which of their shards did not commit: the primary owes their repair
     ERROR = 0x7F
     REPLY = 0x80
 
@@ -104,6 +105,11 @@ class ProtocolError(Exception):
         self.request_id = request_id
 
 
+MAX_BATCH = 1 << 16
+"""The most a cluster may set ``limits.max_batch`` to: request schemas bound their lists by it when they are decoded,
+before anything of the request is looked at (a list of millions of tiny entries would otherwise be built whole)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """The ``[limits]`` of the cluster file: upper bounds on frames (enforced on every header, before
@@ -113,7 +119,7 @@ class Limits:
 
     max_meta_bytes: int = 8 << 20
     max_payload_bytes: int = 2 << 30
-    max_batch: int = 65536
+    max_batch: int = MAX_BATCH  # entries a request may carry; at most MAX_BATCH (request schemas bound lists by it)
     max_connections: int = 1024  # per server: each has a thread; more are refused with ERROR(BUSY)
     # before HELLO: at most this many connections at once (the rest of max_connections is kept for
     # authenticated ones), this many from one address, HELLO complete within this long of the connect, and
@@ -242,8 +248,9 @@ def encode_error(request_id: int, code: ErrorCode, message: str) -> bytes:
     return encode_head(Op.ERROR, request_id, {"code": int(code), "message": message})
 
 
-def parse_header(data: bytes | memoryview, limits: Limits) -> tuple[int, int, int, int, int]:
-    """Validate a 32-byte header; returns (opcode, flags, request_id, meta_len, payload_len)."""
+def parse_header(data: bytes | memoryview, limits: Limits, hello_only: bool = False) -> tuple[int, int, int, int, int]:
+    """Validate a 32-byte header; returns (opcode, flags, request_id, meta_len, payload_len). ``hello_only`` (a
+    connection not authenticated yet): any other opcode is AUTH_REQUIRED, whatever the rest of the frame holds."""
     magic, version, opcode, flags, request_id, meta_len, payload_len, crc = HEADER.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"bad magic {bytes(magic)!r}: not a kvtier peer")
@@ -251,6 +258,8 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> tuple[int, int, in
         raise ProtocolError(ErrorCode.BAD_FRAME, "frame header checksum mismatch")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"protocol version {version}, this peer speaks {PROTOCOL_VERSION}")
+    if hello_only and opcode != Op.HELLO:
+        raise ProtocolError(ErrorCode.AUTH_REQUIRED, "the first frame must be HELLO with a token", request_id)
     if meta_len > limits.max_meta_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"metadata of {meta_len} bytes exceeds {limits.max_meta_bytes}")
     if payload_len > limits.max_payload_bytes:
@@ -292,6 +301,7 @@ class FrameReader:
         self.limits = limits or Limits()
         self.schemas = schemas
         self.budget = budget
+        self.expect_hello = False  # a server's connection before authentication: only HELLO is allowed
         self._header = bytearray(HEADER_SIZE)
         self._state = self._HEADER
         self._filled = 0
@@ -483,7 +493,7 @@ class FrameReader:
 
     def _open_frame(self, header: bytes | bytearray | memoryview) -> int:
         """A frame's header has arrived: checked, it opens the frame; returns its metadata's length."""
-        opcode, _flags, request_id, meta_len, payload_len = parse_header(header, self.limits)
+        opcode, _flags, request_id, meta_len, payload_len = parse_header(header, self.limits, self.expect_hello)
         self._frame = Frame(opcode, request_id, {}, payload_len)
         self._meta_len = meta_len
         return meta_len

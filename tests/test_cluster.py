@@ -64,6 +64,7 @@ def test_an_edit_that_breaks_the_file_is_refused_and_changes_nothing(tmp_path: P
         ("[gc]\n", "[gc]\ninterval = 5\n", "[gc] has unknown keys: interval"),
         ("[gc]\n", "[gc]\nmeta_sync_s = 0\n", "[gc] meta_sync_s and access_flush_s must be positive"),
         ("[gc]\n", "[limits]\nmax_batch = 1.5\n\n[gc]\n", "limits.max_batch: expected `int`, got `float`"),
+        ("[gc]\n", "[limits]\nmax_batch = 65537\n\n[gc]\n", "limits.max_batch cannot exceed 65536"),
         ("[gc]\n", '[tenants.teamb]\ntoken = "short"\n\n[gc]\n', "tenants.teamb.token must be at least 32"),
         ("nodes = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]", "nodes = [0, 1]", "groups[0] has 2 nodes"),
         ("[cluster]", "[klaster]", "object missing required field `cluster`"),

@@ -21,8 +21,9 @@ from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.local import LocalCluster, NodeStartError
 from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.protocol import Status
+from kvtier.kvstore.protocol import Op, Status
 from kvtier.kvstore.slabs import SIZE_CLASSES
+from kvtier.kvstore.transport import Exchange
 
 from .conftest import wait_for
 from .test_node_metrics import metrics
@@ -85,6 +86,35 @@ def test_blocks_committed_while_a_node_was_down_get_their_twelfth_shard_back_on_
         keys = [k for k, s in zip(keys, stored, strict=True) if s]
         data = [d for d, s in zip(data, stored, strict=True) if s]
         local.start([2])
+        wait_reachable(client)
+        wait_for(lambda: client.probe(keys).all(), 60, "the GC to restore every block's 12th shard by itself")
+        for nid in (7, 8):
+            local.kill(nid)
+        assert [bytes(b) if b is not None else None for b in client.get(keys)] == data
+
+
+def test_a_holder_killed_between_put_and_commit_is_owed_and_every_block_survives_two_more_losses(
+    own_cluster, monkeypatch
+) -> None:
+    local = own_cluster(gc=FAST_GC)
+    victim = 3
+    with Client(local.config) as client:
+        keys, data = blocks(80)
+        others = Placement(local.config.groups).primaries(keys) != victim  # (its own blocks would not commit)
+        keys, data = [keys[b] for b in np.flatnonzero(others)], [data[b] for b in np.flatnonzero(others)]
+        request = Exchange.request
+
+        def die_before_commit(exchange: Exchange, node_id: int, opcode: int, *args, **kwargs):
+            if opcode == Op.COMMIT and victim in local.procs:
+                local.kill(victim)  # it took its shards; it never hears the COMMIT
+            return request(exchange, node_id, opcode, *args, **kwargs)
+
+        monkeypatch.setattr(Exchange, "request", die_before_commit)
+        assert all(client.put(keys, data))
+        monkeypatch.undo()
+        owed = [info["blocks_under_replicated"] for nid, info in client.node_info().items() if nid != victim]
+        assert sum(owed) == len(keys)  # every block is 11 shards, and its primary knows it
+        local.start([victim])
         wait_reachable(client)
         wait_for(lambda: client.probe(keys).all(), 60, "the GC to restore every block's 12th shard by itself")
         for nid in (7, 8):

@@ -22,7 +22,7 @@ import pytest
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client, connect
 from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.protocol import PROTOCOL_VERSION, ErrorCode, Frame, FrameReader, Op
+from kvtier.kvstore.protocol import PROTOCOL_VERSION, ErrorCode, Frame, FrameReader, Op, encode_head
 from kvtier.kvstore.transport import AuthError
 
 from .conftest import wait_for
@@ -291,6 +291,23 @@ def test_first_frame_not_hello_gets_auth_required_and_close(local: LocalCluster,
         code, rid = _not_hello(sock, admin_token)
         assert code == ErrorCode.AUTH_REQUIRED
         assert_error_then_closed(sock, ErrorCode.AUTH_REQUIRED, rid)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        raw_header(42, rid=9),  # an opcode nobody knows
+        encode_head(Op.MATCH, 9, {"keys": b"k" * 16, "klen": 16, "bogus": 1}),  # a field MATCH does not have
+        encode_head(Op.GET_SHARDS, 9, {"keys": [1, 2, 3]}),  # a field of the wrong type
+        raw_header(Op.PUT_SHARDS, rid=9, meta_len=0, payload_len=1 << 20),  # a payload, before HELLO
+        raw_header(Op.STAT, rid=9, meta_len=64 << 10),  # more metadata than a HELLO may have
+    ],
+    ids=["unknown-opcode", "unknown-field", "wrong-type", "payload", "large-metadata"],
+)
+def test_any_frame_other_than_hello_first_gets_auth_required_whatever_it_holds(local: LocalCluster, frame: bytes):
+    with open_raw(local) as sock:
+        sock.sendall(frame)  # the node answers at the header: nothing after it is read
+        assert_error_then_closed(sock, ErrorCode.AUTH_REQUIRED, 9)
 
 
 def test_hello_with_wrong_token_gets_auth_failed_and_close(local: LocalCluster, admin_token: str):

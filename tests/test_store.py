@@ -254,6 +254,19 @@ def test_a_node_down_during_writes_does_not_block_them(make_cluster) -> None:
         assert stored == [p != 4 for p in primaries]
 
 
+def test_a_put_refused_for_a_down_primary_names_the_down_node_only(make_cluster, caplog) -> None:
+    local = make_cluster()
+    with connect(local.config_path) as client:
+        keys = rand_keys(40)
+        while not (Placement(local.config.groups).primaries(keys) == 4).any():
+            keys = rand_keys(40)
+        local.kill(4)
+        with caplog.at_level("WARNING", logger="kvtier.client"):
+            client.put(keys, rand_blocks(40, 4096))
+    [refusal] = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    assert refusal.endswith("(nodes 4 down, unreachable or draining)"), refusal
+
+
 WRITER = textwrap.dedent(
     """
     import os, signal, sys
