@@ -20,9 +20,11 @@ import torch
 import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from kvtier.engine.config import FULL, SLIDING, ModelConfig, Shape, UnsupportedModelError
-from kvtier.engine.model import CausalLM
+from kvtier.engine.config import FULL, SLIDING, Shape, UnsupportedModelError
+from kvtier.engine.deepseek_v4.presets import V4_PRESETS, v4_config_dict, v4_init
+from kvtier.engine.family import Family, family_of
 from kvtier.engine.tokenizer_files import write_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,42 +43,63 @@ PRESETS = {
 }
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+def read_config(path: str | Path) -> tuple[Family, Any]:
+    """The family and config of the checkpoint directory ``path`` (UnsupportedModelError, one line, for a
+    directory without a valid ``config.json`` or of a family this engine does not run)."""
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise UnsupportedModelError(f"{path}: no config.json (expected a Hugging Face model directory)") from None
+    except json.JSONDecodeError as e:
+        raise UnsupportedModelError(f"{file}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise UnsupportedModelError(f"{file}: expected a JSON object")
+    family = family_of(raw, str(file))
+    return family, family.parse(raw, str(file))
+
+
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model of the checkpoint directory ``path``, on ``device`` in ``dtype``, in eval mode.
 
     Raises UnsupportedModelError (one line) for a config of another family, missing weights or weights of
-    the wrong shape.
+    the wrong shape. Parameters the model keeps in another dtype (DeepSeek-V4's hyper-connections, norms, sinks
+    and position biases in float32, its hash table as integers) keep theirs.
     """
     path = Path(path)
-    config = ModelConfig.from_dir(path)
+    family, config = read_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path}: no *.safetensors files")
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = family.build(config)
     expected = model.state_dict()
-    state: dict[str, torch.Tensor] = {}
     where = str(torch.device(device)) if torch.device(device).type == "cuda" else "cpu"  # straight onto a GPU
+    state: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt", device=where) as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name in expected:
-                    state[name] = f.get_tensor(name).to(dtype)
+            state.update(family.load_weights(config, list(f.keys()), f.get_tensor, str(path)))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     wanted = {n for n in expected if not (config.tie_word_embeddings and n == "lm_head.weight")}
     missing = sorted(wanted - state.keys())
     if missing:
         raise UnsupportedModelError(f"{path}: {len(missing)} weights missing, e.g. {missing[0]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
+    for name in list(state):
+        if name not in wanted:
+            del state[name]
+            continue
+        tensor, want = state[name], expected[name]
+        if tuple(tensor.shape) != tuple(want.shape):
             raise UnsupportedModelError(
-                f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}"
+                f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(want.shape)}"
             )
+        keep = not want.is_floating_point() or any(part in name for part in family.keep_float32)
+        state[name] = tensor.to(want.dtype if keep else dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope.inv_freq = config.inv_freq()
+    model.reset_buffers()
     return model.to(device).eval()
 
 
@@ -153,25 +176,36 @@ def make_checkpoint(
 ) -> Path:
     """Write a seeded random checkpoint of ``preset`` into ``out`` (created; must be empty or absent).
 
-    The weights are drawn on ``device``: a seed gives the same checkpoint on the same kind of device (a GPU's
-    generator is not the CPU's), and drawing 8 B weights on a GPU takes a moment where the CPU takes minutes."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset]
-    types = parse_layer_types(layer_types, p.num_layers)
-    raw = config_dict(p, family, types, sliding_window)
+    A dense preset (``PRESETS``) takes ``family`` and ``layer_types``; a DeepSeek-V4 preset (``V4_PRESETS``) has its
+    own layer mix and writes the names transformers saves V4 under. The weights are drawn on ``device``: a seed gives
+    the same checkpoint on the same kind of device (a GPU's generator is not the CPU's), and drawing 8 B weights on a
+    GPU takes a moment where the CPU takes minutes."""
+    if preset in V4_PRESETS:
+        v4 = V4_PRESETS[preset]
+        raw, dtype, vocab = v4_config_dict(v4, sliding_window), v4.dtype, v4.vocab_size
+
+        def init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+            return v4_init(name, shape, gen, v4.n_routed_experts)
+
+    elif preset in PRESETS:
+        p = PRESETS[preset]
+        raw = config_dict(p, family, parse_layer_types(layer_types, p.num_layers), sliding_window)
+        dtype, vocab, init = p.dtype, p.vocab_size, _init
+    else:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *V4_PRESETS])}")
     raw["tie_word_embeddings"] = tie_word_embeddings
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; give a new directory")
-    config = ModelConfig.from_dict(raw)
+    kind = family_of(raw, preset)
+    config = kind.parse(raw, preset)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = torch.Generator(device).manual_seed(seed)
-    itemsize = torch.empty(0, dtype=DTYPES[p.dtype]).element_size()
+    itemsize = torch.empty(0, dtype=DTYPES[dtype]).element_size()
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
-    for name, shape in _weight_shapes(config):
+    for name, shape in _weight_shapes(kind, config):
         nbytes = math.prod(shape) * itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
@@ -183,22 +217,30 @@ def make_checkpoint(
         names = ["model.safetensors"]
     weight_map = {}
     for file, shard in zip(names, shards, strict=True):  # one shard in memory at a time
-        tensors = {name: _init(name, shape, gen).to(DTYPES[p.dtype]).cpu() for name, shape in shard}
+        tensors = {}
+        for name, shape in shard:
+            t = init(name, shape, gen)
+            tensors[name] = (t.to(DTYPES[dtype]) if t.is_floating_point() else t).cpu()
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
     if len(shards) > 1:
         index = {"metadata": {}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    write_tokenizer(out, p.vocab_size)
+    write_tokenizer(out, vocab)
     return out
 
 
-def _weight_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _weight_shapes(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor a checkpoint of ``config`` holds, under the names it is saved with."""
     with torch.device("meta"):
-        model = CausalLM(config)
-    for name, tensor in model.state_dict().items():
-        if not (config.tie_word_embeddings and name == "lm_head.weight"):
-            yield name, tuple(tensor.shape)
+        model = family.build(config)
+    state = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    for name, tensor in family.saved_weights(config, state).items():
+        yield name, tuple(tensor.shape)
 
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

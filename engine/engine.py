@@ -31,17 +31,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from kvtier.engine.checkpoint import load, model_id
 from kvtier.engine.dense import forward_logits
+from kvtier.engine.family import FAMILIES
 from kvtier.engine.fetch import FetcherPages, PageTransfer, StorePages
-from kvtier.engine.model import CausalLM
-from kvtier.engine.paged_cache import PagedKVCache, block_layout
 from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.runner import Runner
 from kvtier.engine.sampling import GREEDY, Sampling, sample, token_logprobs
 from kvtier.engine.sequence import Sequence
-from kvtier.engine.sliding import STATE_INTERVAL, SlidingState, state_block_bytes
+from kvtier.engine.sliding import STATE_INTERVAL
 from kvtier.engine.stateblocks import LocalStateBlocks, StateBlocks
 from kvtier.engine.store import BlockStore
 from kvtier.kvstore.keys import Namespace, TokenInput, chain
@@ -65,39 +65,44 @@ class Result:
 
 
 class Engine:
-    """A model with a paged cache, optionally a client of a store. Not thread-safe."""
+    """A model with a paged cache, optionally a client of a store. Not thread-safe.
+
+    What a page and a StateBlock hold is the model family's (``family.py``); ``block_tokens`` None takes the
+    family's default (64 for the dense families, ``lcm(128, compress rates)`` for DeepSeek-V4), and a size the
+    family cannot take is a ValueError (one line)."""
 
     def __init__(
         self,
-        model: CausalLM,
+        model: nn.Module,
         model_id: str,
         store: BlockStore | None = None,
         state_blocks: StateBlocks | None = None,
-        block_tokens: int = 64,
+        block_tokens: int | None = None,
         cache_tokens: int = 1 << 16,
         chunk_tokens: int = 512,
     ) -> None:
         self.model = model
         self.config = model.config
+        self.family = FAMILIES[self.config.family]
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.block_tokens = block_tokens
-        self.namespace = Namespace(
-            model_id, str(self.dtype).removeprefix("torch."), block_tokens, block_layout(self.config, block_tokens)
-        )
+        self.block_tokens = block_tokens = self.family.block_tokens(self.config, block_tokens)
+        layout = self.family.block_layout(self.config, block_tokens)
+        self.namespace = Namespace(model_id, str(self.dtype).removeprefix("torch."), block_tokens, layout)
         # StateBlock keys: a chain over the prompt at the granularity of both StateBlock positions and blocks
         granule = math.gcd(STATE_INTERVAL, block_tokens)
         self.state_namespace = Namespace(model_id, self.namespace.kv_dtype, granule, "swa-state")
         self.handoff = False  # also save a StateBlock at the last block boundary (a P/D prefill worker)
-        self.cache = PagedKVCache(self.config, -(-cache_tokens // block_tokens), block_tokens, self.dtype, self.device)
-        self.runner = Runner(model, self.cache, chunk_tokens)
+        pages = -(-cache_tokens // block_tokens)
+        self.cache = self.family.pages(self.config, pages, block_tokens, self.dtype, self.device)
+        self.runner = Runner(model, self.cache, self.family, chunk_tokens)
         self.store: BlockStore | None = None
         self.transfer: PageTransfer | None = None
         if store is not None:
             self.attach_store(store)
         self.state_blocks = state_blocks if state_blocks is not None else LocalStateBlocks(device=self.device)
         self._state_host: StateBlockHost | None = None
-        self.state_bytes = state_block_bytes(self.config, self.cache.pages.element_size())
+        self.state_bytes = self.family.state_bytes(self.config, self.dtype)  # 0: no StateBlocks
         self._state_buf: torch.Tensor | None = None
 
     def attach_store(self, store: BlockStore, fetcher: FetchClient | None = None) -> None:
@@ -124,7 +129,7 @@ class Engine:
         host_id: str | None = None,
         state_blocks: StateBlocks | None = None,
         state_pool_bytes: int = 256 << 20,
-        block_tokens: int = 64,
+        block_tokens: int | None = None,
         cache_tokens: int = 1 << 16,
         chunk_tokens: int = 512,
     ) -> Engine:
@@ -250,7 +255,8 @@ class Engine:
         """:meth:`start` for a prompt already checked and converted (``ids``, from ``_ids``)."""
         if max_new_tokens < 0:
             raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        seq = Sequence(list(prompt), ids, SlidingState(self.config, 0, self.dtype, self.device))
+        seq = Sequence(list(prompt), ids)
+        seq.state = self.family.new_state(self.config, self.cache, seq, 0)
         budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
         return Generation(self, seq, budget, sampling, reuse, resume, first_token)
 
@@ -270,10 +276,10 @@ class Engine:
         h, state = self._reuse(seq, keys, matched, resume)
         fetched = self._clock()
         if state is not None:
-            seq.sliding = SlidingState.from_state_block(self.config, state, h, self.dtype, self.device)
-        elif h and self.config.sliding_layers:  # block KV without its StateBlock: bounded replay
-            first = max(0, h - self.config.sliding_window)  # the last min(W, h) tokens of the hit
-            seq.sliding = SlidingState(self.config, first, self.dtype, self.device)
+            seq.state = self.family.restore(self.config, self.cache, seq, state, h)
+        elif h and self.state_bytes:  # block KV without its StateBlock: bounded replay
+            first = max(0, h - self.family.replay_tokens(self.config))  # the last min(W, h) tokens of the hit
+            seq.state = self.family.new_state(self.config, self.cache, seq, first)
             self.runner.run(seq, first, h, write_global=False)
             seq.replayed = True
         seq.hit_tokens = h
@@ -290,7 +296,7 @@ class Engine:
     @staticmethod
     def _saver(seq: Sequence, states: dict[int, torch.Tensor]) -> Callable[[int], None]:
         """``on_state`` for the runner: keep the StateBlock of ``seq`` at each position it is called with."""
-        return lambda m: states.update({m: seq.sliding.state_block(m)})
+        return lambda m: states.update({m: seq.state.state_block(m)})
 
     def _state_positions(self, h: int, length: int) -> list[int]:
         """Where this prefill saves StateBlocks: every multiple of 128 it computes, and with ``handoff`` the
@@ -320,14 +326,22 @@ class Engine:
 
         block_hit = matched * self.block_tokens
         while True:
-            p: Plan = plan(len(seq.prompt), block_hit, self.block_tokens, self.config.sliding_window, has_state, resume)
+            p: Plan = plan(
+                len(seq.prompt),
+                block_hit,
+                self.block_tokens,
+                self.config.sliding_window if self.state_bytes else None,
+                has_state,
+                resume,
+                margin=self.family.hit_margin(self.config),
+            )
             if p.reuse is Reuse.NONE:
                 return 0, None
             n = p.hit_tokens // self.block_tokens
             self.runner.ensure_pages(seq, p.hit_tokens)
             landed = self.transfer.fetch(keys[:n], seq.pages[:n], seq.ids[: n * self.block_tokens])
             if landed == n:
-                exact = p.reuse is Reuse.EXACT and self.config.sliding_layers
+                exact = p.reuse is Reuse.EXACT and self.state_bytes
                 return p.hit_tokens, (found[p.hit_tokens] if exact and has_state(p.hit_tokens) else None)
             block_hit = landed * self.block_tokens
 
@@ -439,13 +453,13 @@ class Generation:
             self._started = time.perf_counter()
             self._keys, self._matched = engine._begin_prefill(seq, self.reuse, self.resume)
             self.computed = seq.hit_tokens
-            if seq.publishing and engine.config.sliding_layers:
+            if seq.publishing and engine.state_bytes:
                 self._state_at = engine._state_positions(seq.hit_tokens, len(seq.prompt))
         if self.computed < len(seq.prompt):
             return self._prefill(max_prefill_tokens)
         pos = len(seq.tokens) - 1
         at = [pos + 1] if (pos + 1) % STATE_INTERVAL == 0 else []
-        save = engine._saver(seq, self._states) if seq.publishing and engine.config.sliding_layers else None
+        save = engine._saver(seq, self._states) if seq.publishing and engine.state_bytes else None
         return self._emit(engine.runner.run(seq, pos, pos + 1, state_at=at, on_state=save))
 
     def _prefill(self, max_tokens: int | None) -> int | None:

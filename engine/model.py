@@ -173,6 +173,10 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def reset_buffers(self) -> None:
+        """Compute the buffers a checkpoint does not hold (RoPE's frequencies), e.g. after building on ``meta``."""
+        self.rope.inv_freq = self.config.inv_freq()
+
     def windows(self) -> list[int | None]:
         """Per layer: the sliding window, or None for a global layer."""
         c = self.config

@@ -1,4 +1,5 @@
-"""The paged KV cache of the global layers: one page = one store block.
+"""Pages: one page = one store block. :class:`PagePool` hands pages out; what a page holds is the model family's
+(``family.py``). The dense families' cache, :class:`PagedKVCache`, keeps the global layers' K and V:
 
 A page holds ``block_tokens`` positions of every global layer's keys and values, laid out contiguously as
 
@@ -28,21 +29,20 @@ def block_layout(config: ModelConfig, block_tokens: int) -> str:
     return f"kvtier.paged.v1[G{g}][KV2][T{block_tokens}][H{h}][D{d}]"
 
 
-class PagedKVCache:
-    """A fixed pool of pages on one device, handed out by :meth:`allocate` and taken back by :meth:`release`."""
+class PagePool:
+    """A fixed pool of pages (``pages`` [num_pages, *page_shape]) on one device, handed out by :meth:`allocate` and
+    taken back by :meth:`release`."""
 
     def __init__(
         self,
-        config: ModelConfig,
         num_pages: int,
+        page_shape: tuple[int, ...],
         block_tokens: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
         self.block_tokens = block_tokens
-        self.slot = {layer: g for g, layer in enumerate(config.global_layers)}
-        shape = (num_pages, len(self.slot), 2, block_tokens, config.num_kv_heads, config.head_dim)
-        self.pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.pages = torch.zeros((num_pages, *page_shape), dtype=dtype, device=device)
         self._free = list(range(num_pages - 1, -1, -1))
 
     @property
@@ -72,6 +72,30 @@ class PagedKVCache:
         self._free.extend(pages)
         self._free.sort(reverse=True)
 
+    def block(self, page: int) -> torch.Tensor:
+        """Page ``page`` as one flat byte tensor (a view: writing it writes the page)."""
+        return self.pages[page].view(-1).view(torch.uint8)
+
+    def block_run(self, first: int, n: int) -> torch.Tensor:
+        """Pages ``first … first+n-1`` as ``uint8 [n, page_bytes]`` (a view: one copy fills them all)."""
+        return self.pages[first : first + n].view(n, -1).view(torch.uint8)
+
+
+class PagedKVCache(PagePool):
+    """The dense families' pages: every global layer's keys and values (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        block_tokens: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.slot = {layer: g for g, layer in enumerate(config.global_layers)}
+        shape = (len(self.slot), 2, block_tokens, config.num_kv_heads, config.head_dim)
+        super().__init__(num_pages, shape, block_tokens, dtype, device)
+
     def write(self, layer: int, table: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` [T, kv_heads, head_dim] of global ``layer`` at ``positions`` of the sequence whose
         page table is ``table``."""
@@ -87,11 +111,3 @@ class PagedKVCache:
         kv = self.pages[table[:n], self.slot[layer]]  # [n, 2, T, kvh, d]: a gather, one copy
         kv = kv.transpose(0, 1).flatten(1, 2)[:, :length]
         return kv[0], kv[1]
-
-    def block(self, page: int) -> torch.Tensor:
-        """Page ``page`` as one flat byte tensor (a view: writing it writes the page)."""
-        return self.pages[page].view(-1).view(torch.uint8)
-
-    def block_run(self, first: int, n: int) -> torch.Tensor:
-        """Pages ``first … first+n-1`` as ``uint8 [n, page_bytes]`` (a view: one copy fills them all)."""
-        return self.pages[first : first + n].view(n, -1).view(torch.uint8)

@@ -38,8 +38,13 @@ def plan(
     window: int | None,
     has_state: Callable[[int], bool],
     resume: bool = False,
+    margin: int | None = None,
 ) -> Plan:
     """Apply the hit rule; ``has_state(h)`` says whether a StateBlock for ``prefix[:h]`` exists.
+
+    ``window``: the model keeps StateBlocks (None: it keeps nothing outside its pages). ``margin``: the hit leaves
+    at least this many prompt tokens to compute (default ``window + 6``, the dense families' rule; DeepSeek-V4's
+    StateBlock resumes exactly at the hit, so its margin is 1).
 
     ``resume``: the decode worker's rule (P/D). The prefill worker stored every full block of this prompt and a
     StateBlock at its last block boundary before the final token, so reuse up to there (exact) and recompute at
@@ -51,7 +56,8 @@ def plan(
     if resume and last and has_state(last):
         return Plan(last, Reuse.EXACT)
     step = math.lcm(STATE_INTERVAL, block_tokens)
-    h = max(0, min(block_hit_tokens, prompt_len - window - SPECULATIVE_POSITIONS)) // step * step
+    margin = window + SPECULATIVE_POSITIONS if margin is None else margin
+    h = max(0, min(block_hit_tokens, prompt_len - margin)) // step * step
     if h == 0:
         return Plan(0, Reuse.NONE)
     return Plan(h, Reuse.EXACT if has_state(h) else Reuse.REPLAY)

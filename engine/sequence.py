@@ -1,24 +1,23 @@
-"""One request as it moves through the engine: its tokens, its pages, its sliding state and what reuse did."""
+"""One request as it moves through the engine: its tokens, its pages, its state and what reuse did."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
-
-from kvtier.engine.sliding import SlidingState
 
 
 @dataclass
 class Sequence:
     prompt: list[int]
     ids: np.ndarray  # the prompt as uint32, converted once (what keys are chained over)
-    sliding: SlidingState
+    state: Any = None  # the family's SequenceState: what a StateBlock holds (set by the engine)
     pages: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     hit_tokens: int = 0  # prompt tokens whose KV came from the store
-    replayed: bool = False  # the sliding state was rebuilt approximately: nothing of this sequence is stored
+    replayed: bool = False  # the state was rebuilt approximately (bounded replay): nothing of this sequence is stored
     publishing: bool = False  # exactly computed with a store: its new blocks and StateBlocks are kept
     ttft_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,143 @@
+"""The dense families (Llama / Qwen2 / Mistral): global layers keep block KV in pages, sliding layers their window
+in the sequence's :class:`~kvtier.engine.sliding.SlidingState` (a StateBlock's contents).
+
+``family.py`` has what a family declares; this module is that declaration for ``config.ModelConfig`` checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvtier.engine.config import FAMILIES, ModelConfig
+from kvtier.engine.model import CausalLM, attention, causal_attention
+from kvtier.engine.paged_cache import PagedKVCache, block_layout
+from kvtier.engine.sliding import SPECULATIVE_POSITIONS, SlidingState, state_block_bytes
+
+DEFAULT_BLOCK_TOKENS = 64
+
+
+class PagedContext:
+    """The :class:`~kvtier.engine.model.KVContext` of one chunk: global layers write their keys and values to
+    the sequence's pages (unless ``write_global`` is off: bounded replay reads the reused KV as is) and attend
+    to every position up to the query; sliding layers attend within their window of the sliding state."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: PagedKVCache,
+        state: SlidingState,
+        table: torch.Tensor,
+        span: tuple[int, int],
+        write_global: bool,
+    ):
+        self.windows = model.windows()
+        self.cache, self.state, self.table, self.write_global = cache, state, table, write_global
+        self.end = span[1]  # a Python int: reading a device tensor's value would wait for the device
+        self.positions = torch.arange(*span, device=cache.pages.device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        window = self.windows[layer]
+        if window is not None:
+            keys, values, k_pos = self.state.extend(layer, k, v)
+            return attention(q, keys, values, self.positions, k_pos, window)
+        if self.write_global:
+            self.cache.write(layer, self.table, self.positions, k, v)
+        keys, values = self.cache.read(layer, self.table, self.end)
+        return causal_attention(q, keys, values)
+
+
+class DenseKV:
+    """Every layer's keys and values of one sequence, contiguous, grown chunk by chunk: the reference forward's
+    context (set ``positions`` before each chunk)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.windows = model.windows()
+        self.k: list[torch.Tensor | None] = [None] * len(self.windows)
+        self.v: list[torch.Tensor | None] = [None] * len(self.windows)
+        self.positions = torch.empty(0, dtype=torch.long)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        old_k, old_v = self.k[layer], self.v[layer]
+        if old_k is not None and old_v is not None:
+            k, v = torch.cat((old_k, k)), torch.cat((old_v, v))
+        self.k[layer], self.v[layer] = k, v
+        k_pos = torch.arange(k.shape[0], device=q.device)
+        return attention(q, k, v, self.positions, k_pos, self.windows[layer])
+
+
+class DenseFamily:
+    name = "dense"
+    model_types = FAMILIES
+    keep_float32: tuple[str, ...] = ()
+
+    def parse(self, raw: dict[str, Any], where: str) -> ModelConfig:
+        return ModelConfig.from_dict(raw, where)
+
+    def build(self, config: ModelConfig) -> nn.Module:
+        return CausalLM(config)
+
+    def load_weights(
+        self, config: ModelConfig, names: Iterable[str], get: Callable[[str], torch.Tensor], where: str
+    ) -> dict[str, torch.Tensor]:
+        return {name: get(name) for name in names}
+
+    def saved_weights(self, config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state
+
+    def block_tokens(self, config: ModelConfig, asked: int | None) -> int:
+        if asked is not None and asked < 1:
+            raise ValueError(f"block_tokens must be positive, got {asked}")
+        return DEFAULT_BLOCK_TOKENS if asked is None else asked
+
+    def block_layout(self, config: ModelConfig, block_tokens: int) -> str:
+        return block_layout(config, block_tokens)
+
+    def pages(
+        self, config: ModelConfig, num_pages: int, block_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> PagedKVCache:
+        return PagedKVCache(config, num_pages, block_tokens, dtype, device)
+
+    def state_bytes(self, config: ModelConfig, dtype: torch.dtype) -> int:
+        return state_block_bytes(config, torch.empty(0, dtype=dtype).element_size())
+
+    def new_state(self, config: ModelConfig, cache: PagedKVCache, seq: Any, start: int) -> SlidingState:
+        return SlidingState(config, start, cache.pages.dtype, cache.pages.device)
+
+    def restore(self, config: ModelConfig, cache: PagedKVCache, seq: Any, data: torch.Tensor, h: int) -> SlidingState:
+        return SlidingState.from_state_block(config, data, h, cache.pages.dtype, cache.pages.device)
+
+    def context(
+        self,
+        model: nn.Module,
+        cache: PagedKVCache,
+        seq: Any,
+        table: torch.Tensor,
+        span: tuple[int, int],
+        write: bool,
+        marks: list[int],
+    ) -> PagedContext:
+        assert isinstance(model, CausalLM)
+        return PagedContext(model, cache, seq.state, table, span, write)
+
+    def reference(self, model: nn.Module, total: int) -> Callable[[torch.Tensor], DenseKV]:
+        assert isinstance(model, CausalLM)
+        kv = DenseKV(model)
+
+        def chunk(positions: torch.Tensor) -> DenseKV:
+            kv.positions = positions
+            return kv
+
+        return chunk
+
+    def hit_margin(self, config: ModelConfig) -> int:
+        return (config.sliding_window + SPECULATIVE_POSITIONS) if config.sliding_layers else 1
+
+    def replay_tokens(self, config: ModelConfig) -> int:
+        return config.sliding_window if config.sliding_layers else 0
+
+
+DENSE = DenseFamily()
