@@ -1,5 +1,5 @@
 # kvtier: `make demo` runs a local 12-node cluster end to end; `make test` runs the test suite.
-# Both create .venv and install what they need on a fresh machine (the demo: kvtier and torch; the tests: their tools too).
+# Both create .venv and install what they need on a fresh machine (the demo: its `demo` extra; the tests: their tools too).
 
 PYTHON ?= python3
 VENV := .venv
@@ -36,14 +36,15 @@ $(ENGINES): $(STAMP) requirements-engines.txt requirements-adapters.txt
 test: $(STAMP) $(ENGINES) system-tools
 	$(PY) -m pytest -q --durations=25
 
-# the demo needs kvtier and the engine's extra (torch, safetensors), not the test tools
+# the demo needs kvtier and its `demo` extra (the engine, the server, the openai client), not the test tools
 $(DEMO_STAMP): pyproject.toml $(wildcard csrc/*.c kernels/*.c)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[engine]'
+	$(PY) -m pip install -q -e '.[demo]'
 	touch $(DEMO_STAMP)
 
+DEMO_ARGS ?=
 demo: $(DEMO_STAMP)
-	$(PY) -m kvtier.tools.demo
+	$(PY) -m kvtier.tools.demo $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/codec_bench.py

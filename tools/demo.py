@@ -1,24 +1,30 @@
 """``make demo``: the whole product on this machine, saying what happened.
 
-1. writes a cluster file into a temporary directory and starts 12 node processes, the host's fetcher (shared
-   memory staging pool), the StateBlock directory, and a seeded tiny checkpoint;
-2. starts a **prefill** and a **decode** worker (separate processes with their own paged caches; they meet only
-   through the store and the directory) and serves multi-turn conversations that share a system prompt. Per
-   turn: the prefill worker's hit tokens, whether it replayed, its TTFT against a full recompute (a reference
-   engine in this process, no reuse), the decode worker's reuse, and whether the P/D output equals the
-   reference's;
-3. kills two nodes with SIGKILL and asks the decode worker for every conversation's last turn again: the blocks
-   are decoded around the dead nodes and the outputs do not change;
-4. restarts them, one with its disk wiped, and repairs the cluster back to full redundancy;
-5. prints a summary;
-6. serves a multi-turn chat over HTTP (``kvtier-engine serve`` with a prefill and a decode worker process, the
-   ``openai`` client): per turn the answer's text, the prompt tokens reused from the store, and the TTFT with
-   reuse against the same turn with its prefix changed (nothing to reuse).
+The set-up (:func:`setup`) writes a cluster file into a temporary directory and starts 12 node processes, the
+host's fetcher (shared memory staging pool), the StateBlock directory, and a seeded tiny checkpoint. Then each
+part of :data:`PARTS` runs in turn against it (``--parts`` picks some), numbering its steps after the last one's:
+
+``workers``
+    a **prefill** and a **decode** worker (separate processes with their own paged caches; they meet only through
+    the store and the directory) serve multi-turn conversations that share a system prompt. Per turn: the prefill
+    worker's hit tokens, whether it replayed, its TTFT against a full recompute (a reference engine in this process,
+    no reuse), the decode worker's reuse, and whether the P/D output equals the reference's. Then two nodes are
+    killed with SIGKILL and the decode worker asked for every conversation's last turn again (the blocks are decoded
+    around the dead nodes, the outputs do not change); they are restarted, one with its disk wiped, and the cluster
+    repaired back to full redundancy; a summary.
+``http``
+    a multi-turn chat over HTTP (``kvtier-engine serve`` with a prefill and a decode worker process, the ``openai``
+    client): per turn the answer's text, the prompt tokens reused from the store, and the TTFT with reuse against
+    the same turn with its prefix changed (nothing to reuse).
+
+A part is a function of the shared :class:`Demo` returning an exit status (0: everything it showed held); a new
+one is a function added to :data:`PARTS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import secrets
 import shutil
 import statistics
@@ -27,7 +33,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,14 +129,28 @@ def play(
     return records, last
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvtier end-to-end demo: store, fetcher, directory, P/D workers")
-    parser.add_argument("--conversations", type=int, default=3)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--dir", help="keep the cluster here instead of a temporary directory")
-    args = parser.parse_args(argv)
-    console = Console()
-    torch.set_num_threads(1)
+@dataclass
+class Demo:
+    """What every part shares: the running cluster, fetcher and StateBlock directory, the checkpoint, the options,
+    and the step counter (:meth:`step` numbers the lines that say what happened)."""
+
+    console: Console
+    args: argparse.Namespace
+    local: LocalCluster
+    cluster: Path  # the cluster file
+    checkpoint: Path
+    fetcher: LocalFetcher
+    directory: str  # the StateBlock directory's address
+    steps: int = 0
+
+    def step(self, text: str) -> None:
+        self.steps += 1
+        self.console.print(f"[bold]{self.steps}.[/] {text}")
+
+
+@contextlib.contextmanager
+def setup(args: argparse.Namespace, console: Console) -> Iterator[Demo]:
+    """The cluster, the fetcher, the directory and the checkpoint, for as long as the parts run; all stopped after."""
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         directory = Path(args.dir or tmp)
         path = cluster_mod.write_default(directory, nodes=12, capacity_bytes=256 << 20)
@@ -142,40 +163,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             with open(directory / "directory.log", "ab") as log:  # its log lines are not the demo's output
                 state_dir = WorkerProcess([*DIRECTORY, "--config", str(path), "--listen", "127.0.0.1:0"], stderr=log)
-            state_dir.wait_ready()
-            common = ["--checkpoint", str(checkpoint), "--store", str(path), "--fetcher", str(fetcher.socket_path)]
-            common += ["--directory", state_dir.ready.split()[1]]
-            workers = [WorkerProcess.engine(role, *common) for role in ("prefill", "decode")]
             try:
-                for w in workers:  # the first request pays one-time costs (torch's first calls): not in the table
-                    w.wait_ready().ask({"id": "warm-up", "prompt": list(range(200)), "max_new_tokens": 1})
-                console.print(
-                    f"[bold]1.[/] 12 node processes (RS 10+2), the fetcher ({shm}), the StateBlock directory, "
+                state_dir.wait_ready()
+                demo = Demo(console, args, local, path, checkpoint, fetcher, state_dir.ready.split()[1])
+                demo.step(
+                    f"12 node processes (RS 10+2), the fetcher ({shm}), the StateBlock directory, "
                     f"a tiny hybrid checkpoint (2 sliding + 2 global layers, window 128) in {checkpoint}"
                 )
-                console.print(f"[bold]2.[/] {args.conversations} conversations × {args.turns} turns")
-                reference = Engine.from_pretrained(checkpoint, store=path)  # for its namespace; never reuses
-                records, last = play(*workers, reference, args.conversations, args.turns, console)
-                status = resilience(local, workers[1], reference, last, console)
-                summary(records, console)
-                for w in workers:  # their CPU goes to the server's workers now
-                    w.stop()
-                status |= chat_over_http(checkpoint, path, state_dir.ready.split()[1], console)
-                return status if all(r["match"] for r in records) else 1
+                yield demo
             finally:
-                for w in workers:
-                    w.stop()
                 state_dir.proc.terminate()
                 state_dir.stop()
 
 
-def chat_over_http(checkpoint: Path, cluster: Path, directory: str, console: Console, turns: int = 3) -> int:
+def workers(demo: Demo) -> int:
+    """Prefill and decode worker processes serving conversations, two nodes killed, repair, a summary."""
+    common = ["--checkpoint", str(demo.checkpoint), "--store", str(demo.cluster)]
+    common += ["--fetcher", str(demo.fetcher.socket_path), "--directory", demo.directory]
+    pair = [WorkerProcess.engine(role, *common) for role in ("prefill", "decode")]
+    try:
+        for w in pair:  # the first request pays one-time costs (torch's first calls): not in the table
+            w.wait_ready().ask({"id": "warm-up", "prompt": list(range(200)), "max_new_tokens": 1})
+        demo.step(f"{demo.args.conversations} conversations × {demo.args.turns} turns")
+        reference = Engine.from_pretrained(demo.checkpoint, store=demo.cluster)  # for its namespace; never reuses
+        records, last = play(*pair, reference, demo.args.conversations, demo.args.turns, demo.console)
+        status = resilience(demo, pair[1], reference, last)
+        summary(demo, records)
+        return status if all(r["match"] for r in records) else 1
+    finally:
+        for w in pair:  # their CPU goes to the next part
+            w.stop()
+
+
+def chat_over_http(demo: Demo, turns: int = 3) -> int:
     """Serve a chat over HTTP through a prefill and a decode worker process; print each turn."""
     import openai
 
     port = free_port()
-    argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(checkpoint), "--store",
-            str(cluster), "--directory", directory, "--prefill", "1", "--decode", "1", "--port", str(port),
+    argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(demo.checkpoint), "--store",
+            str(demo.cluster), "--directory", demo.directory, "--prefill", "1", "--decode", "1", "--port", str(port),
             "--model", "tiny"]  # fmt: skip
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -183,11 +209,12 @@ def chat_over_http(checkpoint: Path, cluster: Path, directory: str, console: Con
         deadline = time.monotonic() + 300
         while not _healthy(url):
             if server.poll() is not None or time.monotonic() > deadline:
-                console.print("[red]6. the server did not start[/]")
+                demo.console.print("[red]the server did not start[/]")
                 return 1
             time.sleep(0.5)
         client = openai.OpenAI(base_url=url + "/v1", api_key="demo", max_retries=0, timeout=300)
-        table = Table(title=f"6. a chat over HTTP ({url}/v1/chat/completions), prefill and decode worker processes")
+        demo.step(f"a chat over HTTP ({url}/v1/chat/completions), prefill and decode worker processes")
+        table = Table()
         for col in ("turn", "prompt", "cached", "TTFT reuse", "TTFT fresh prefix", "answer (random weights)"):
             table.add_column(col, justify="left" if col.startswith("answer") else "right")
         system = "You are the kvtier demo. " * 150  # a long shared system prompt (~2,000 tokens)
@@ -202,11 +229,36 @@ def chat_over_http(checkpoint: Path, cluster: Path, directory: str, console: Con
             row = [str(turn), str(usage.prompt_tokens), str(reused), f"{warm * 1e3:.0f} ms"]
             table.add_row(*row, f"{cold * 1e3:.0f} ms ({fresh} cached)", repr(text[:40]))
             messages.append({"role": "assistant", "content": text})
-        console.print(table)
+        demo.console.print(table)
         return 0
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+# the demo's parts, in the order they run: name -> the function that shows it
+PARTS: dict[str, Callable[[Demo], int]] = {"workers": workers, "http": chat_over_http}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kvtier end-to-end demo: store, fetcher, directory, P/D workers")
+    parser.add_argument("--conversations", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"which parts to run, in order (of {', '.join(PARTS)})"
+    )
+    parser.add_argument("--dir", help="keep the cluster here instead of a temporary directory")
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in PARTS]:
+        parser.error(f"no part named {', '.join(unknown)} (the parts: {', '.join(PARTS)})")
+    console = Console()
+    torch.set_num_threads(1)
+    status = 0
+    with setup(args, console) as demo:
+        for name in parts:
+            status |= PARTS[name](demo)
+    return status
 
 
 def _healthy(url: str) -> bool:
@@ -231,10 +283,9 @@ def _chat_ttft(client: Any, messages: list[dict[str, str]]) -> tuple[float, str,
     return (first or time.perf_counter()) - start, "".join(parts), usage
 
 
-def resilience(
-    local: LocalCluster, decode: WorkerProcess, reference: Engine, prompts: list[list[int]], console: Console
-) -> int:
+def resilience(demo: Demo, decode: WorkerProcess, reference: Engine, prompts: list[list[int]]) -> int:
     """Kill two nodes, decode again (degraded reads), restart one with a wiped disk and repair."""
+    local = demo.local
     store = reference.store
     assert store is not None
     keys = [k for p in prompts for k in store.keys(p)]
@@ -245,8 +296,8 @@ def resilience(
     for i, prompt in enumerate(prompts):
         out = decode.ask({"id": f"again.{i}", "prompt": prompt, "max_new_tokens": NEW_TOKENS})
         same += out.get("tokens") == reference.generate([prompt], NEW_TOKENS, reuse=False)[0].tokens
-    console.print(
-        f"[bold]3.[/] killed nodes {victims} (primaries of stored blocks) with SIGKILL; decoded every last turn "
+    demo.step(
+        f"killed nodes {victims} (primaries of stored blocks) with SIGKILL; decoded every last turn "
         f"again: {same}/{len(prompts)} outputs unchanged, blocks decoded around the dead nodes"
     )
     shutil.rmtree(local.config.nodes[victims[0]].data_dir / "slabs")  # as if its disk had died
@@ -255,20 +306,20 @@ def resilience(
     time.sleep(local.config.client.retry_down_after_s)  # the client's back-off on nodes it saw down
     missing = int((~store.client.probe(keys)).sum())
     store.client.admin("gc", repair=True)
-    console.print(
-        f"[bold]4.[/] restarted both, node {victims[0]} with an empty disk: {missing} shards missing; "
+    demo.step(
+        f"restarted both, node {victims[0]} with an empty disk: {missing} shards missing; "
         f"repair rewrote them, now {int((~store.client.probe(keys)).sum())} missing"
     )
     return 0 if same == len(prompts) else 1
 
 
-def summary(records: list[dict[str, Any]], console: Console) -> None:
+def summary(demo: Demo, records: list[dict[str, Any]]) -> None:
     prompt_tokens = sum(r["prompt"] for r in records)
     hits = sum(r["hit_tokens"] for r in records)
     reused = [r for r in records if r["hit_tokens"]]
     speedups = [r["recompute_s"] / r["ttft_s"] for r in reused]
-    console.print("[bold]5.[/] summary")
-    console.print(
+    demo.step("summary")
+    demo.console.print(
         f"   prefill reused {hits} of {prompt_tokens} prompt tokens ({hits / prompt_tokens:.0%}); "
         f"TTFT with reuse {statistics.median(speedups) if speedups else float('nan'):.1f}× faster (median over "
         f"{len(reused)} turns with a hit); decode recomputed at most "
