@@ -17,6 +17,7 @@ what the engine keeps in pages (entries) and StateBlocks (the rest).
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -250,34 +251,43 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention of ``q`` [T, H, D] over its window of ``keys`` (K = V, positions ``first…``) and, on a
         compressed layer, the compressed ``entries`` it may see (HCA: those whose window ended at or before it;
-        CSA: ``chosen``), with a sink logit per head. Returns [T, H, D]."""
-        k_pos = torch.arange(first, first + keys.shape[0], device=q.device)
-        visible = (k_pos[None, :] <= positions[:, None]) & (k_pos[None, :] > positions[:, None] - self.window)
-        logits = torch.einsum("thd,sd->ths", q, keys) * self.scaling
-        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-        parts, values = [logits], []
-        if entries is not None and entries.shape[0] == 0:  # nothing pooled yet: only the window
-            entries = chosen = None
-        if entries is not None and chosen is None:  # HCA: every entry whose window is complete
-            rate = self.config.hca_rate
-            seen = torch.arange(entries.shape[0], device=q.device)[None, :] < ((positions + 1) // rate)[:, None]
-            c = torch.einsum("thd,nd->thn", q, entries) * self.scaling
-            parts.append(c.masked_fill(~seen[:, None, :], float("-inf")))
-        elif entries is not None and chosen is not None:  # CSA: the indexer's picks
-            picked = entries[chosen.clamp(min=0)]  # [T, k, D]
-            c = torch.einsum("thd,tkd->thk", q, picked) * self.scaling
-            parts.append(c.masked_fill((chosen < 0)[:, None, :], float("-inf")))
-            values.append(picked)
-        sinks = self.sinks.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
-        combined = torch.cat([*parts, sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
-        s = keys.shape[0]
-        out = torch.einsum("ths,sd->thd", probs[..., :s], keys)
-        if entries is not None and chosen is None:
-            out = out + torch.einsum("thn,nd->thd", probs[..., s:], entries)
-        elif values:
-            out = out + torch.einsum("thk,tkd->thd", probs[..., s:], values[0])
+        CSA: ``chosen``), with a sink logit per head. Returns [T, H, D].
+
+        Each query's keys are laid out the same way whatever chunk it is computed in (its ``W`` window rows
+        gathered oldest first, then the entries by index or in the indexer's order, the sink apart), so a position
+        gives bitwise the same output computed whole, in chunks or as a decode step; and no ``T × S`` score matrix
+        is built (the window is ``T × W``, the entries ``T × N`` for HCA and ``T × k`` for CSA)."""
+        w = self.window
+        at = positions[:, None] - w + 1 + torch.arange(w, device=q.device)[None, :]  # [T, W]: window positions
+        window = keys[(at - first).clamp(min=0)]  # [T, W, D]
+        parts = [torch.einsum("thd,twd->thw", q, window).mul_(self.scaling).masked_fill_(at[:, None, :] < 0, -math.inf)]
+        values = [window]
+        if entries is not None and entries.shape[0]:
+            if chosen is None:  # HCA: every entry whose window is complete
+                seen = (
+                    torch.arange(entries.shape[0], device=q.device)[None, :]
+                    < ((positions + 1) // self.config.hca_rate)[:, None]
+                )
+                c = torch.einsum("thd,nd->thn", q, entries).mul_(self.scaling)
+                parts.append(c.masked_fill_(~seen[:, None, :], -math.inf))
+                values.append(entries)
+            else:  # CSA: the indexer's picks
+                picked = entries[chosen.clamp(min=0)]  # [T, k, D]
+                c = torch.einsum("thd,tkd->thk", q, picked).mul_(self.scaling)
+                parts.append(c.masked_fill_((chosen < 0)[:, None, :], -math.inf))
+                values.append(picked)
+        sink = self.sinks.to(parts[0].dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+        top = torch.stack([sink[..., 0], *(p.max(dim=-1).values for p in parts)]).max(dim=0).values[..., None]
+        exps = [(p - top).exp() for p in parts]
+        total = (sink - top).exp()[..., 0]
+        for e in exps:
+            total = total + e.sum(dim=-1)
+        out = torch.zeros_like(q)
+        for e, v in zip(exps, values, strict=True):
+            probs = (e / total[..., None]).to(v.dtype)
+            out = out + (
+                torch.einsum("thk,tkd->thd", probs, v) if v.dim() == 3 else torch.einsum("thn,nd->thd", probs, v)
+            )
         return out
 
 
