@@ -1,4 +1,4 @@
-"""Child processes that end with the process that started them.
+"""Child processes: ones that end with the process that started them, and restarting ones that exit.
 
 ``die_with_parent`` runs in the child between fork and exec (``subprocess.Popen(..., preexec_fn=die_with_parent)``):
 the kernel sends it SIGTERM when its parent dies, however the parent dies (SIGKILL, or a signal handler that ends
@@ -12,11 +12,50 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import signal
+import time
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
+RESTART_BACKOFF_S = (1.0, 60.0)  # a child that exits is restarted after 1 s, doubling per quick exit up to 60 s
+STABLE_S = 60.0  # a child up this long is healthy again: its next exit is restarted after the shortest wait
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Have this (child) process receive SIGTERM when its parent dies."""
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def exit_reason(code: int) -> str:
+    """How a child process ended, from its return code, in words: ``exited with code 2``, or for a signal its name
+    and what it means (``killed by SIGBUS (Bus error)``)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    return f"killed by {name} ({signal.strsignal(-code)})"
+
+
+class Backoff:
+    """The wait before restarting one child that exited: ``RESTART_BACKOFF_S`` — the shortest first, doubling with
+    each exit that follows a short run, up to the longest; a child that stayed up ``STABLE_S`` starts again from
+    the shortest. Not thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.started = clock()
+        self.wait_s = RESTART_BACKOFF_S[0]
+
+    def started_now(self) -> None:
+        """The child was (re)started now."""
+        self.started = self.clock()
+
+    def exited(self) -> float:
+        """The child exited now: how long to wait before starting it again."""
+        short, longest = RESTART_BACKOFF_S
+        if self.clock() - self.started >= STABLE_S:
+            self.wait_s = short
+        wait, self.wait_s = self.wait_s, min(longest, self.wait_s * 2)
+        return wait

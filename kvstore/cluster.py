@@ -6,7 +6,10 @@ Loading validates everything and raises :class:`ConfigError` with one line sayin
 **Secrets.** The cluster file holds every token: ``kvstore init`` writes it mode 0600, edits keep that mode, and
 every process refuses to read a file holding tokens that group or others may open (``chmod 600 PATH``, one line).
 Beside it, ``kvstore init`` writes the *client file* ``cluster.public.toml``: the same file with no tokens (no
-``[cluster] token``, no ``[tenants]``), which may be world-readable and is kept in step by every edit. Clients
+``[cluster] token``, no ``[tenants]``: only the tokens' SHA-256 hashes, ``[cluster] token_hash`` for the admin's and
+``tenant_hashes`` for the others', without their names), which may be world-readable and is kept in step by every
+edit. A process that authenticates engines without holding their tokens (the fetcher) loads it with
+:func:`load_verifier`. Clients
 (engines, fetchers, kvbench, ``connect``) load either file with :func:`load_client` and present a tenant token from
 ``--token-file PATH`` (:func:`read_token_file`, mode 0600 checked), ``$KVTIER_TOKEN``, or else the file's own
 cluster token; servers (nodes, the directory) load the cluster file with :func:`load`. Tokens are at least
@@ -81,6 +84,7 @@ MIN_TOKEN_CHARS = 32  # 128 bits of hex; new_token() gives 64 hex characters (25
 TOKEN_TENANT = "(token)"  # a client file's only tenant: the one its token names (no valid tenant name)
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TOKEN_CHARS = re.compile(r"[!-~]+")  # printable ASCII, no spaces: tokens travel in files, env and HELLO
+_TOKEN_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 DEFAULT_TTL_CLASSES = {"agent": 3 * 86400.0, "chatbot": 7 * 86400.0}
 MAX_READ_LANES = 16
 
@@ -202,8 +206,15 @@ TOKEN_HASH_PREFIX = "sha256:"
 
 
 def token_hash(token: str) -> str:
-    """What the etcd map stores for a token: its SHA-256, hex, prefixed."""
+    """What the etcd map and the client file store for a token: its SHA-256, hex, prefixed. Publishing it is safe
+    for the tokens kvtier makes (256 random bits, ``new_token``): nobody finds a token from its hash."""
     return TOKEN_HASH_PREFIX + hashlib.sha256(token.encode()).hexdigest()
+
+
+def hashed_tenant(hashed: str) -> str:
+    """The name a tenant known only by its token's hash goes by (a client file names no tenant): ``t-`` and the
+    hash's first 12 hex digits."""
+    return "t-" + hashed.removeprefix(TOKEN_HASH_PREFIX)[:12]
 
 
 # --- the file's schema (msgspec checks types, required and unknown keys; parse() checks what types cannot) ---
@@ -215,6 +226,8 @@ class _Table(msgspec.Struct, forbid_unknown_fields=True):
 
 class _ClusterTable(_Table):
     token: str | None = None  # None: a client file (no secrets)
+    token_hash: str | None = None  # a client file: the admin token's hash (token_hash)
+    tenant_hashes: list[str] = []  # a client file: the other tenants' tokens' hashes, without their names
     name: str = "kvtier"
     hash: str = "xxh3_128"
 
@@ -348,7 +361,33 @@ def load_client(path: str | Path, token: str | None = None) -> ClusterConfig:
         )
     if token == config.token:
         return config
-    return replace(config, token=token, tenants=config.tenants or {TOKEN_TENANT: token})
+    return replace(config, token=token, tenants=config.tenants if config.token else {TOKEN_TENANT: token})
+
+
+def load_verifier(path: str | Path, token: str | None = None) -> ClusterConfig:
+    """The cluster or client file as a server uses it that authenticates tenants without holding their tokens (the
+    fetcher): :func:`verifier` of it. Raises ConfigError as :func:`load` does."""
+    return verifier(_load(Path(path)), token)
+
+
+def verifier(config: ClusterConfig, token: str | None = None) -> ClusterConfig:
+    """``config`` with every tenant's token replaced by its hash and no token of its own, so that the process keeps
+    none (``tenant_for_token`` compares hashes); with ``token``, the tenant of that token only. Raises ConfigError
+    (one line) when the file knows no tenant (a client file written before it kept the hashes) or ``token`` is none
+    of its tenants'."""
+    where = config.path or "the cluster file"
+    tenants = {name: t if t.startswith(TOKEN_HASH_PREFIX) else token_hash(t) for name, t in config.tenants.items()}
+    if token is not None:
+        name = config.tenant_for_token(token) if tenants else TOKEN_TENANT
+        if name is None:
+            raise ConfigError(f"the token given is not one of the tenants' of {where}")
+        tenants = {name: token_hash(token)}
+    if not tenants:
+        raise ConfigError(
+            f"{where} knows no tenant's token or hash: write the client file again (`kvctl export-client`), or give "
+            f"one tenant's token with --token-file PATH or ${TOKEN_ENV}"
+        )
+    return replace(config, token="", tenants=tenants)
 
 
 def read_token_file(path: str | Path) -> str:
@@ -388,6 +427,8 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
     cluster = file.cluster
     if cluster.token is not None:
         check_token(cluster.token, "cluster.token")
+        if cluster.token_hash is not None or cluster.tenant_hashes:
+            raise ConfigError("a cluster file holds tokens: token_hash and tenant_hashes belong in its client file")
     elif file.tenants:
         raise ConfigError("[tenants] without a [cluster] token: a client file holds no tokens at all")
     if cluster.hash not in HASH_ALGOS:
@@ -426,6 +467,15 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
         raise ConfigError(f"the cluster file has no [[groups]] (each is {TOTAL_SHARDS} node slots)")
 
     tenants = {} if cluster.token is None else {DEFAULT_TENANT: cluster.token}
+    for where, hashed in [
+        ("cluster.token_hash", cluster.token_hash),
+        *(("cluster.tenant_hashes", h) for h in cluster.tenant_hashes),
+    ]:
+        if hashed is not None and not _TOKEN_HASH.fullmatch(hashed):
+            raise ConfigError(f"{where} must be a token's hash: sha256: and 64 lowercase hex digits")
+    if cluster.token_hash is not None:
+        tenants[DEFAULT_TENANT] = cluster.token_hash
+    tenants.update((hashed_tenant(h), h) for h in cluster.tenant_hashes)
     quotas: dict[str, float] = {}
     for name, table in file.tenants.items():
         tenant = _convert(table, _TenantTable, f"tenants.{name}")
@@ -596,15 +646,21 @@ def public_path(path: str | Path) -> Path:
 
 def write_public(path: str | Path, text: str | None = None, out: str | Path | None = None) -> Path:
     """Write the client file of the cluster file at ``path`` (its text ``text``, read if None) to ``out`` (default
-    :func:`public_path`), mode 0644, atomically: the same cluster with no ``[cluster] token`` and no ``[tenants]``.
+    :func:`public_path`), mode 0644, atomically: the same cluster with no ``[cluster] token`` and no ``[tenants]``, the
+    tokens' hashes in their place (unnamed: a client learns of no other tenant's name).
     Raises ConfigError when the cluster file cannot be read or the client file written."""
     path = Path(path)
     if text is None:
         text, mode = _read(path)
         check_private(path, mode)
     doc = tomllib.loads(text)
-    doc.get("cluster", {}).pop("token", None)
-    doc.pop("tenants", None)
+    cluster = doc.get("cluster", {})
+    token = cluster.pop("token", None)
+    if token is not None:
+        cluster["token_hash"] = token_hash(token)
+    hashes = sorted(token_hash(t["token"]) for t in doc.pop("tenants", {}).values() if "token" in t)
+    if hashes:
+        cluster["tenant_hashes"] = hashes
     header = f"# kvtier client file: {path.name} without its tokens (kept in step by `kvctl`); give clients a\n"
     header += f"# tenant token with --token-file PATH or ${TOKEN_ENV}. Safe to share.\n"
     target = public_path(path) if out is None else Path(out)

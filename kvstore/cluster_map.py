@@ -348,6 +348,16 @@ def load_client(path: str | Path, token: str | None = None, etcd_endpoints: str 
     )
 
 
+def load_verifier(path: str | Path, token: str | None = None) -> ClusterConfig:
+    """The cluster as a server sees it that authenticates tenants without holding their tokens (the fetcher): every
+    tenant's token replaced by its hash (``kvstore.cluster.verifier``; with ``token``, that token's tenant only). A
+    client file needs no token; a file naming etcd reads the map (which holds hashes) with ``token``, else the file's
+    own."""
+    if read_etcd_file(path) is None:
+        return cluster_mod.load_verifier(path, token)
+    return cluster_mod.verifier(load_client(path, token), token)
+
+
 def _load(
     path: str | Path,
     etcd_endpoints: str | None,

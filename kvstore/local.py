@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import cluster_map
+from kvtier.kvstore.children import Backoff, exit_reason
 from kvtier.kvstore.cluster import LOCAL_HOSTS
 
 NODE_ERROR_PREFIX = "kvstore node: "  # how a node process starts the one line it exits with (gc.nodeproc)
@@ -169,10 +170,6 @@ def reset_node(config_path: str | Path, node_id: int) -> Path:
     return aside
 
 
-RESTART_BACKOFF_S = (1.0, 60.0)  # a node that exits is restarted after 1 s, doubling per failure up to 60 s
-STABLE_S = 60.0  # a node up this long is healthy again: its next exit is restarted after the shortest wait
-
-
 def serve(config_path: str | Path, host_id: str | None = None, etcd: str | None = None) -> int:
     """``kvstore serve``: run every local node until SIGINT/SIGTERM, restarting any that exits on its own.
 
@@ -236,9 +233,7 @@ class Supervisor:
     def __init__(self, cluster: LocalCluster, clock: Callable[[], float] = time.monotonic) -> None:
         self.cluster = cluster
         self.clock = clock
-        now = clock()
-        self.started = dict.fromkeys(cluster.procs, now)  # node -> when its process was started
-        self.backoff_s: dict[int, float] = {}  # node -> the wait before its next restart
+        self.backoff = {nid: Backoff(clock) for nid in cluster.procs}  # node -> its restart back-off
         self.restart_at: dict[int, float] = {}  # nodes down, waiting to be restarted -> when
 
     def check(self) -> None:
@@ -253,23 +248,20 @@ class Supervisor:
 
     def forget(self, nid: int) -> None:
         """``nid`` leaves this host (stopped on purpose): never restart it."""
-        for table in (self.started, self.backoff_s, self.restart_at):
-            table.pop(nid, None)
+        self.backoff.pop(nid, None)
+        self.restart_at.pop(nid, None)
 
     def started_now(self, nids: list[int]) -> None:
         """``nids`` are being started (nodes new to this host)."""
-        now = self.clock()
-        self.started.update(dict.fromkeys(nids, now))
+        for nid in nids:
+            self.backoff[nid] = Backoff(self.clock)
 
     def _exited(self, nid: int, code: int, now: float) -> None:
-        short, longest = RESTART_BACKOFF_S
-        if now - self.started.get(nid, now) >= STABLE_S:
-            self.backoff_s[nid] = short
-        wait = self.backoff_s.get(nid, short)
-        self.backoff_s[nid] = min(longest, wait * 2)
+        wait = self.backoff.setdefault(nid, Backoff(self.clock)).exited()
         self.restart_at[nid] = now + wait
         log = self.cluster.log_path(nid)
-        print(f"node {nid} exited with code {code} (log: {log}); restarting it in {wait:g} s", flush=True)
+        print(f"node {nid} exited with code {code}: {exit_reason(code)} (log: {log}); restarting it in {wait:g} s")
+        sys.stdout.flush()
 
     def _restart(self, nid: int) -> None:
         del self.restart_at[nid]
@@ -277,7 +269,7 @@ class Supervisor:
         exited.wait()
         if exited.stdout is not None:
             exited.stdout.close()
-        self.started[nid] = self.clock()
+        self.backoff[nid].started_now()
         try:
             self.cluster.start([nid])
         except NodeStartError as exc:  # exited again (the next check schedules another try) or not ready yet

@@ -78,6 +78,8 @@ class MetricsServer:
       returns something that is not a dict: 500 with a JSON ``{"status": "error", "error": ...}``; the server keeps
       serving.
     - any other path: 404. Requests are logged at DEBUG only, never to stderr.
+    - with ``authorize``, ``/metrics`` answers only a request whose ``Authorization: Bearer TOKEN`` it accepts (else
+      401): for a process whose totals tell of every tenant (the fetcher's, the directory's), the admin token.
 
     Peers cannot exhaust it (``limits``): at most ``metrics_max_connections`` connections at once (half of them
     from one address), each answered 503 beyond that; a request must arrive whole within
@@ -97,8 +99,10 @@ class MetricsServer:
         port: int = 0,
         health: Callable[[], dict[str, Any]] | None = None,
         limits: Limits | None = None,
+        authorize: Callable[[str], bool] | None = None,
     ) -> None:
         self.registry = registry
+        self.authorize = authorize
         self.host = host
         self._requested_port = port
         self.health: Callable[[], dict[str, Any]] = health or (lambda: {"status": "ok"})
@@ -135,6 +139,9 @@ class MetricsServer:
         """The WSGI application: ``/metrics``, ``/health``, 404 for the rest."""
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
+            if self.authorize is not None and not self._authorized(environ):
+                start_response("401 Unauthorized", [("WWW-Authenticate", 'Bearer realm="kvtier"')])
+                return [b"a bearer token is required\n"]
             return self._metrics_app(environ, start_response)
         if path == "/health":
             status, body = self._health()
@@ -142,6 +149,10 @@ class MetricsServer:
             return [body]
         start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
         return [b"not found\n"]
+
+    def _authorized(self, environ: _Environ) -> bool:
+        scheme, _, token = str(environ.get("HTTP_AUTHORIZATION", "")).partition(" ")
+        return scheme.lower() == "bearer" and self.authorize is not None and self.authorize(token.strip())
 
     def _health(self) -> tuple[str, bytes]:
         try:

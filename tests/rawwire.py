@@ -143,3 +143,25 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"{field} missing from /proc/{pid}/status")
+
+
+def raw_map(socket_path: Path, token: str, segments: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """MAP ``segments`` on a raw connection to the fetcher at ``socket_path``: (the reply's metadata, the descriptors
+    that came with it)."""
+    from kvtier.transfer import fetch_protocol as fp
+
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.settimeout(SOCKET_TIMEOUT_S)
+        raw.connect(str(socket_path))
+        raw.sendall(encode_head(Op.HELLO, 0, {"token": token}))
+        reader = FrameReader()
+        while not reader.feed(raw.recv(4096)):
+            pass
+        raw.sendall(encode_head(fp.FetchOp.MAP, 1, fp.map_meta(segments)))
+        frames: list[Frame | None] = []
+        fds: list[int] = []
+        while not frames:
+            data, got, _, _ = socket.recv_fds(raw, 1 << 16, 16)
+            fds += got
+            frames = list(reader.feed(data)) if data else [None]
+        return (frames[0].meta if frames[0] is not None else {}), fds

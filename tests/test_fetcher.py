@@ -34,6 +34,7 @@ from kvtier.transfer.fetch_protocol import BlockStatus
 from kvtier.transfer.fetcher import LocalFetcher
 
 from .conftest import ClusterFactory, wait_for
+from .rawwire import raw_map
 
 BLOCK = 16 << 10
 
@@ -502,7 +503,10 @@ def test_the_fetcher_serves_metrics_and_health(cluster: LocalCluster, tmp_path: 
         keys, _ = stored_blocks(cluster, 2)
         with FetchClient(f.socket_path, cluster.config.token) as client:
             client.release(client.fetch(keys, BLOCK))
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        scrape = urllib.request.Request(
+            f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {cluster.config.token}"}
+        )
+        with urllib.request.urlopen(scrape, timeout=5) as reply:
             text = reply.read().decode()
         assert "kvtier_fetcher_blocks_fetched_total 2.0" in text and "kvtier_fetcher_ready 2.0" in text
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
@@ -582,27 +586,6 @@ def _shm_names() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def _raw_map(fetcher: LocalFetcher, token: str, segments: list[int]) -> tuple[dict, list[int]]:
-    """MAP ``segments`` on a raw connection: (the reply's metadata, the descriptors that came with it)."""
-    from kvtier.kvstore.protocol import FrameReader
-    from kvtier.transfer import fetch_protocol as fp
-
-    with socket.socket(socket.AF_UNIX) as raw:
-        raw.settimeout(10)
-        raw.connect(str(fetcher.socket_path))
-        raw.sendall(encode_head(Op.HELLO, 0, {"token": token}))
-        reader = FrameReader()
-        while not reader.feed(raw.recv(4096)):
-            pass
-        raw.sendall(encode_head(fp.FetchOp.MAP, 1, fp.map_meta(segments)))
-        frames, fds = [], []
-        while not frames:
-            data, got, _, _ = socket.recv_fds(raw, 1 << 16, 16)
-            fds += got
-            frames = reader.feed(data) if data else [None]
-        return (frames[0].meta if frames[0] is not None else {}), fds
-
-
 def test_a_tenant_can_neither_see_read_nor_write_another_tenants_blocks(cluster: LocalCluster, start_fetcher) -> None:
     """The attack of issue 20: bob, sharing alice's fetcher, looks for alice's keys and tenant id in what he maps,
     reads her blocks' bytes, and tries to overwrite one; alice's next fetch must give her own bytes."""
@@ -631,7 +614,7 @@ def test_a_tenant_can_neither_see_read_nor_write_another_tenants_blocks(cluster:
                 assert np.frombuffer(region.buffer, np.uint8).flags.writeable is False
             with pytest.raises(FetcherError, match="refused to map"):  # bob names alice's segment
                 bob._map([alices_segment])
-            meta, fds = _raw_map(fetcher, OTHER_TOKEN, [alices_segment])
+            meta, fds = raw_map(fetcher.socket_path, OTHER_TOKEN, [alices_segment])
             assert fds == [] and b"no segments" in json.dumps(meta).encode()
             assert bob.release([]) == 0 and bob.stats()["ready"] == 1  # bob's stats count bob's blocks only
         with alice.fetch(keys, BLOCK) as again:
@@ -648,7 +631,7 @@ def test_a_cache_segments_descriptor_can_never_map_writable(cluster: LocalCluste
     with FetchClient(fetcher.socket_path, cluster.config.token) as client:
         with client.fetch(keys, BLOCK) as got:
             segment = got.segment
-            meta, fds = _raw_map(fetcher, cluster.config.token, [got.seg])
+            meta, fds = raw_map(fetcher.socket_path, cluster.config.token, [got.seg])
         assert len(fds) == 1 and meta["segs"][0][1] == "cache"
         fd = fds[0]
         libc = ctypes.CDLL(None, use_errno=True)

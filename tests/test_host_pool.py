@@ -59,14 +59,41 @@ def test_one_tenants_use_leaves_anothers_share_whole(host: HostPool) -> None:
     assert host.owned(bob, [a.id]) is None and host.owned(bob, [b.id]) == [b]  # alice's segment is not bob's to name
 
 
-def test_blocks_no_share_can_hold_and_classes_past_the_limit_are_refused_with_a_reason() -> None:
-    host = HostPool("kvt-test", 32 * SLOT, ["alice"], [], SLOT)
+def test_blocks_no_share_can_hold_and_classes_past_the_limit_in_use_are_refused_with_a_reason() -> None:
+    host = HostPool("kvt-test", 256 * SLOT, ["alice"], [], SLOT)
     try:
         alice = host.tenants["alice"]
-        assert "start kvtier-fetcher with a larger --size" in str(host.cache(alice, 33 * SLOT))
-        assert "start kvtier-fetcher with a larger --size" in str(host.outbox(alice, 33 * SLOT))
-        made = [host.cache(alice, k * SLOT + 1) for k in range(1, MAX_CLASSES + 2)]  # each a class of its own
-        assert all(isinstance(c, Cache) for c in made[:MAX_CLASSES])
-        assert f"beyond the {MAX_CLASSES}" in str(made[MAX_CLASSES])
+        assert "start kvtier-fetcher with a larger --size" in str(host.cache(alice, 257 * SLOT))
+        assert "start kvtier-fetcher with a larger --size" in str(host.outbox(alice, 257 * SLOT))
+        made = [host.cache(alice, k * SLOT + 1) for k in range(1, MAX_CLASSES + 1)]  # each a class of its own
+        for cache in made:
+            assert isinstance(cache, Cache) and len(host.reserve(cache, 1, owner_pid=1)[0]) == 1  # (FILLING: in use)
+        assert f"beyond the {MAX_CLASSES}" in str(host.cache(alice, (MAX_CLASSES + 1) * SLOT + 1))
     finally:
         host.close()
+
+
+def test_a_tenants_idle_size_classes_retire_so_a_new_size_always_gets_one() -> None:
+    """A tenant that went through 16 block sizes used to be answered FULL for every new size, for good."""
+    host = HostPool("kvt-test", 64 * SLOT, ["alice"], [SLOT], SLOT)
+    try:
+        alice = host.tenants["alice"]
+        made = [host.cache(alice, k * SLOT + 1) for k in range(1, MAX_CLASSES)]  # with the declared one: 16
+        assert all(isinstance(c, Cache) for c in made) and len(alice.classes) == MAX_CLASSES
+        host.cache(alice, SLOT + 1)  # the first one made is used again: the second is the least recently used now
+        newest = host.cache(alice, MAX_CLASSES * SLOT + 1)
+        assert isinstance(newest, Cache) and len(alice.classes) == MAX_CLASSES
+        assert SLOT in alice.classes and 2 * SLOT in alice.classes and 3 * SLOT not in alice.classes
+        assert made[1].id not in host.segments  # type: ignore[union-attr]
+    finally:
+        host.close()
+
+
+def test_segment_ids_tell_a_tenant_nothing_of_anothers_segments(host: HostPool) -> None:
+    """Ids were one counter for everyone: the gap between two of bob's segments counted alice's."""
+    alice, bob = host.tenants["alice"], host.tenants["bob"]
+    ids = []
+    for k in range(1, 7):
+        host.cache(alice, k * SLOT + 1)
+        ids.append(host.cache(bob, k * SLOT + 1).id)  # type: ignore[union-attr]
+    assert len(set(ids)) == len(ids) and max(ids) - min(ids) > 1 << 20

@@ -55,12 +55,13 @@ def stored(cluster: Path) -> dict:
 
 
 def kvctl(path: Path | None, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``kvctl --config PATH ARGS`` presenting ``token`` in ``$KVTIER_TOKEN`` (never on the command line)."""
     cmd = [sys.executable, "-m", "kvtier.tools.kvctl"]
     if path is not None:
         cmd += ["--config", str(path)]
-    if token is not None:
-        cmd += ["--token", token]
     env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_CONFIG", "KVTIER_TOKEN", "COLUMNS")}
+    if token is not None:
+        env["KVTIER_TOKEN"] = token
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -341,6 +342,12 @@ def test_a_tenant_token_on_an_admin_command_is_an_error(cluster: Path) -> None:
         assert "admin" in fails(kvctl(cluster, *command, token=TENANT_TOKEN), 2)
     assert cluster.read_text() == original
     assert all(ttl["agent"] == 3 * 86400 for ttl in node_ttls(cluster))
+
+
+def test_a_token_on_the_command_line_is_refused_before_it_is_used(cluster: Path) -> None:
+    """``kvctl --token T`` put the token in every user's ``ps``."""
+    said = fails(kvctl(cluster, "--token", TENANT_TOKEN, "stat", "00" * 16), 2)
+    assert "--token-file" in said and "ps" in said and TENANT_TOKEN not in said
 
 
 def test_a_wrong_token_is_an_error(cluster: Path) -> None:

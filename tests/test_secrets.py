@@ -260,7 +260,7 @@ def test_a_fetcher_creates_a_missing_socket_folder_0700(tenant_cluster, tmp_path
     argv = ["--config", config, "--socket", sock, "--shm", f"kvt-test-{secrets.token_hex(4)}", "--size", "8MiB"]
     fetcher = subprocess.Popen([str(a) for a in (BIN / "kvtier-fetcher", *argv)], stdout=subprocess.PIPE, text=True)
     try:
-        assert fetcher.stdout is not None and fetcher.stdout.readline().strip() == "ready"
+        assert fetcher.stdout is not None and fetcher.stdout.readline().split()[0] == "ready"
         assert sock.exists() and mode(sock.parent) == 0o700
     finally:
         fetcher.terminate()

@@ -189,13 +189,13 @@ def test_a_hello_trickled_to_the_fetcher_is_cut_at_the_deadline_while_engines_ar
 def test_an_oversized_pre_auth_hello_is_refused_without_growing_the_fetcher(fetcher: Fetcher) -> None:
     proc = fetcher.local
     assert proc.proc is not None
-    before = rss_kib(proc.proc.pid)
+    before = rss_kib(proc.server_pid)
     with contextlib.ExitStack() as stack:
         conns = [stack.enter_context(unix(proc)) for _ in range(16)]
         for sock in conns:
             sock.sendall(raw_header(Op.HELLO, meta_len=8 << 20) + b"\x81" + bytes(1023))
         codes = [error_code(sock) for sock in conns]
-        grown_mib = (rss_kib(proc.proc.pid) - before) / 1024
+        grown_mib = (rss_kib(proc.server_pid) - before) / 1024
     assert codes == [ErrorCode.TOO_LARGE] * 16
     assert grown_mib < 8, f"the fetcher grew by {grown_mib:.0f} MiB"
 

@@ -40,7 +40,7 @@ from kvtier.kvstore.units import parse_duration
 from kvtier.transfer import state_protocol as sp
 from kvtier.transfer.conn import FrameConn, PeerError, parse_addr, serve_connections, tcp
 from kvtier.transfer.fetch_protocol import Entries, entries_meta, parse_entries
-from kvtier.transfer.metrics import serve_metrics
+from kvtier.transfer.metrics import admin_only, serve_metrics
 from kvtier.transfer.state_protocol import Location, StateOp
 
 log = logging.getLogger("kvtier.directory")
@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         listener = socket.create_server(parse_addr(args.listen))
         directory = Directory(lease_s)
         if args.metrics:
-            serve_metrics("directory", parse_addr(args.metrics), directory.stats, frozenset(COUNTERS), config.limits)
+            counters, admin = frozenset(COUNTERS), admin_only(config)
+            serve_metrics("directory", parse_addr(args.metrics), directory.stats, counters, config.limits, admin)
     except (ValueError, OSError) as exc:
         print(f"kvtier-directory: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,10 @@ Contract:
   reached, refuses the request, or dies while the request is outstanding; the next call reconnects. Blocks handed
   out earlier stay mapped; their pins died with the fetcher, and ``Block.valid()`` is False once a slot has been
   reused (a miss, never other bytes).
-- A wrong token raises :class:`~kvtier.kvstore.transport.AuthError`.
+- A wrong token raises :class:`~kvtier.kvstore.transport.AuthError`. The token is this engine's tenant's: the fetcher
+  presents it to the store for this tenant's requests and keeps no token of its own.
+- Mapping the tenant's segments makes the process non-dumpable (:mod:`~kvtier.transfer.hardening`), so that no other
+  process of its uid reads them out of ``/proc/PID/mem``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvtier.kvstore.transport import AuthError
 from kvtier.transfer import fetch_protocol as fp
 from kvtier.transfer.conn import FrameConn, PeerError
 from kvtier.transfer.fetch_protocol import OK_STATUSES, BlockStatus, FetchOp
+from kvtier.transfer.hardening import not_dumpable
 from kvtier.transfer.staging import PoolError, Region, SlotMap
 
 if TYPE_CHECKING:
@@ -279,7 +283,9 @@ class _Protocol:
 
     def _map(self, ids: list[int]) -> None:
         """Map segments ``ids`` (MAP on a connection of its own, blocking: the reply brings their descriptors).
-        Raises FetcherError if the fetcher refuses (none of them is this tenant's any more) or went away."""
+        Raises FetcherError if the fetcher refuses (none of them is this tenant's any more) or went away. The process
+        is made non-dumpable first (:mod:`~kvtier.transfer.hardening`): its tenant's blocks are about to be in it."""
+        not_dumpable()
         conn = FrameConn(self._unix, self.token, self.what, FetcherError)
         sock = conn.open()
         fds: list[int] = []

@@ -2,9 +2,16 @@
 
 The process around it (command line, ``LocalFetcher``) is :mod:`kvtier.transfer.fetcher`. The server owns the
 host pool (:class:`~kvtier.transfer.host_pool.HostPool`: segments per tenant and size class, the single writer of
-their slot tables) and store clients per tenant. Engines talk to it over a Unix socket (mode 0600, peers of another
-uid refused, then the cluster or a tenant token in HELLO; :mod:`~kvtier.transfer.fetch_protocol`); a connection is
-that tenant and is handed descriptors (MAP) of that tenant's segments only.
+their slot tables) and store clients per tenant. Engines talk to it over a Unix socket (mode 0600 and peers of
+another uid refused; or, with a socket group, mode 0660 in that group and peers of any uid the kernel let connect,
+their uid recorded), then HELLO with the cluster or a tenant token (:mod:`~kvtier.transfer.fetch_protocol`); a
+connection is that tenant and is handed descriptors (MAP) of that tenant's segments only.
+
+**Credentials.** The fetcher holds no tenant's token at rest: it knows the tokens' hashes only
+(``cluster.verifier``), so that its files (the client file) give no engine another tenant's token. An engine's
+HELLO token is checked against them; the fetcher then keeps that token in memory, and its store calls for that
+tenant authenticate with it: it acts as the tenant for that tenant's engines only, never with more authority than
+they have. When the tenant's last connection closes, its token and store clients are forgotten.
 
 How a FETCH is answered, per block:
 
@@ -67,7 +74,6 @@ from kvtier.kvstore.admission import (
     turn_away,
 )
 from kvtier.kvstore.client import CapacityError, Client
-from kvtier.kvstore.cluster import TOKEN_HASH_PREFIX
 from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
@@ -103,9 +109,11 @@ class Session:
 
     sock: socket.socket
     pid: int
+    uid: int  # the peer process's, as the kernel says (SO_PEERCRED)
     reader: FrameReader = field(default_factory=FrameReader)
     ticket: Ticket | None = None  # its admission (the HELLO deadline, the slot it holds)
     tenant: Tenant | None = None  # set by HELLO
+    token: str = ""  # the one it authenticated with: what store calls for its tenant present
     out: bytearray = field(default_factory=bytearray)
     # per cache segment (by id), the pins this connection holds on each slot (a pinned slot keeps its generation)
     pins: dict[int, np.ndarray] = field(default_factory=dict)
@@ -194,9 +202,21 @@ class Fetcher:
     """The server: ``workers + 1`` threads (the caller of :meth:`serve_forever` one of them) take turns to wait for
     requests and to run store calls (see the module docstring)."""
 
-    def __init__(self, config: cluster_mod.ClusterConfig, host: HostPool, socket_path: Path, workers: int = 2) -> None:
+    def __init__(
+        self,
+        config: cluster_mod.ClusterConfig,
+        host: HostPool,
+        socket_path: Path,
+        workers: int = 2,
+        group: int | None = None,
+    ) -> None:
+        """``config``: its tenants' tokens as hashes (``cluster.verifier``); ``group``: the socket is that group's
+        (mode 0660) and engines of any uid in it are served, else the socket is 0600 and other uids are refused."""
         if workers < 1:
             raise ValueError("the fetcher needs at least one worker thread")
+        self.group = group
+        self._tokens: dict[str, str] = {}  # tenant -> the token of one of its live connections (store calls use it)
+        self._uids_seen: set[tuple[int, str]] = set()  # (uid, tenant) of other uids, logged once each
         self.config = config
         self.host = host
         self.instance = os.urandom(16)  # names this process to clients: a restarted fetcher's segments are new
@@ -219,7 +239,7 @@ class Fetcher:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self.listener = self._listen(socket_path)
+        self.listener = self._listen(socket_path, group)
         self.acceptor = Acceptor(self.listener, log)
         self.admission = Admission(config.limits)
         self.meta_budget = MetaBudget(config.limits.max_buffered_meta_bytes)
@@ -233,7 +253,7 @@ class Fetcher:
             worker.start()
 
     @staticmethod
-    def _listen(path: Path) -> socket.socket:
+    def _listen(path: Path, group: int | None) -> socket.socket:
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise PoolError(f"{path} exists and is not a socket; choose another --socket")
@@ -247,9 +267,14 @@ class Fetcher:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket is created 0600: same uid only
+        old = os.umask(0o177 if group is None else 0o117)  # created 0600 (same uid only) or 0660 (the group's)
         try:
             sock.bind(str(path))
+            if group is not None:
+                os.chown(path, -1, group)
+        except OSError:
+            sock.close()
+            raise
         finally:
             os.umask(old)
         sock.listen(128)
@@ -359,8 +384,14 @@ class Fetcher:
                 self._listen_paused = True
                 return
             sock, _ = accepted
-            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            if uid not in (os.getuid(), 0):
+            try:
+                pid, uid, _gid = _PEERCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+                )
+            except OSError:  # gone already
+                sock.close()
+                continue
+            if self.group is None and uid not in (os.getuid(), 0):
                 self.warnings.warning("uid", "refused a connection from uid %d (pid %d)", uid, pid)
                 sock.close()
                 continue
@@ -371,7 +402,7 @@ class Fetcher:
                 continue
             sock.setblocking(False)
             reader = FrameReader(self.config.limits.pre_auth(), fp.FETCH_REQUESTS, self.meta_budget)
-            session = Session(sock, pid, reader, ticket)
+            session = Session(sock, pid, uid, reader, ticket)
             self.sessions.add(session)
             self._watch(sock.fileno(), session)
 
@@ -438,6 +469,9 @@ class Fetcher:
             with contextlib.suppress(OSError, ValueError):
                 self.epoll.unregister(fd)
         session.sock.close()
+        tenant = session.tenant
+        if tenant is not None and not any(s.tenant is tenant for s in self.sessions):
+            self._forget(tenant.name)
         for seg, held in session.pins.items():
             cache = self.host.segments.get(seg)
             if isinstance(cache, Cache):  # (a dropped segment had no pins)
@@ -472,11 +506,22 @@ class Fetcher:
     def _reply(self, session: Session, frame: Frame, meta: dict[str, Any]) -> None:
         self._send(session, encode_head(frame.opcode | Op.REPLY, frame.request_id, meta))
 
+    def _forget(self, tenant: str) -> None:
+        """No connection of ``tenant`` is left: forget its token and close its idle store clients (one in a store call
+        now is closed when the call returns)."""
+        self._tokens.pop(tenant, None)
+        for client in self._idle_clients.pop(tenant, []):
+            client.close()
+
     def _hello(self, session: Session, frame: Frame) -> None:
         tenant = authenticate(frame, self.config.tenant_for_token)
         session.tenant = self.host.tenants[tenant]
+        session.token = self._tokens[tenant] = frame.meta["token"]
         if session.ticket is not None:
             self.admission.authenticated(session.ticket)
+        if session.uid != os.getuid() and (session.uid, tenant) not in self._uids_seen and len(self._uids_seen) < 4096:
+            self._uids_seen.add((session.uid, tenant))
+            log.info("uid %d (pid %d) connected as tenant %s", session.uid, session.pid, tenant)
         session.reader.limits = requests_only(self.config.limits)
         self._reply(
             session,
@@ -762,32 +807,35 @@ class Fetcher:
         heapq.heappush(self.jobs, (priority, next(self.seq), job))
 
     def _run(self, job: Job) -> None:
-        """Run ``job``'s store call without the lock (held on entry and on return), then complete it."""
-        idle = self._idle_clients.setdefault(job.cache.tenant.name, [])
+        """Run ``job``'s store call without the lock (held on entry and on return), then complete it. It authenticates
+        with the token of one of its tenant's connections (none left: the job fails, and nobody waits for it)."""
+        tenant = job.cache.tenant.name
+        idle = self._idle_clients.get(tenant)
         client = idle.pop() if idle else None
+        token = self._tokens.get(tenant)
         self._lock.release()
         try:
-            client = self._store_call(job, client)
+            client = self._store_call(job, client, token)
         finally:
             self._lock.acquire()
-        if client is not None:
-            idle.append(client)
+        if client is not None and tenant in self._tokens:
+            self._idle_clients.setdefault(tenant, []).append(client)
+        elif client is not None:
+            client.close()
         try:
             self._complete(job)
         except Exception:  # a bug must not stop the thread (its requests' connections see no answer)
             log.exception("completing a store call failed")
 
-    def _store_call(self, job: Job, client: Client | None) -> Client | None:
-        """``get_into`` the job's slots, or ``put`` from them, with ``client`` (or a new one of the job's tenant,
-        returned for the next call); a failure is recorded in ``job``, never raised."""
+    def _store_call(self, job: Job, client: Client | None, token: str | None) -> Client | None:
+        """``get_into`` the job's slots, or ``put`` from them, with ``client`` (or a new one authenticated with
+        ``token``, returned for the next call); a failure is recorded in ``job``, never raised."""
+        if client is None and token is None:
+            job.error = f"no engine of tenant {job.cache.tenant.name!r} is connected any more"
+            return None
         try:
             if client is None:
-                token = self.config.tenants[job.cache.tenant.name]
-                if token.startswith(TOKEN_HASH_PREFIX):  # an etcd map keeps hashes: act for it with the admin token
-                    client = Client(self.config)
-                    client.pool.act_as = job.cache.tenant.name
-                else:
-                    client = Client(self.config, token=token)
+                client = Client(self.config, token=token)
             views = job.cache.slot_views(job.slots, job.length)
             if job.put:
                 views += self._take_in(job)

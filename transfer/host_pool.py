@@ -18,12 +18,17 @@ class that holds it, and a larger block gets a class of its own size (rounded up
 segment is as large as the quota (virtual: pages are touched as slots are first used); the tenant's segments
 together touch at most the quota. When a class needs memory and has nothing to evict, the tenant's other segments
 that nobody pins or fills are dropped whole, least recently used first (their blocks are forgotten; their memory
-goes once the engines that map them let go).
+goes once the engines that map them let go). A tenant has at most ``MAX_CLASSES``: one more size retires the least
+recently used class made for a size whose segments nobody pins, fills or holds outbox slots of.
+
+Segment ids are drawn at random (31 bits, never one issued before): a counter shared by every tenant told each of
+them, by the gaps between its own ids, how many segments the others made.
 """
 
 from __future__ import annotations
 
 import collections
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
@@ -135,8 +140,15 @@ class HostPool:
         quota = size_bytes // len(tenants)
         self.tenants = {name: Tenant(name, quota, list(self.declared)) for name in tenants}
         self.segments: dict[int, Cache | Box] = {}  # by id (never reused: a stale id names nothing)
-        self._ids = count(1)
+        self._issued: set[int] = set()  # every id given out
         self._clock = count(1)
+
+    def _new_id(self) -> int:
+        """A segment id never given out before, at random (it says nothing of other tenants' segments)."""
+        while (new := secrets.randbits(31)) in self._issued or not new:
+            pass
+        self._issued.add(new)
+        return new
 
     def _class(self, tenant: Tenant, length: int) -> int | str:
         """The slot size blocks of ``length`` live in for ``tenant`` (a class made for them if none holds them), or
@@ -151,19 +163,44 @@ class HostPool:
         if stride_of(slot_bytes) > tenant.quota:
             return f"blocks of {length} B do not fit {share}; start kvtier-fetcher with a larger --size"
         if at is None:
-            if len(tenant.classes) >= MAX_CLASSES:
-                return f"blocks of {length} B would need a size class beyond the {MAX_CLASSES} of {share}"
+            if len(tenant.classes) >= MAX_CLASSES and not self._retire(tenant):
+                return (
+                    f"blocks of {length} B would need a size class beyond the {MAX_CLASSES} of {share}, all of them "
+                    "in use"
+                )
             tenant.classes = sorted([*tenant.classes, slot_bytes])
             tenant.lengths.clear()  # (a new class may hold lengths an older, larger one held)
         if len(tenant.lengths) < 4096:
             tenant.lengths[length] = slot_bytes
         return slot_bytes
 
+    def _retire(self, tenant: Tenant) -> bool:
+        """Retire ``tenant``'s least recently used class made for a size (not declared) that nobody uses now: its
+        segments dropped, its size no longer a class. Whether one could be."""
+        idle = [
+            size
+            for size in tenant.classes
+            if size not in self.declared
+            and (size not in tenant.caches or tenant.caches[size].pool.idle())
+            and (size not in tenant.boxes or not tenant.boxes[size].outbox.out.any())
+        ]
+        if not idle:
+            return False
+        size = min(idle, key=lambda s: tenant.caches[s].used if s in tenant.caches else 0)
+        if size in tenant.caches:
+            self._drop(tenant.caches[size])
+        box = tenant.boxes.pop(size, None)
+        if box is not None:
+            del self.segments[box.id]
+            box.close()
+        tenant.classes.remove(size)
+        return True
+
     def cache(self, tenant: Tenant, length: int) -> Cache | str:
         """``tenant``'s cache segment for blocks of ``length`` bytes (made now if it has none), or why there is none."""
 
         def make(name: str, slot_bytes: int) -> Cache:
-            return Cache(next(self._ids), tenant, StagingPool.create(name, tenant.quota, slot_bytes))
+            return Cache(self._new_id(), tenant, StagingPool.create(name, tenant.quota, slot_bytes))
 
         cache = self._segment(tenant, length, tenant.caches, make)
         if isinstance(cache, Cache):
@@ -175,7 +212,7 @@ class HostPool:
 
         def make(name: str, slot_bytes: int) -> Box:
             slots = max(1, min(self.window_bytes, tenant.quota) // stride_of(slot_bytes))
-            return Box(next(self._ids), tenant, Outbox(f"{name}.out", slot_bytes, slots))
+            return Box(self._new_id(), tenant, Outbox(f"{name}.out", slot_bytes, slots))
 
         return self._segment(tenant, length, tenant.boxes, make)
 

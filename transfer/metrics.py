@@ -3,7 +3,9 @@
 Every numeric entry of ``stats()`` becomes one series ``kvtier_<component>_<name>``: a counter if its name is
 listed in ``counters`` (totals since start), a gauge otherwise. ``stats()`` is called at scrape time, on the
 HTTP thread, so it must be safe to call from another thread (the fetcher's and directory's are: they only
-read).
+read). Those totals are every tenant's together, whose changes tell one tenant of another's activity: a scrape of
+``/metrics`` presents the cluster (admin) token, ``Authorization: Bearer TOKEN`` (Prometheus: ``authorization``
+with ``credentials_file``); ``/health`` says only whether the process answers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.kvstore.cluster import DEFAULT_TENANT, ClusterConfig
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.protocol import Limits
 
@@ -43,13 +46,21 @@ def serve_metrics(
     stats: Callable[[], dict[str, Any]],
     counters: frozenset[str] = frozenset(),
     limits: Limits | None = None,
+    admin: Callable[[str], bool] | None = None,
 ) -> MetricsServer:
-    """Start serving ``/metrics`` (``stats()`` as series) and ``/health`` (ok while ``stats()`` answers), within
-    ``limits`` (the cluster file's: connections at once, the time a request may take)."""
+    """Start serving ``/metrics`` (``stats()`` as series, to a scrape ``admin(token)`` accepts the bearer token of)
+    and ``/health`` (ok while ``stats()`` answers), within ``limits`` (the cluster file's: connections at once, the
+    time a request may take)."""
     registry = CollectorRegistry()
     registry.register(StatsCollector(component, stats, counters))
 
     def health() -> dict[str, Any]:
-        return {"status": "ok", **{k: v for k, v in stats().items() if isinstance(v, int | float | str)}}
+        stats()
+        return {"status": "ok"}
 
-    return MetricsServer(registry, address[0], address[1], health, limits).start()
+    return MetricsServer(registry, address[0], address[1], health, limits, admin).start()
+
+
+def admin_only(config: ClusterConfig) -> Callable[[str], bool]:
+    """Whether a token is the cluster's (admin) token, by ``config`` (which may hold only its hash)."""
+    return lambda token: config.tenant_for_token(token) == DEFAULT_TENANT

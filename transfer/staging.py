@@ -64,6 +64,9 @@ _HEADER_BYTES = PAGE
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 F_SEAL_FUTURE_WRITE = 0x10  # (Linux ≥ 5.1; not in Python's fcntl before 3.12)
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+# an outbox stays writable (engines fill it) but keeps its size: a file shrunk under the fetcher's mapping would
+# fault its copy out of the slots (SIGBUS), and take every tenant's fetcher with it
+OUTBOX_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _COLUMNS = (
     ("gen", np.uint64, 1),
     ("lru", np.uint64, 1),
@@ -794,15 +797,17 @@ class StagingPool(SlotMap):
 
 
 class Outbox(Region):
-    """Slots engines fill with blocks to store (the fetcher's ALLOC, then PUT): a memory file of its own, not sealed
-    (the descriptor handed out is read-write) and with no table in it. Which slots are given out, and their
-    generations, live in this object (the fetcher's private memory), so nothing an engine writes here can mislead
-    the fetcher. Not thread-safe: the fetcher calls it under its lock."""
+    """Slots engines fill with blocks to store (the fetcher's ALLOC, then PUT): a memory file of its own, writable
+    through the descriptor handed out but sealed against shrinking and growing (``OUTBOX_SEALS``), so the fetcher's
+    copy out of it can never fault; holes punched in it read as zeros. It holds no table: which slots are given out,
+    and their generations, live in this object (the fetcher's private memory), so nothing an engine writes here can
+    mislead the fetcher. Not thread-safe: the fetcher calls it under its lock."""
 
     def __init__(self, name: str, slot_bytes: int, slots: int) -> None:
         stride = stride_of(slot_bytes)
         self.fd = memory_file(name, slots * stride)
         try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, OUTBOX_SEALS)
             mapping = mmap.mmap(self.fd, slots * stride)
         except BaseException:
             os.close(self.fd)

@@ -1,6 +1,6 @@
 """``kvctl``: the operator's command line for a running kvtier cluster.
 
-    kvctl [--config PATH] [--token TOKEN | --token-file PATH] [--json] [--timeout S] COMMAND ...
+    kvctl [--config PATH] [--token-file PATH] [--json] [--timeout S] COMMAND ...
 
     status                                   cluster summary: nodes up/down, capacity, usage, blocks, codec, TTLs
     nodes                                    per node: address, state, usage, shards, blocks, GC state
@@ -26,8 +26,9 @@
     tenant add NAME --token-out PATH         add a tenant; its new token goes to PATH (mode 0600)
     export-client [--out PATH]               the cluster file without its tokens, for client hosts
 
-The cluster file comes from ``--config`` or ``$KVTIER_CONFIG``; the token from ``--token``, ``--token-file PATH``
-(mode 0600) or ``$KVTIER_TOKEN``, else the cluster file's ``[cluster] token`` (the admin). Every command except
+The cluster file comes from ``--config`` or ``$KVTIER_CONFIG``; the token from ``--token-file PATH`` (mode 0600) or
+``$KVTIER_TOKEN``, else the cluster file's ``[cluster] token`` (the admin); never from the command line, where every
+user's ``ps`` would show it (``--token`` is refused, saying so). Every command except
 ``stat`` and ``match`` needs the admin token: the nodes refuse the rest to a tenant. Global options may also
 follow the command (``kvctl status --json``).
 
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     g = common.add_argument_group("global options (also accepted before the command)")
     g.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help=f"cluster file (default ${ENV_CONFIG})")
-    g.add_argument("--token", default=argparse.SUPPRESS, help="token to use (default: the file's cluster token)")
+    g.add_argument("--token", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # refused: see Ctl
     g.add_argument("--token-file", metavar="PATH", default=argparse.SUPPRESS, help="file holding the token (0600)")
     g.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     g.add_argument("--timeout", type=float, metavar="S", default=argparse.SUPPRESS, help="per-request timeout")
@@ -102,12 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--config", metavar="PATH", default=None, help=f"the cluster file (default: ${ENV_CONFIG})")
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: see Ctl
     parser.add_argument(
-        "--token",
+        "--token-file",
+        metavar="PATH",
         default=None,
-        help="token (default: $KVTIER_TOKEN, else the cluster file's [cluster] token, the admin)",
+        help="file holding the token (mode 0600; default: $KVTIER_TOKEN, else the cluster file's, the admin)",
     )
-    parser.add_argument("--token-file", metavar="PATH", default=None, help="file holding the token (mode 0600)")
     parser.add_argument("--json", action="store_true", default=False, help="print one JSON object instead of tables")
     parser.add_argument(
         "--timeout",
@@ -135,9 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.run(ctl)
         except AuthError as exc:
             whose = (
-                "--token"
-                if args.token
-                else f"the token in {args.token_file}"
+                f"the token in {args.token_file}"
                 if args.token_file
                 else f"${TOKEN_ENV}"
                 if os.environ.get(TOKEN_ENV)

@@ -104,21 +104,25 @@ class Ctl:
         if not path:
             raise UserError(f"no cluster file: pass --config PATH or set {ENV_CONFIG}")
         self.path = Path(path)
-        self.config = self._load(self.path, args.token, args.token_file)
+        if args.token is not None:
+            raise UserError(
+                "--token puts the token where every user's `ps` can read it: give it with --token-file PATH (mode "
+                "0600) or $KVTIER_TOKEN"
+            )
+        self.config = self._load(self.path, args.token_file)
         self._client: Any = None
         self._console: Any = None
         self.command = args.command + (f" {args.action}" if getattr(args, "action", None) else "")
 
     @staticmethod
-    def _load(path: Path, token: str | None, token_file: str | None) -> Any:
-        """The cluster file with the token to present: ``--token``, ``--token-file``, ``$KVTIER_TOKEN``, else the
-        file's own (the admin)."""
+    def _load(path: Path, token_file: str | None) -> Any:
+        """The cluster file with the token to present: ``--token-file``, ``$KVTIER_TOKEN``, else the file's own (the
+        admin)."""
         from kvtier.kvstore import cluster as cluster_mod
         from kvtier.kvstore import cluster_map
 
         try:
-            if token is None and token_file is not None:
-                token = cluster_mod.read_token_file(token_file)
+            token = cluster_mod.read_token_file(token_file) if token_file is not None else None
             return cluster_map.load_client(path, token)
         except cluster_mod.ConfigError as exc:
             raise UserError(f"{exc}") from None
@@ -167,7 +171,7 @@ class Ctl:
     def forbidden(self) -> UserError:
         return UserError(
             f"`{self.command}` needs the cluster (admin) token and the nodes refused this one: "
-            f"leave out --token, --token-file and $KVTIER_TOKEN to use the cluster file's [cluster] token"
+            f"leave out --token-file and $KVTIER_TOKEN to use the cluster file's [cluster] token"
         )
 
     def sort(self, replies: dict[int, dict[str, Any]]) -> tuple[dict[int, dict], list[int], dict[int, str]]:
