@@ -202,16 +202,22 @@ class Repairer:
                 by_tenant.setdefault(tenant, []).append((entry, candidate))
             for tenant, items in by_tenant.items():
                 actions = self._repair(tenant, [c for _, c in items], Rule.ALWAYS, owe=False)
-                done = [e.bkey for (e, _), a in zip(items, actions, strict=True) if a in _FINAL]
-                restored = [e.bkey for (e, _), a in zip(items, actions, strict=True) if a == Action.DONE]
-                since = self.engine.settle_owed(done)
-                settled += len(done)
-                if self.on_restored is not None:
-                    now = self.clock()
-                    for bkey in restored:
-                        if bkey in since:
-                            self.on_restored(now - since[bkey])
+                settled += sum(a in _FINAL for a in actions)
         return settled > 0
+
+    def _settle(self, prefix: bytes, keys: Sequence[bytes], actions: np.ndarray) -> None:
+        """Blocks a repair finished (12 shards, or gone) are owed no more, whichever pass found it: a fill's or
+        ``kvctl repair``'s leaves no owed entry to wait for the owed list's next turn (up to ``MAX_BACKOFF_S``) while
+        ``blocks_under_replicated`` counts them. Their time to redundancy is observed."""
+        final = np.isin(actions, _FINAL)
+        if not final.any():
+            return
+        since = self.engine.settle_owed([prefix + keys[b] for b in np.flatnonzero(final).tolist()])
+        if self.on_restored is not None and since:
+            now = self.clock()
+            for b in np.flatnonzero(actions == Action.DONE).tolist():
+                if (when := since.get(prefix + keys[b])) is not None:
+                    self.on_restored(now - when)
 
     # -- full pass, rebuild, scrub ----------------------------------------------------------------------
 
@@ -320,9 +326,10 @@ class Repairer:
         reclaim = np.flatnonzero(action == Action.RECLAIM)
         if len(reclaim):
             self._reclaim(tenant, [batch[b] for b in reclaim.tolist()], survey.records[reclaim])
+        prefix = tenant.encode() + b"/"
+        self._settle(prefix, keys, action)
         if owe:
             waiting = np.flatnonzero(action == Action.WAIT).tolist()
-            prefix = tenant.encode() + b"/"
             missing = (~survey.present).astype(np.uint16) << _SHARD_BITS
             masks = missing.sum(axis=1, dtype=np.uint16).tolist()
             now = self.clock()

@@ -63,6 +63,23 @@ class Writes(ClientCore):
         shard_nodes = self.placement.shard_nodes(keys)
         write = np.ones(shard_nodes.shape, dtype=bool)
         done = self._store(keys, views, ttl_class, shard_nodes, write, headers, parents, ns_digest)
+        # taken by their primary, which then answered the COMMIT that it no longer had them: removed between the
+        # phases (a full cache evicted the copy its nodes found stored, whose payload the writer then did not send)
+        lost = done.vanished & ~done.no_space
+        if lost.any():  # stored again, once
+            rows = np.flatnonzero(lost)
+            again = self._store(
+                [keys[b] for b in rows.tolist()],
+                [views[b] for b in rows.tolist()],
+                ttl_class,
+                shard_nodes[rows],
+                write[rows],
+                [headers[b] for b in rows.tolist()] if headers is not None else None,
+                parents,
+                ns_digest,
+            )
+            for mine, retried in zip(done, again, strict=True):
+                mine[rows] = retried
         stored, no_space = done.committed, done.no_space
         result = stored.tolist()
         unavailable = ~stored & ~no_space
@@ -195,15 +212,17 @@ class Writes(ClientCore):
             commits.append((entries, exchange.request(node_id, Op.COMMIT, meta)))
         exchange.run(self.config.client.op_timeout_s)
         durable = np.zeros(shard_nodes.shape, dtype=bool)
+        vanished = np.zeros(len(keys), dtype=bool)
         for entries, pending in commits:
             statuses = self._flags(pending, "st", len(entries))
             if statuses is not None:
                 committed = entries[statuses == Status.OK]
                 durable[committed[:, 0], committed[:, 1]] = True
+                vanished[entries[(statuses == Status.MISSING) & (entries[:, 1] == 0), 0]] = True
         if not repair:
             named = missing if missing is not None else np.zeros(len(keys), dtype=np.uint16)
             self._owe(key_table, shard_nodes, write & ~durable, durable[:, 0], named)
-        return Stored(durable, durable[:, 0], no_space, ok)
+        return Stored(durable, durable[:, 0], no_space, ok, vanished & committable)
 
     def _owe(
         self,
@@ -292,13 +311,15 @@ blocks as all before it (few rounds of the send loop, yet the nodes never wait f
 
 class Stored(NamedTuple):
     """What a two-phase write achieved: the (n × 12) shards committed, per block whether it committed (its primary
-    recorded it) and whether a node refused one of its shards for lack of space, and the (n × 12) shards their nodes
-    took in the first phase (stored pending, or there already)."""
+    recorded it) and whether a node refused one of its shards for lack of space, the (n × 12) shards their nodes
+    took in the first phase (stored pending, or there already), and per block whether its primary took it in the
+    first phase and answered the COMMIT that it no longer had it (removed in between)."""
 
     durable: np.ndarray
     committed: np.ndarray
     no_space: np.ndarray
     took: np.ndarray
+    vanished: np.ndarray
 
 
 class Stripes(NamedTuple):

@@ -154,6 +154,24 @@ def test_blocks_below_twelve_shards_are_reported_until_repaired_with_their_time_
         assert all(restored[nid] >= count for nid, count in owed.items()), (restored, owed)
 
 
+def test_blocks_a_repair_pass_restored_are_no_longer_counted_under_replicated_when_it_ends(own_cluster) -> None:
+    local = own_cluster(gc="interval_s = 2.0\n")  # the owed repairs wait 4 s, then 8 s, while node 2 is down
+    with Client(local.config) as client:
+        local.kill(2)
+        keys, data = blocks(40)
+        keys = [k for k, s in zip(keys, client.put(keys, data), strict=True) if s]
+        assert sum(i.get("blocks_under_replicated", 0) for i in client.node_info().values()) == len(keys)
+        time.sleep(3.0)
+        local.start([2])
+        wait_reachable(client)
+        done = kvctl(local.config_path, "repair")  # a pass as a replacement's fill runs it
+        assert done.returncode == 0, done.stderr
+        assert client.probe(keys).all()
+        assert {nid: i["blocks_under_replicated"] for nid, i in client.node_info().items()} == dict.fromkeys(
+            range(12), 0
+        )
+
+
 def flip_a_bit(local: LocalCluster, key: bytes, index: int) -> int:
     """Flip one bit of shard ``index`` of ``key`` in its slab file (its node stopped meanwhile, then started
     again); returns the node holding it."""

@@ -29,6 +29,7 @@ from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.placement import Placement, primary_budget_bytes
 from kvtier.kvstore.protocol import Op, Status, encode_head
 from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
+from kvtier.kvstore.transport import Exchange
 
 from .conftest import wait_for
 from .test_store import WRITER, shard_status, wait_reachable
@@ -122,6 +123,29 @@ def test_a_fill_of_four_times_capacity_keeps_taking_writes_and_keeps_hot_blocks(
         assert [bytes(b) for b in client.get(keys)] == data  # the last batch, whole
         info = client.node_info().values()
         assert sum(i["gc"]["evictions"] + i["gc"]["evictions_on_demand"] for i in info) >= 2 * capacity // SLOT
+
+
+def test_a_block_evicted_between_the_two_phases_of_its_re_put_is_stored_again_not_refused(
+    own_cluster, monkeypatch
+) -> None:
+    local = own_cluster(gc="interval_s = 0.2\n")
+    with Client(local.config) as client, Client(local.config) as evictor:
+        keys, data = blocks(8)
+        assert client.put(keys, data) == [True] * 8
+        request = Exchange.request
+        evicted = []
+
+        def evict_before_commit(exchange: Exchange, node_id: int, opcode: int, *args, **kwargs):
+            if opcode == Op.COMMIT and not evicted:
+                evicted.append(evictor.delete(keys[:4]))  # every node found them stored (EXISTS), then they went
+            return request(exchange, node_id, opcode, *args, **kwargs)
+
+        monkeypatch.setattr(Exchange, "request", evict_before_commit)
+        assert client.put(keys, data) == [True] * 8  # a full cache's churn: the put still stores every block
+        monkeypatch.undo()
+        assert evicted == [True]
+        assert [bytes(b) for b in client.get(keys)] == data
+        assert client.probe(keys).all()
 
 
 def test_reads_racing_removals_get_the_block_or_a_miss_never_other_bytes(own_cluster) -> None:
