@@ -19,7 +19,6 @@ from kvtier.gc.worker import GCWorker
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import logs
 from kvtier.kvstore.chunks import MetadataError
-from kvtier.kvstore.cluster import ClusterConfig
 from kvtier.kvstore.cluster_map import MapFeed
 from kvtier.kvstore.local import NODE_ERROR_PREFIX
 from kvtier.kvstore.membership import Membership
@@ -53,14 +52,11 @@ def run_node(config_path: str, node_id: int, etcd: str | None = None) -> None:
     feed.listeners.append(worker.adopt)
     placed = node.config.nodes[node_id]
 
-    def leave_if_moved(config: ClusterConfig) -> None:  # `kvctl node replace` put this node elsewhere
-        now = config.nodes.get(node_id)
-        if now is None or (now.host, now.port, now.data_dir) != (placed.host, placed.port, placed.data_dir):
-            log.warning("the cluster map moved node %d away from %s:%d: stopping", node_id, placed.host, placed.port)
-            threading.Thread(target=server.stop, daemon=True).start()
+    def leave() -> None:  # `kvctl node replace` put this node elsewhere; its membership has stopped renewing
+        log.warning("the cluster map moved node %d away from %s:%d: stopping", node_id, placed.host, placed.port)
+        threading.Thread(target=server.stop, daemon=True).start()
 
-    feed.listeners.append(leave_if_moved)
-    membership = Membership(feed, node_id)
+    membership = Membership(feed, node_id, on_moved=leave)
     filler = Filler(feed, worker, node_id)
     try:
         serve(node, server, [worker.run, worker.repairer.run, worker.scrubber.run, filler.run])

@@ -208,6 +208,18 @@ def config_from_map(
     )
 
 
+Place = tuple[str, int, str] | None
+"""Where the map places a node: (host name, port, data dir), None when it has no such node."""
+
+
+def place_of(doc: Doc, node_id: int) -> Place:
+    """Where ``doc`` places ``node_id`` (a process of the node runs only there: ``kvstore.membership``)."""
+    for node in doc.get("nodes", []):
+        if node.get("id") == node_id:
+            return (node.get("host"), node.get("port"), node.get("data_dir"))
+    return None
+
+
 def node_entry(doc: Doc, node_id: int) -> Doc:
     """The map's entry of ``node_id``; ConfigError if there is none."""
     for node in doc["nodes"]:

@@ -207,6 +207,18 @@ def test_a_killed_nodes_lease_lapses_and_it_is_marked_down_then_up_when_back(loo
     wait_for(lambda: local.config.nodes[3].state == "up", 15, "node 3 up again")
 
 
+def test_a_node_whose_membership_key_is_lost_while_its_lease_lives_registers_again(
+    loopback_cluster: LocalCluster,
+) -> None:
+    local, nid = loopback_cluster, 7
+    feed = local.config.feed
+    pid = local.procs[nid].pid
+    key = feed.store.member_key(nid)
+    feed.etcd.call(lambda c: c.delete(key))  # its lease still lives: only a check of the key itself notices
+    wait_for(lambda: feed.members.get(nid, {}).get("pid") == pid, 10, f"node {nid} to register again")
+    wait_for(lambda: local.config.nodes[nid].state == "up", 10, f"node {nid} up")
+
+
 class LaggingFeed:
     """A feed whose watch has not delivered the newest map yet: it hands out ``stale`` until asked to refresh."""
 

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from dev.netns import NetCluster, Network, has_netem, netns_unavailable
 
 STORAGE = [f"h{i}" for i in range(6)]
 SPARE = "h6"
+ELSEWHERE = "h7"  # where the partitioned host's nodes are moved
 ETCD = ["e0", "e1", "e2"]
 CLIENTS = ["c0", "c1"]
 LEASE_TTL_S = 3.0
@@ -49,8 +51,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     if why is not None:
         pytest.skip(f"multi-host tests run hosts as network namespaces: {why}")
     work = tmp_path_factory.mktemp("multihost")
-    with Network([*STORAGE, SPARE, *ETCD, *CLIENTS]) as net:
-        yield Hosts(net, work, STORAGE, ETCD, CLIENTS, spare=[SPARE], lease_ttl_s=LEASE_TTL_S)
+    with Network([*STORAGE, SPARE, ELSEWHERE, *ETCD, *CLIENTS]) as net:
+        yield Hosts(net, work, STORAGE, ETCD, CLIENTS, spare=[SPARE, ELSEWHERE], lease_ttl_s=LEASE_TTL_S)
 
 
 def test_a_client_on_another_host_reads_what_a_third_host_wrote(hosts: Hosts) -> None:
@@ -99,6 +101,32 @@ def test_a_partitioned_host_is_marked_down_and_rejoins_when_healed(hosts: Hosts)
     read = hosts.drivers["c1"].ask("get", first=0, count=BLOCKS, size=SIZE)
     assert (read["hits"], read["wrong"]) == (BLOCKS, 0)
     assert hosts.drivers["c1"].ask("probe", first=0, count=BLOCKS)["complete"] == BLOCKS
+
+
+def test_nodes_moved_off_a_partitioned_host_stay_up_when_it_heals(hosts: Hosts) -> None:
+    """Partition a host, wait until its nodes are marked down, move them onto another host as the docs say
+    (``kvctl node replace``), wait for the fill, heal: the old processes find their nodes moved and stop without
+    taking their membership back; the replacements stay up and every put stores all 12 shards."""
+    victims = hosts.nodes_on("h4")
+    hosts.net.partition("h4")
+    try:
+        hosts.wait_map(lambda m: all(m["states"][v] == "down" for v in victims), 30, "h4's nodes down")
+        hosts.kvctl("host", "add", ELSEWHERE, hosts.net.addresses[ELSEWHERE])
+        for nid in victims:
+            hosts.kvctl(
+                "node", "replace", nid, "--host", ELSEWHERE, "--data-dir", str(hosts.work / "data" / f"re-{nid}")
+            )
+        hosts.wait_map(lambda m: all(m["states"][v] == "up" for v in victims), 60, "the replacements up")
+        hosts.wait_map(lambda m: not m["filling"], 120, "repair to fill the replacements")
+    finally:
+        hosts.net.heal("h4")
+    for _ in range(int(4 * LEASE_TTL_S / 0.5)):  # long enough for a stolen membership key to lapse
+        states = hosts.map()["states"]
+        assert all(states[v] == "up" for v in victims), states
+        time.sleep(0.5)
+    put = hosts.drivers["c0"].ask("put", first=40_000, count=96, size=SIZE)
+    assert all(put["stored"])
+    assert hosts.drivers["c1"].ask("probe", first=40_000, count=96)["complete"] == 96
 
 
 def etcd_leader(hosts: Hosts) -> str:
