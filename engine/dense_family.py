@@ -133,6 +133,9 @@ class DenseFamily:
 
         return chunk
 
+    def reference_chunk(self, device: torch.device, asked: int) -> int:
+        return asked
+
     def hit_margin(self, config: ModelConfig) -> int:
         return (config.sliding_window + SPECULATIVE_POSITIONS) if config.sliding_layers else 1
 

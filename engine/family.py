@@ -127,6 +127,10 @@ class Family(Protocol):
         chunk at those positions (one object carrying the state from chunk to chunk)."""
         ...
 
+    def reference_chunk(self, device: torch.device, asked: int) -> int:
+        """Queries per chunk of the reference forward, ``asked`` by its caller."""
+        ...
+
     def hit_margin(self, config: Any) -> int:
         """The hit leaves at least this many prompt tokens to compute."""
         ...

@@ -127,17 +127,43 @@ def test_the_v4_tiny_preset_loads_in_transformers_with_the_same_logits(v4: Path)
     assert (ours - reference_logits(v4, tokens)).abs().max().item() <= TOLERANCE
 
 
-def test_each_query_chooses_among_the_whole_prompts_entries_however_the_prompt_is_chunked(tmp_path: Path) -> None:
-    """The indexer's top-k of a prompt query is taken over a row of as many scores as the whole prompt has entries,
-    those after the query's window ``-inf``: what it may choose never depends on the chunking, and equal scores (one
-    indexer head: ReLU zeros tie exactly) fall as in transformers' whole-prompt forward."""
+def test_the_cpu_reference_forward_is_bitwise_transformers_and_ignores_chunking(tmp_path: Path) -> None:
+    """On the CPU the reference forward runs the whole prompt as transformers does, row for row: equal logits to
+    the bit, so where an indexer's scores tie exactly (one indexer head: ReLU zeros) the tie falls the same way."""
     path = transformers_checkpoint(tmp_path / "ties", 11, **MIXES["ties-legacy"])
     tokens = prompt(900, seed=5, vocab=300)
     model = load(path)
-    whole = forward_logits(model, torch.tensor(tokens), chunk_tokens=1024)
-    assert (whole - reference_logits(path, tokens)).abs().max().item() <= TOLERANCE
-    for chunk in (128, 384):
-        assert (forward_logits(model, torch.tensor(tokens), chunk_tokens=chunk) - whole).abs().max().item() <= TOLERANCE
+    assert torch.equal(forward_logits(model, torch.tensor(tokens), chunk_tokens=128), reference_logits(path, tokens))
+
+
+def test_each_prompt_query_chooses_among_the_whole_prompts_entries_however_the_engine_chunks_it(tmp_path: Path) -> None:
+    """The indexer's top-k of a prompt query is taken over a row of as many scores as the whole prompt pools, those
+    after the query's window ``-inf``: what it may choose never depends on the chunking, and exact ties fall as in the
+    whole-prompt forward (with the row as long as the query's own pool, the ties below fell elsewhere: 2.5 off)."""
+    path = transformers_checkpoint(tmp_path / "ties", 11, **MIXES["ties-legacy"])
+    tokens = prompt(900, seed=5, vocab=300)
+    expected = reference_logits(path, tokens)[-1]
+    for chunk in (128, 256, 1024):
+        with Engine.from_pretrained(path, chunk_tokens=chunk) as engine:
+            [result] = engine.generate([tokens], 0)
+        assert (result.first_logits - expected).abs().max().item() <= TOLERANCE
+
+
+def test_the_gpu_attention_layout_computes_what_the_cpu_one_does(v4: Path) -> None:
+    """The GPU's attention (each query's window gathered, no row over the prompt) against the CPU's rows."""
+    model = load(v4)
+    attention = next(layer.self_attn for layer in model.model.layers if layer.self_attn.indexer is not None)
+    gen = torch.Generator().manual_seed(0)
+    t, heads, dim = 300, model.config.num_heads, model.config.head_dim
+    q, keys = torch.randn(t, heads, dim, generator=gen), torch.randn(t + 10, dim, generator=gen)
+    positions = torch.arange(500, 500 + t)
+    entries = torch.randn(200, dim, generator=gen)
+    chosen = torch.stack([torch.randperm(200, generator=gen)[:16] for _ in range(t)])  # distinct, as top-k's
+    chosen[:, -3:] = -1  # fewer to choose from than k
+    for picks in (None, chosen):
+        rows = attention._attend_rows(q, keys, 490, positions, entries, picks, 1000)
+        gathered = attention._attend(q, keys, 490, positions, entries, picks)
+        assert (rows - gathered).abs().max().item() <= 1e-5
 
 
 def test_greedy_decoding_over_the_engines_caches_equals_transformers_generate(v4: Path) -> None:
@@ -266,11 +292,11 @@ def test_block_kv_without_its_state_block_is_a_bounded_replay_that_stores_nothin
     p = prompt(1100, seed=24)
     engine(v4, cluster_file, LocalStateBlocks()).generate([p], 4)  # blocks in the store, its StateBlocks elsewhere
     e = engine(v4, cluster_file, LocalStateBlocks())
-    [replayed] = e.generate([p + [1, 2, 3]], 4)
+    q = p + prompt(300, seed=25)
+    [replayed] = e.generate([q], 4)
     assert (replayed.hit_tokens, replayed.replayed) == (1024, True)
-    longer = p + [1, 2, 3] + prompt(300, seed=25)
-    [after] = e.generate([longer], 4)
-    assert after.hit_tokens == 1024  # nothing of the replayed request was stored (its blocks would reach 1,152)
+    [after] = e.generate([q + prompt(200, seed=29)], 4)
+    assert after.hit_tokens == 1024  # nothing of the replayed request was stored (its blocks would reach 1,280)
 
 
 def test_an_engine_of_another_block_size_or_dtype_never_reads_these_blocks(

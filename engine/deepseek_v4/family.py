@@ -150,6 +150,11 @@ class DeepseekV4Family:
 
         return chunk
 
+    def reference_chunk(self, device: torch.device, asked: int) -> int:
+        """On the CPU the whole sequence at once, as transformers computes it: every matmul then has transformers'
+        shapes and rounds as it does, so an indexer tie (equal scores of different entries) falls the same way."""
+        return asked if device.type != "cpu" else 1 << 62
+
     def hit_margin(self, config: V4Config) -> int:
         return 1  # a StateBlock at h resumes exactly at h: only the last prompt token must be computed
 

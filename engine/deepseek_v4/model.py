@@ -36,6 +36,7 @@ class V4KV(Protocol):
     the compressor)."""
 
     positions: torch.Tensor  # [T], absolute, consecutive
+    prompt_tokens: int  # the prompt's length while its positions are computed, 0 for a decode step
 
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Append the chunk's K = V rows ``kv`` [T, head_dim] of ``layer``; return the rows from position
@@ -233,12 +234,74 @@ class Attention(nn.Module):
             entries = self.compressor(x, kv_state, self.layer, COMPRESSOR, rope_set, inv_freq)
             if self.indexer is not None:
                 chosen = self.indexer(x, q_residual, kv_state, self.layer, rope_set, inv_freq, cos, sin)
-        out = self._attend(q, keys, first, kv_state.positions, entries, chosen)
+        args = (q, keys, first, kv_state.positions, entries, chosen)
+        out = self._attend_rows(*args, kv_state.prompt_tokens) if q.device.type == "cpu" else self._attend(*args)
         out = apply_rope(out, cos, -sin)  # K = V carried RoPE into the output: rotate it back (§2.3.1)
         grouped = out.reshape(t, self.config.o_groups, -1)
         w = self.o_a_proj.weight.view(self.config.o_groups, -1, grouped.shape[-1])
         grouped = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)  # [T, groups, rank]
         return self.o_b_proj(grouped.reshape(t, -1))
+
+    ROW_ELEMENTS = 1 << 25  # score elements per slice of queries in :meth:`_attend_rows`
+    MIN_ROWS = 64  # queries per slice at least: fewer take the BLAS's small-matrix paths, which round differently
+
+    def _attend_rows(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        first: int,
+        positions: torch.Tensor,
+        entries: torch.Tensor | None,
+        chosen: torch.Tensor | None,
+        prompt_tokens: int,
+    ) -> torch.Tensor:
+        """:meth:`_attend` with each score row laid out as transformers' eager attention lays it (so sums round as
+        there, and an indexer tie after this layer breaks the same way): a prompt query's row is every prompt
+        position (the window visible), then as many entries as the whole prompt pools, then the sink; a decode
+        step's row is its window (``min(p + 1, W)`` positions), the entries so far, the sink. Positions and entries
+        a chunk does not have yet are masked columns, so a position's row is the same in any chunking. Queries go
+        in slices of at least :data:`MIN_ROWS` (all of them when fewer), as many as :data:`ROW_ELEMENTS` allows."""
+        t, heads, dim = q.shape
+        if prompt_tokens:
+            lo, width = 0, prompt_tokens
+        else:
+            p = int(positions[-1])
+            lo, width = max(0, p - self.window + 1), min(p + 1, self.window)
+        k_pos = torch.arange(lo, lo + width, device=q.device)
+        columns = keys.new_zeros(width, dim)
+        held = torch.arange(first, first + keys.shape[0], device=q.device)
+        inside = (held >= lo) & (held < lo + width)
+        columns[held[inside] - lo] = keys[inside]
+        mask = (k_pos[None, :] > positions[:, None]) | (k_pos[None, :] <= positions[:, None] - self.window)
+        mask |= k_pos[None, :] < first  # not held: before a bounded replay's first position
+        if entries is not None:
+            rate = self.config.csa_rate if chosen is not None else self.config.hca_rate
+            total = max(entries.shape[0], prompt_tokens // rate)
+            pooled = entries.new_zeros(total, dim)
+            pooled[: entries.shape[0]] = entries
+            if chosen is None:
+                hidden = torch.arange(total, device=q.device)[None, :] >= ((positions + 1) // rate)[:, None]
+            else:
+                hidden = torch.ones(t, total + 1, dtype=torch.bool, device=q.device)
+                hidden.scatter_(1, torch.where(chosen >= 0, chosen, total), False)
+                hidden = hidden[:, :total]
+            columns, mask = torch.cat([columns, pooled]), torch.cat([mask, hidden], dim=1)
+        values = columns[None, None].expand(1, heads, -1, -1).reshape(1, heads, columns.shape[0], dim)
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask, -math.inf)
+        step = max(self.MIN_ROWS, self.ROW_ELEMENTS // (heads * columns.shape[0]))
+        cuts = list(range(0, t, step))
+        if len(cuts) > 1 and t - cuts[-1] < self.MIN_ROWS:
+            cuts.pop()  # the last slice takes the short rest
+        out = []
+        for lo, hi in zip(cuts, [*cuts[1:], t], strict=True):
+            query = q[lo:hi].transpose(0, 1)[None]
+            scores = torch.matmul(query, values.transpose(2, 3)) * self.scaling + bias[lo:hi]
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(1, -1, hi - lo, -1)
+            combined = torch.cat([scores, sinks.to(scores.dtype)], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(values.dtype)
+            out.append(torch.matmul(probs, values)[0].transpose(0, 1))
+        return torch.cat(out)
 
     def _attend(
         self,
@@ -259,8 +322,9 @@ class Attention(nn.Module):
         is built (the window is ``T × W``, the entries ``T × N`` for HCA and ``T × k`` for CSA)."""
         w = self.window
         at = positions[:, None] - w + 1 + torch.arange(w, device=q.device)[None, :]  # [T, W]: window positions
-        window = keys[(at - first).clamp(min=0)]  # [T, W, D]
-        parts = [torch.einsum("thd,twd->thw", q, window).mul_(self.scaling).masked_fill_(at[:, None, :] < 0, -math.inf)]
+        window = keys[(at - first).clamp(min=0)]  # [T, W, D]; positions before ``first`` are not held (replay)
+        hidden = (at < max(first, 0))[:, None, :]
+        parts = [torch.einsum("thd,twd->thw", q, window).mul_(self.scaling).masked_fill_(hidden, -math.inf)]
         values = [window]
         if entries is not None and entries.shape[0]:
             if chosen is None:  # HCA: every entry whose window is complete
@@ -360,7 +424,8 @@ class SharedExpert(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts as 3-D weights (``gate_up_proj`` [E, 2I, H]: gate rows then up rows; ``down_proj``
-    [E, H, I]), clamped SwiGLU."""
+    [E, H, I]), clamped SwiGLU. Computed as transformers' grouped path does (token-slots sorted by expert, one
+    grouped matmul per projection, each token's slots summed in slot order), so the sums round alike."""
 
     def __init__(self, config: V4Config) -> None:
         super().__init__()
@@ -370,13 +435,35 @@ class Experts(nn.Module):
         self.limit = config.swiglu_limit
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, slot = torch.where(index == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
-            out.index_add_(0, token, (F.linear(h, self.down_proj[e]) * weight[token, slot, None]).to(out.dtype))
-        return out
+        tokens, k = index.shape
+        experts, perm = torch.sort(index.reshape(-1))
+        rows = x[perm // k]
+        offsets = torch.cumsum(torch.bincount(experts, minlength=self.gate_up_proj.shape[0]), 0).to(torch.int32)
+        gate, up = _grouped_linear(rows, self.gate_up_proj, offsets).chunk(2, dim=-1)
+        h = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+        out = _grouped_linear(h, self.down_proj, offsets) * weight.reshape(-1)[perm].unsqueeze(-1)
+        unsort = torch.empty_like(perm)
+        unsort[perm] = torch.arange(perm.shape[0], device=perm.device)
+        return out[unsort].view(tokens, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``rows`` (sorted by group, group ``g`` ending at ``offsets[g]``) times ``weight[g]ᵀ`` each: one grouped
+    matmul where torch has it for this device and dtype, else one matmul per group."""
+    weight_t = weight.transpose(-2, -1)
+    grouped = getattr(F, "grouped_mm", None)
+    if grouped is not None and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
+        try:
+            return grouped(rows.to(weight.dtype), weight_t, offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            pass  # this build or device has no kernel for it
+    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = F.linear(rows[start:end], weight[g])
+        start = end
+    return out
 
 
 class Router(nn.Module):
