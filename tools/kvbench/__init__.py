@@ -9,6 +9,7 @@ same bytes measured in the same run; and ``replay`` of request traces.
     kvbench adapter [--engines sglang,vllm,lmcache]  (pages through each engine adapter vs the raw client)
     kvbench route TRACE --prefill N --decode M     (routing over prefill/decode pools, simulated)
     kvbench fit-cost [--out cost.json]             (the step cost model t(q, c) the balancers use)
+    kvbench kv-bytes [--models 8b,v4-flash]        (block and StateBlock bytes per token of model shapes)
 
 One module per subcommand (``tools/kvbench/putget.py``, ``replay.py``, ...), each with ``register``
 (``tools.cliutil.Subcommands``); this entry point lists them in :data:`SUBCOMMANDS` and maps their errors to
@@ -28,6 +29,7 @@ from kvtier.tools.kvbench import (
     adapter,
     fetch,
     fitcost,
+    kvbytes,
     putget,
     replay,
     route,
@@ -39,7 +41,7 @@ from kvtier.tools.kvbench import (
 from kvtier.tools.kvbench.common import PROG, BenchError, UsageError, VerifyError
 
 # a new subcommand: its module, plus one entry here
-SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin, adapter, fitcost, route)
+SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin, adapter, fitcost, route, kvbytes)
 
 
 def build_parser() -> argparse.ArgumentParser:
