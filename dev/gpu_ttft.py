@@ -3,6 +3,7 @@ engine's GPU tests, then ``kvbench swapin``; every step's log and JSON under OUT
 
     python3 dev/gpu_ttft.py $OUT                  # on the lent H200 (carry .gpu, built by gpu_bundle.py build)
     .venv/bin/python dev/gpu_ttft.py OUT --rehearse   # here: the same steps on the CPU with the tiny preset
+    python3 dev/gpu_ttft.py $OUT --preset v4-h200 --lengths 32768,131072 --hits 0,96   # DeepSeek-V4
 
 Steps (each with its own time limit; a step that fails or runs out is logged and the next one runs):
 ``env`` (GPU, memory, disks), ``tests`` (tests/test_engine_gpu.py), ``checkpoint`` (``kvtier-engine
@@ -96,20 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--through", default="client", help="ttft steps, comma-separated: client, fetcher")
     parser.add_argument("--pool", default="24GiB", help="the fetcher's pool for --through fetcher (default 24GiB)")
     parser.add_argument("--no-tests", action="store_true", help="leave out the GPU tests")
+    parser.add_argument("--preset", default="8b", help="the checkpoint: 8b (dense, default) or v4-h200 (DeepSeek-V4)")
+    parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared plain vs reuse (16)")
     args = parser.parse_args(argv)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     py = sys.executable
     if args.rehearse:
-        device, dtype, preset, lengths, capacity, chunk = "cpu", "float32", "tiny", "600,900", "256MiB", "512"
+        preset = "v4-tiny" if args.preset.startswith("v4") else "tiny"
+        device, dtype, lengths, capacity, chunk = "cpu", "float32", "600,900", "256MiB", "512"
         ckpt_root = root = None
     else:
         work = Path(tempfile.mkdtemp(prefix="kvtier-gpu-"))
         site = gpu_bundle.unpack(gpu_bundle.ARCHIVE, work)
         packages = gpu_bundle.link_packages(work / "src")
         env["PYTHONPATH"] = f"{packages}:{site}"
-        device, dtype, preset, lengths, chunk = "cuda", "bfloat16", "8b", args.lengths, "2048"
+        device, dtype, preset, lengths, chunk = "cuda", "bfloat16", args.preset, args.lengths, "2048"
         ckpt_root, root, capacity = places()
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-ttft-", dir=root))
     env["TMPDIR"] = str(scratch)  # the temporary cluster's nodes live here
@@ -122,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         ok &= step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rs",
                              "tests/test_engine_gpu.py"], out, env, 50)  # fmt: skip
     make = [py, "-m", "kvtier.engine.cli", "make-checkpoint", str(checkpoint), "--preset", preset,
-            "--layer-types", "sliding,sliding,sliding,full", "--device", device]  # fmt: skip
+            "--device", device]  # fmt: skip
+    if not preset.startswith("v4"):  # the dense GPU layout: three sliding layers to one global
+        make += ["--layer-types", "sliding,sliding,sliding,full"]
     if step("checkpoint", make, out, env, 90):
         for through in args.through.split(","):
             name = "ttft" if through == "client" else f"ttft-{through}"
             ttft = [py, "-m", "kvtier.tools.kvbench", "ttft", "--checkpoint", str(checkpoint), "--device", device,
                     "--dtype", dtype, "--prompt-tokens", lengths, "--hits", args.hits, "--repeats",
                     str(args.repeats), "--chunk-tokens", chunk, "--node-capacity", capacity, "--through", through,
-                    "--pool", args.pool, "--json-out", str(out / f"{name}.json")]  # fmt: skip
+                    "--pool", args.pool, "--check-tokens", str(args.check_tokens),
+                    "--json-out", str(out / f"{name}.json")]  # fmt: skip
             ok &= step(name, ttft, out, env, args.ttft_limit)
     else:
         ok = False

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.engine import baseline, worker
 from kvtier.engine.checkpoint import PRESETS, make_checkpoint
+from kvtier.engine.deepseek_v4.presets import V4_PRESETS
 
 
 def _make_checkpoint(args: argparse.Namespace) -> None:
@@ -28,7 +29,8 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
         tie_word_embeddings=args.tie_word_embeddings,
         device=args.device,
     )
-    print(f"wrote {args.preset} checkpoint ({args.family}, seed {args.seed}) to {out}")
+    family = "deepseek_v4" if args.preset in V4_PRESETS else args.family
+    print(f"wrote {args.preset} checkpoint ({family}, seed {args.seed}) to {out}")
 
 
 def _baseline(args: argparse.Namespace) -> None:
@@ -59,7 +61,7 @@ def parsers() -> tuple[argparse.ArgumentParser, Any]:
 
     mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint in Hugging Face format")
     mk.add_argument("out", help="new directory")
-    mk.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    mk.add_argument("--preset", choices=[*sorted(PRESETS), *sorted(V4_PRESETS)], default="tiny")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--layer-types", default="sliding,full", help="comma list of full/sliding, repeated per layer")
     mk.add_argument("--sliding-window", type=int, default=128)

@@ -62,3 +62,19 @@ def test_reuse_on_the_gpu_is_exact_and_agrees_with_the_cpu(tmp_path: Path, clust
     assert warm.tokens == cold.tokens == ref.tokens
     assert (warm.first_logits - cold.first_logits).abs().max().item() <= 1e-3
     assert (warm.first_logits.cpu() - ref.first_logits).abs().max().item() <= 1e-3
+
+
+def test_deepseek_v4_on_the_gpu_reuses_exactly_and_agrees_with_the_cpu(tmp_path: Path, cluster_file: Path) -> None:
+    """The GPU's V4 attention (windows gathered, index scores a slice of queries at a time) against the CPU's,
+    which is transformers' to the bit; reuse through the store exact on the GPU."""
+    checkpoint = make_checkpoint(tmp_path / "v4", "v4-tiny", seed=0)
+    prompt = torch.randint(0, 512, (1500,), generator=torch.Generator().manual_seed(4)).tolist()
+    gpu = Engine.from_pretrained(checkpoint, device="cuda", store=cluster_file, cache_tokens=8192)
+    cpu = Engine.from_pretrained(checkpoint, cache_tokens=8192)
+    gpu.generate([prompt[:1024]], 1)
+    warm, cold = gpu.generate([prompt], 8)[0], gpu.generate([prompt], 8, reuse=False)[0]
+    ref = cpu.generate([prompt], 8)[0]
+    assert (warm.hit_tokens, warm.replayed) == (1024, False)
+    assert warm.tokens == cold.tokens == ref.tokens
+    assert (warm.first_logits - cold.first_logits).abs().max().item() <= 1e-3
+    assert (warm.first_logits.cpu() - ref.first_logits).abs().max().item() <= 1e-3

@@ -389,3 +389,13 @@ def test_kvbench_kv_bytes_prints_block_bytes_per_token_beside_the_dense_8b(capsy
     assert rows["v4-flash"]["block_bytes"] == (20 * 32 * (512 + 128) + 23 * 512) * 2
     assert rows["v4-flash"]["block_bytes_per_token"] == rows["v4-flash"]["block_bytes"] / 128
     assert rows["8b"]["block_bytes_per_token"] == 8 * 2 * 8 * 128 * 2
+
+
+def test_the_gpu_index_scores_in_slices_equal_the_cpu_ones(v4: Path) -> None:
+    indexer = next(layer.self_attn.indexer for layer in load(v4).model.layers if layer.self_attn.indexer is not None)
+    indexer.SCORE_ELEMENTS = 1 << 12  # slices of a few queries
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(50, indexer.heads, indexer.head_dim, generator=gen)
+    keys, weights = torch.randn(300, indexer.head_dim, generator=gen), torch.randn(50, indexer.heads, generator=gen)
+    exact = indexer.scores(q, keys, weights, exact=True)
+    assert (indexer.scores(q, keys, weights, exact=False) - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()

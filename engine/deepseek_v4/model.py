@@ -158,6 +158,8 @@ class Indexer(nn.Module):
     queries from the attention's low-rank query, scores ``Σ_h w_h · ReLU(q_h · k) / √(c·n)``; each query keeps its
     ``index_topk`` best entries among those whose window ended at or before it."""
 
+    SCORE_ELEMENTS = 1 << 27  # scores [queries, heads, entries] held at once off the CPU
+
     def __init__(self, config: V4Config) -> None:
         super().__init__()
         self.rate, self.heads, self.head_dim = config.csa_rate, config.index_n_heads, config.index_head_dim
@@ -167,6 +169,21 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
         self.softmax_scale = config.index_head_dim**-0.5
         self.weights_scaling = config.index_n_heads**-0.5
+
+    def scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, exact: bool) -> torch.Tensor:
+        """Index scores [T, N] of queries ``q`` [T, H, c] against ``keys`` [N, c] (``weights`` [T, H]): ``exact``
+        as transformers computes them (float32, every head at once: its rounding, so ties fall as there), else in
+        the compute dtype a slice of queries at a time ([T, H, N] is 17 GB at 128K tokens)."""
+        if exact:
+            s = torch.matmul(q.float(), keys.transpose(0, 1).float())  # [T, H, N]
+            return (F.relu(s) * self.softmax_scale * weights[..., None]).sum(dim=1)
+        out = torch.empty(q.shape[0], keys.shape[0], dtype=torch.float32, device=q.device)
+        step = max(1, self.SCORE_ELEMENTS // (self.heads * keys.shape[0]))
+        keys_t = keys.transpose(0, 1)
+        for lo in range(0, q.shape[0], step):
+            s = F.relu(torch.matmul(q[lo : lo + step], keys_t)).float()
+            out[lo : lo + step] = (s * self.softmax_scale * weights[lo : lo + step, :, None]).sum(dim=1)
+        return out
 
     def forward(
         self,
@@ -187,8 +204,7 @@ class Indexer(nn.Module):
         row = max(n, kv_state.topk_row(self.rate))
         scores = torch.full((t, row), float("-inf"), dtype=torch.float32, device=x.device)
         if n:
-            s = torch.matmul(q.float(), keys.transpose(0, 1).float())  # [T, H, N]
-            scores[:, :n] = (F.relu(s) * self.softmax_scale * weights[..., None]).sum(dim=1)
+            scores[:, :n] = self.scores(q, keys, weights, exact=x.device.type == "cpu")
         threshold = (kv_state.positions + 1) // self.rate  # entries w < threshold have a complete window
         scores.masked_fill_(torch.arange(row, device=x.device)[None, :] >= threshold[:, None], float("-inf"))
         picked = scores.topk(min(self.topk, row), dim=-1).indices
@@ -340,7 +356,8 @@ class Attention(nn.Module):
                 c = torch.einsum("thd,tkd->thk", q, picked).mul_(self.scaling)
                 parts.append(c.masked_fill_((chosen < 0)[:, None, :], -math.inf))
                 values.append(picked)
-        sink = self.sinks.to(parts[0].dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+        parts = [p.float() for p in parts]  # the softmax in float32 whatever the compute dtype
+        sink = self.sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
         top = torch.stack([sink[..., 0], *(p.max(dim=-1).values for p in parts)]).max(dim=0).values[..., None]
         exps = [(p - top).exp() for p in parts]
         total = (sink - top).exp()[..., 0]

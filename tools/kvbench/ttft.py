@@ -74,6 +74,13 @@ def register(commands: Subcommands) -> None:
     )
     p.add_argument("--pool", default="1GiB", help="the fetcher's pool with --through fetcher (default 1GiB)")
     p.add_argument("--json-out", type=Path, help="also write the JSON object to this file (after every length)")
+    p.add_argument(
+        "--check-tokens",
+        type=int,
+        default=0,
+        help="after each point, generate this many greedy tokens of its last prompt with and without reuse and "
+        "report whether they are equal (default 0: no check)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                 "through": args.through,
             }
             for length in lengths:
-                for point in _bench(engine, length, hits, args.repeats, fetcher is not None):
+                for point in _bench(engine, length, hits, args.repeats, fetcher is not None, args.check_tokens):
                     result["points"].append(point)
                     if args.json_out:  # after every point: a run cut short keeps what it measured
                         args.json_out.write_text(json.dumps(result, indent=2))
@@ -156,9 +163,12 @@ def hit_tokens(ratio: float, length: int) -> int:
     return min(h, (length - 134) // 128 * 128)
 
 
-def _bench(engine: Engine, length: int, hits: list[float], repeats: int, pooled: bool) -> Iterator[dict[str, Any]]:
+def _bench(
+    engine: Engine, length: int, hits: list[float], repeats: int, pooled: bool, check_tokens: int = 0
+) -> Iterator[dict[str, Any]]:
     """One point per hit ratio, each as soon as it is measured; ``pooled``: the engine moves blocks through a
-    fetcher, and each repeat also measures the cold store hit and the warm pool hit (see the module docstring)."""
+    fetcher, and each repeat also measures the cold store hit and the warm pool hit (see the module docstring);
+    ``check_tokens``: the point also says whether its last prompt's greedy tokens are the same with reuse."""
     vocab = engine.config.vocab_size
     rng = np.random.default_rng(length)
     engine.generate([rng.integers(0, vocab, length).tolist()], 1, reuse=False)  # warm-up: compute
@@ -207,6 +217,8 @@ def _bench(engine: Engine, length: int, hits: list[float], repeats: int, pooled:
             "bound_s": bound,
             "vs_bound": reuse_s / bound,
         }
+        if check_tokens:
+            point["greedy_equal"] = _greedy_equal(engine, prompt, h, check_tokens)
         if pooled:
             link = _link_rate(engine, hit_bytes)
             link_bound = compute_s + (hit_bytes / link if h else 0.0)
@@ -217,6 +229,15 @@ def _bench(engine: Engine, length: int, hits: list[float], repeats: int, pooled:
                 "vs_link": reuse_s / link_bound,
             }
         yield point
+
+
+def _greedy_equal(engine: Engine, prompt: list[int], h: int, n: int) -> bool:
+    """Whether ``n`` greedy tokens of ``prompt`` are the same computed whole and reusing its stored ``h``."""
+    plain = engine.generate([prompt], n, reuse=False)[0]
+    reused = engine.generate([prompt], n)[0]
+    if reused.hit_tokens < h or reused.replayed:
+        raise BenchError(f"expected an exact hit of at least {h} tokens, got {reused.hit_tokens}")
+    return plain.tokens == reused.tokens
 
 
 def _store_prefix(engine: Engine, prefix: list[int], pooled: bool) -> None:
@@ -334,6 +355,8 @@ def _text(result: dict[str, Any], length: int) -> str:
             f"{(rate or 0) / 1e9:>14.2f} {(p['raw_stream_bytes_per_s'] or 0) / 1e9:>9.2f} "
             f"{p['bound_s'] * 1e3:>9.1f} {p['vs_bound']:>9.2f}"
         )
+        if "greedy_equal" in p:
+            line += f" greedy {'=' if p['greedy_equal'] else '≠'}"
         if pooled:
             line += (
                 f" {p['ttft_cold_s'] * 1e3:>8.1f} {(p['link_bytes_per_s'] or 0) / 1e9:>10.2f} "
