@@ -6,10 +6,11 @@ engine's GPU tests, then ``kvbench swapin``; every step's log and JSON under OUT
     python3 dev/gpu_ttft.py $OUT --preset v4-h200 --lengths 32768,131072 --hits 0,96   # DeepSeek-V4
 
 Steps (each with its own time limit; a step that fails or runs out is logged and the next one runs):
-``env`` (GPU, memory, disks), ``tests`` (tests/test_engine_gpu.py), ``checkpoint`` (``kvtier-engine
-make-checkpoint --preset 8b --layer-types sliding,sliding,sliding,full --device cuda``), ``ttft`` (32K and 77K
-tokens, hits 0/50/90/96 %, bf16, the store's 12 nodes in a folder on /dev/shm when it has room, else /tmp),
-``swapin`` (GPU and CPU). Exits non-zero when any step failed.
+``env`` (GPU, memory, disks), ``checkpoint`` (``kvtier-engine make-checkpoint --preset 8b --layer-types
+sliding,sliding,sliding,full --device cuda``, or ``--preset v4-h200``), ``profile`` (with ``--profile L``: where a
+prefill of L tokens spends its GPU time), ``ttft`` (32K and 77K tokens, hits 0/50/90/96 %, bf16, the store's 12
+nodes in a folder on /dev/shm when it has room, else /tmp), ``tests`` (tests/test_engine_gpu.py), ``swapin`` (GPU
+and CPU). Exits non-zero when any step failed.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tests", action="store_true", help="leave out the GPU tests")
     parser.add_argument("--preset", default="8b", help="the checkpoint: 8b (dense, default) or v4-h200 (DeepSeek-V4)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared plain vs reuse (16)")
+    parser.add_argument("--profile", type=int, default=0, metavar="L", help="also profile a prefill of L tokens")
     args = parser.parse_args(argv)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -122,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if not args.rehearse:
         ok &= step("env", ["bash", "-c", ENV], out, env, 30)
-    if not args.no_tests:
-        ok &= step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rs",
-                             "tests/test_engine_gpu.py"], out, env, 50)  # fmt: skip
     make = [py, "-m", "kvtier.engine.cli", "make-checkpoint", str(checkpoint), "--preset", preset,
             "--device", device]  # fmt: skip
     if not preset.startswith("v4"):  # the dense GPU layout: three sliding layers to one global
         make += ["--layer-types", "sliding,sliding,sliding,full"]
-    if step("checkpoint", make, out, env, 90):
+    if step("checkpoint", make, out, env, 150):
+        if args.profile:
+            profile = [py, "dev/profile_prefill.py", str(checkpoint), "--tokens", str(args.profile)]
+            ok &= step("profile", profile, out, env, 120)
         for through in args.through.split(","):
             name = "ttft" if through == "client" else f"ttft-{through}"
             ttft = [py, "-m", "kvtier.tools.kvbench", "ttft", "--checkpoint", str(checkpoint), "--device", device,
@@ -141,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ok = False
     shutil.rmtree(checkpoint.parent, ignore_errors=True)
+    if not args.no_tests:  # after the figures: a call cut short at its limit keeps what it measured
+        ok &= step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rs",
+                             "tests/test_engine_gpu.py"], out, env, 120)  # fmt: skip
     swapin = [py, "-m", "kvtier.tools.kvbench", "swapin", "--json-out", str(out / "swapin.json")]
     if args.rehearse:
         swapin += ["--cpu-bytes", "16MiB", "--rounds", "1", "--no-gpu"]
