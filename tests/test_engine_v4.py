@@ -399,3 +399,18 @@ def test_the_gpu_index_scores_in_slices_equal_the_cpu_ones(v4: Path) -> None:
     keys, weights = torch.randn(300, indexer.head_dim, generator=gen), torch.randn(50, indexer.heads, generator=gen)
     exact = indexer.scores(q, keys, weights, exact=True)
     assert (indexer.scores(q, keys, weights, exact=False) - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()
+
+
+def test_kvtier_engine_serve_serves_a_v4_checkpoint_and_reports_its_reused_tokens(
+    start_server, v4: Path, cluster_file: Path
+) -> None:
+    import openai
+
+    url = start_server("--checkpoint", str(v4), "--store", str(cluster_file), "--model", "v4")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    ids = prompt(420, seed=30)  # the V4 hit rule reuses the last 128 boundary before the final token: 384
+    first = client.completions.create(model="v4", prompt=ids, max_tokens=4, temperature=0)
+    again = client.completions.create(model="v4", prompt=ids, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 384
+    assert again.choices[0].text == first.choices[0].text

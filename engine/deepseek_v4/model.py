@@ -180,9 +180,10 @@ class Indexer(nn.Module):
         out = torch.empty(q.shape[0], keys.shape[0], dtype=torch.float32, device=q.device)
         step = max(1, self.SCORE_ELEMENTS // (self.heads * keys.shape[0]))
         keys_t = keys.transpose(0, 1)
+        scaled = (weights * self.softmax_scale).to(q.dtype)[:, None, :]  # [T, 1, H]
         for lo in range(0, q.shape[0], step):
-            s = F.relu(torch.matmul(q[lo : lo + step], keys_t)).float()
-            out[lo : lo + step] = (s * self.softmax_scale * weights[lo : lo + step, :, None]).sum(dim=1)
+            s = torch.matmul(q[lo : lo + step], keys_t).relu_()  # [t, H, N]
+            out[lo : lo + step] = torch.bmm(scaled[lo : lo + step], s)[:, 0]  # the heads summed as a matmul
         return out
 
     def forward(
