@@ -49,9 +49,23 @@ from kvtier.transfer.conn import parse_addr
 from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.stateblock import StateBlockHost
 
+# background(job, then): run ``job`` (store calls) off the stepping thread, then ``then`` on it; False: not taken
+Background = Callable[[Callable[[], None], Callable[[], None]], bool]
+
 
 class PromptError(ValueError):
     """A prompt the model cannot take (empty, longer than its context, token ids outside its vocabulary)."""
+
+
+@dataclass
+class Lookup:
+    """What a prefill's lookup found (:meth:`Engine._look_up`)."""
+
+    keys: list[bytes]  # the prompt's block keys (empty without reuse)
+    matched: int  # blocks ``match`` found
+    hit_tokens: int  # prompt tokens whose KV is now in the sequence's pages
+    state: torch.Tensor | None  # the StateBlock at ``hit_tokens`` (None: replay the hit)
+    seconds: float
 
 
 @dataclass
@@ -96,6 +110,8 @@ class Engine:
         pages = -(-cache_tokens // block_tokens)
         self.cache = self.family.pages(self.config, pages, block_tokens, self.dtype, self.device)
         self.runner = Runner(model, self.cache, self.family, chunk_tokens)
+        # where store calls that need not hold up a step run (a worker loop's store thread); None: in the step
+        self.background: Background | None = None
         self.store: BlockStore | None = None
         self.transfer: PageTransfer | None = None
         if store is not None:
@@ -257,6 +273,7 @@ class Engine:
             raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         seq = Sequence(list(prompt), ids)
         seq.state = self.family.new_state(self.config, self.cache, seq, 0)
+        self.runner.ensure_pages(seq, len(prompt) // self.block_tokens * self.block_tokens)  # (see _look_up)
         budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
         return Generation(self, seq, budget, sampling, reuse, resume, first_token)
 
@@ -267,25 +284,36 @@ class Engine:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def _begin_prefill(self, seq: Sequence, reuse: bool, resume: bool) -> tuple[list[bytes], int]:
-        """Look the prompt up, fetch what the hit rule reuses and rebuild the sliding state (the first part of
-        prefill); returns the prompt's keys (empty without reuse) and the blocks ``match`` found."""
+    def _look_up(self, seq: Sequence, reuse: bool, resume: bool) -> Lookup:
+        """The store's part of a prefill's start: the prompt's keys, ``match``, the hit rule (asking the StateBlock
+        pool), and the fetch of what it reuses into the sequence's pages.
+
+        It touches only this sequence's pages, which hold the prompt's full blocks already (:meth:`_start`
+        allocates them), the store's connections and the StateBlock buffer: it may run on another thread while
+        this engine steps other sequences, so long as every store call of the engine runs on that thread."""
         start = time.perf_counter()
         keys = self.store.keys(seq.ids) if self.store is not None and reuse else []
         matched = self.store.match(keys) if keys else 0
         h, state = self._reuse(seq, keys, matched, resume)
-        fetched = self._clock()
         if state is not None:
-            seq.state = self.family.restore(self.config, self.cache, seq, state, h)
+            state = state.clone()  # (the StateBlock buffer is the next lookup's)
+        return Lookup(keys, matched, h, state, self._clock() - start)
+
+    def _begin_prefill(self, seq: Sequence, found: Lookup, resume: bool) -> None:
+        """The rest of a prefill's start, on the stepping thread: the sequence's state from the StateBlock ``found``,
+        or bounded replay of the hit."""
+        h = found.hit_tokens
+        replaying = self._clock()
+        if found.state is not None:
+            seq.state = self.family.restore(self.config, self.cache, seq, found.state, h)
         elif h and self.state_bytes:  # block KV without its StateBlock: bounded replay
             first = max(0, h - self.family.replay_tokens(self.config))  # the last min(W, h) tokens of the hit
             seq.state = self.family.new_state(self.config, self.cache, seq, first)
             self.runner.run(seq, first, h, write_global=False)
             seq.replayed = True
         seq.hit_tokens = h
-        seq.publishing = bool(keys) and not seq.replayed and not resume
-        seq.timings = {"lookup_fetch_s": fetched - start, "replay_s": self._clock() - fetched}
-        return keys, matched
+        seq.publishing = bool(found.keys) and not seq.replayed and not resume
+        seq.timings = {"lookup_fetch_s": found.seconds, "replay_s": self._clock() - replaying}
 
     def _clock(self) -> float:
         """``time.perf_counter()`` once the device has done the work queued so far (GPU work is asynchronous)."""
@@ -421,8 +449,10 @@ class Generation:
         self.finish_reason: str | None = None  # "stop" (a stop token) or "length"; None while running
         self.first_logits: torch.Tensor | None = None
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per token, with ``sampling.logprobs``
-        self._keys: list[bytes] = []
-        self._matched = 0
+        self.released = False  # its pages went back to the cache
+        self.on_release: Callable[[], None] | None = None  # called then (on the stepping thread)
+        self._found: Lookup | None = None
+        self._holds = 0  # store calls in the background that use its pages
         self._states: dict[int, torch.Tensor] = {}  # StateBlocks this request computed, by position
         self._state_at: list[int] = []
         self._started = 0.0
@@ -450,8 +480,10 @@ class Generation:
         assert not self.finish_reason and not self._closed, "step() on a finished or closed request"
         engine, seq = self.engine, self.seq
         if self.computed is None:
-            self._started = time.perf_counter()
-            self._keys, self._matched = engine._begin_prefill(seq, self.reuse, self.resume)
+            if self._found is None:
+                self.lookup()
+            assert self._found is not None
+            engine._begin_prefill(seq, self._found, self.resume)
             self.computed = seq.hit_tokens
             if seq.publishing and engine.state_bytes:
                 self._state_at = engine._state_positions(seq.hit_tokens, len(seq.prompt))
@@ -480,8 +512,9 @@ class Generation:
             return None
         seq.ttft_s = now - self._started
         if seq.publishing:
-            first = max(self._matched, seq.hit_tokens // engine.block_tokens)
-            engine._publish(seq, seq.ids, self._keys, first, self._states)
+            assert self._found is not None
+            first = max(self._found.matched, seq.hit_tokens // engine.block_tokens)
+            self._publish(seq.ids, self._found.keys, first, self._states)
         self._states = {}
         self.first_logits = logits
         if self.budget == 0:
@@ -512,9 +545,55 @@ class Generation:
         engine, seq = self.engine, self.seq
         if seq.publishing and len(seq.generated) > 1:
             computed = np.asarray(seq.tokens[:-1], dtype=np.uint32)  # once: the block chain and the state chain
-            assert engine.store is not None
-            keys = engine.store.keys(computed)
-            engine._publish(seq, computed, keys, len(seq.prompt) // engine.block_tokens, self._states)
+            self._publish(computed, None, len(seq.prompt) // engine.block_tokens, self._states)
+
+    def _publish(
+        self, tokens: np.ndarray, keys: list[bytes] | None, first: int, states: dict[int, torch.Tensor]
+    ) -> None:
+        """Blocks ``first…`` of the chain over ``tokens`` (``keys``, or chained here) and ``states`` to the store: now,
+        or in the engine's ``background`` (nothing is stored when it refuses: the store is too slow)."""
+        engine, seq = self.engine, self.seq
+        store = engine.store
+        assert store is not None
+
+        def put() -> None:
+            engine._publish(seq, tokens, keys if keys is not None else store.keys(tokens), first, states)
+
+        if engine.background is None:
+            put()
+        else:
+            self.in_background(put)
+
+    def lookup(self) -> None:
+        """The first step's store part (:meth:`Engine._look_up`), run once: by ``step`` when it has not run, or
+        before, through :meth:`in_background`, while the engine steps other requests."""
+        self._started = time.perf_counter()
+        self._found = self.engine._look_up(self.seq, self.reuse, self.resume)
+
+    @property
+    def looked_up(self) -> bool:
+        return self._found is not None
+
+    def in_background(self, job: Callable[[], None], then: Callable[[], None] | None = None) -> bool:
+        """Run ``job`` (store calls on this request's pages) with the engine's ``background``, holding the pages
+        until it ends: a ``close`` meanwhile releases them only then. ``then`` runs after it, on the stepping
+        thread. False (nothing done) without a background, or when it refuses the job."""
+        background = self.engine.background
+        if background is None:
+            return False
+        self._holds += 1
+
+        def ended() -> None:
+            self._holds -= 1
+            if then is not None:
+                then()
+            if self._closed and not self._holds:
+                self._release()
+
+        if background(job, ended):
+            return True
+        self._holds -= 1
+        return False
 
     def result(self) -> Result:
         """What the request did, once it finished."""
@@ -523,10 +602,18 @@ class Generation:
         return Result(seq.generated, seq.hit_tokens, seq.replayed, seq.ttft_s, self.first_logits, seq.timings)
 
     def close(self) -> None:
-        """Release the request's pages (idempotent). A request closed before it finished stores nothing more."""
+        """Release the request's pages (idempotent; once store calls in the background that use them have ended).
+        A request closed before it finished stores nothing more."""
         if not self._closed:
             self._closed = True
-            self.engine.cache.release(self.seq.pages)
+            if not self._holds:
+                self._release()
+
+    def _release(self) -> None:
+        self.engine.cache.release(self.seq.pages)
+        self.released = True
+        if self.on_release is not None:
+            self.on_release()
 
     def __enter__(self) -> Generation:
         return self

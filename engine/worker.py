@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import queue
 import select
@@ -52,8 +53,12 @@ import torch
 from kvtier.engine.checkpoint import DTYPES
 from kvtier.engine.engine import Engine, Generation, PromptError
 from kvtier.engine.sampling import Sampling
+from kvtier.engine.store_thread import StoreThread
 from kvtier.kvstore.children import die_with_parent
 from kvtier.kvstore.cluster import read_token_file
+from kvtier.transfer.availability import Availability
+
+log = logging.getLogger("kvtier.engine")
 
 ROLES = ("prefill", "decode", "both")
 PROTOCOL = """\
@@ -90,6 +95,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--state-pool-bytes", type=int, default=256 << 20, help="StateBlock pool size (default 256 MiB)")
     p.add_argument("--cache-tokens", type=int, default=1 << 17, help="paged KV cache size in tokens (131072)")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="queries per forward chunk (default 512)")
+    p.add_argument(
+        "--store-timeout-ms",
+        type=float,
+        default=2000.0,
+        help="a store lookup taking longer makes its request compute instead of reuse (default 2000)",
+    )
+    p.add_argument("--max-num-seqs", type=int, help="requests run at once (default: as many as the cache holds)")
+
+
+def flags(args: argparse.Namespace, *adders: Callable[[argparse.ArgumentParser], None]) -> list[str]:
+    """The command-line flags that give a process the options ``adders`` register (default :func:`add_arguments`)
+    with the values ``args`` holds: how a worker process is given every option the embedded engine gets, from this
+    one list, so that no option is forgotten."""
+    probe = argparse.ArgumentParser(add_help=False)
+    for add in adders or (add_arguments,):
+        add(probe)
+    out: list[str] = []
+    for action in probe._actions:
+        value = getattr(args, action.dest, None)
+        if value is not None and action.option_strings:
+            out += [action.option_strings[0], str(value)]
+    return out
 
 
 def open_engine(role: str, args: argparse.Namespace) -> Engine:
@@ -107,9 +135,15 @@ def open_engine(role: str, args: argparse.Namespace) -> Engine:
         host_id=f"{role}-{os.getpid()}",
         state_pool_bytes=args.state_pool_bytes,
         cache_tokens=args.cache_tokens,
+        chunk_tokens=args.chunk_tokens,
     )
     engine.handoff = role == "prefill"
     return engine
+
+
+def loop_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`WorkerLoop` options of the arguments of :func:`add_arguments`."""
+    return {"store_timeout_s": args.store_timeout_ms / 1e3, "max_running": args.max_num_seqs}
 
 
 def remove_leftovers(role: str, pid: int, shm_dir: Path = Path("/dev/shm")) -> list[str]:
@@ -139,7 +173,7 @@ def serve(
     """Run a worker of ``role`` on JSON lines from ``requests`` until they end (the module doc's protocol)."""
     with open_engine(role, args) as engine:
         _say(out, ready_line(engine, role))
-        loop = WorkerLoop(engine, role, lambda event: _say(out, event), plan_chunk, step_budget_s)
+        loop = WorkerLoop(engine, role, lambda event: _say(out, event), plan_chunk, step_budget_s, **loop_options(args))
         reader = threading.Thread(target=_read_lines, args=(requests, loop), daemon=True)
         reader.start()
         loop.run()
@@ -153,23 +187,35 @@ def _read_lines(requests: TextIO, loop: WorkerLoop) -> None:
 
 
 @dataclass
-class _Running:
+class _Waiting:
     rid: Any
-    generation: Generation
+    start: Callable[[bool], Generation]  # (reuse) -> the request's generation
     stream: bool
-    pages: int  # reserved for it: its prompt and every token it may generate
+    pages: int  # reserved for it once it runs: its prompt and every token it may generate
+    reuse: bool = True  # False once a lookup of its ran past the deadline (or the store was stalled)
 
 
 @dataclass
-class _Waiting:
-    rid: Any
-    start: Callable[[], Generation]
-    stream: bool
-    pages: int
+class _Running:
+    request: _Waiting
+    generation: Generation
+    lookup_until: float | None = None  # its lookup runs on the store thread until this deadline (monotonic)
+    answer: dict[str, Any] | None = None  # a prefill's answer, said once its blocks are stored (the handoff)
+
+    @property
+    def rid(self) -> Any:
+        return self.request.rid
+
+    @property
+    def steppable(self) -> bool:
+        return self.lookup_until is None
 
 
 def _prompt_left(r: _Running) -> int:
     return r.generation.prompt_left
+
+
+Inbox = queue.Queue[str | dict[str, Any] | Callable[[], None] | None]
 
 
 class WorkerLoop:
@@ -182,9 +228,19 @@ class WorkerLoop:
     ``plan_chunk`` each chunk is the most tokens it allows for the time left of ``step_budget_s`` (the first
     chunk of a step at least one runner chunk, so every step progresses); without it a prompt is computed whole.
     A request waits (in order) until the cache can hold its prompt and every token it may generate on top of what
-    the running requests may need, so none runs out of pages half way. An abort takes effect between steps (or
-    removes a waiting request). Not thread-safe except :meth:`submit` (and putting into ``inbox``, the
-    queue it reads, which a caller may make before the engine exists)."""
+    the running requests may need, so none runs out of pages half way, and while ``max_running`` requests run. An
+    abort takes effect between steps (or removes a waiting request).
+
+    With ``store_timeout_s`` (and a store) every store call runs on a :class:`StoreThread`, never in a step: a
+    request's lookup (match and fetch) runs there while the others step, and its new blocks are put from there. A
+    lookup still running after ``store_timeout_s`` is left to end by itself (its pages are released then) and its
+    request starts again without reuse: it computes its prompt, its answer says ``"store_timeout": true``, and it
+    is counted (``stats``) and said in one line (one more when lookups are in time again). While the store thread
+    is stalled (a call running past the deadline) new requests compute without asking the store and new blocks are
+    not stored.
+
+    Not thread-safe except :meth:`submit` (and putting into ``inbox``, the queue it reads, which a caller may make
+    before the engine exists)."""
 
     def __init__(
         self,
@@ -193,16 +249,30 @@ class WorkerLoop:
         emit: Callable[[dict[str, Any]], None],
         plan_chunk: ChunkPlanner | None = None,
         step_budget_s: float = 0.0,
-        inbox: queue.Queue[str | dict[str, Any] | None] | None = None,
+        inbox: Inbox | None = None,
+        store_timeout_s: float | None = None,
+        max_running: int | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.engine, self.role, self.emit = engine, role, emit
         self.plan_chunk, self.step_budget_s = plan_chunk, step_budget_s
-        self.inbox: queue.Queue[str | dict[str, Any] | None] = inbox if inbox is not None else queue.Queue()
+        self.inbox: Inbox = inbox if inbox is not None else queue.Queue()
+        self.max_running = max_running
         self.running: dict[Any, _Running] = {}  # in arrival order
         self.waiting: deque[_Waiting] = deque()  # for cache pages, in arrival order
-        self.reserved = 0  # pages the running requests may still need, in all
+        self.reserved = 0  # pages the running requests may still need (and abandoned lookups hold), in all
+        self.store_timeouts = 0
+        self.store_timeout_s = store_timeout_s
+        self.store_thread: StoreThread | None = None
+        if store_timeout_s is not None and engine.store is not None:
+            self.store_thread = StoreThread(self.inbox.put, store_timeout_s)
+            engine.background = self.store_thread.submit
+        self.lookups = Availability(
+            f"the store (a lookup within --store-timeout-ms {(store_timeout_s or 0) * 1e3:g})",
+            "requests compute their prompts instead",
+            log,
+        )
         self._open = True
 
     def submit(self, request: str | dict[str, Any] | None) -> None:
@@ -210,28 +280,52 @@ class WorkerLoop:
         requests it holds are done)."""
         self.inbox.put(request)
 
+    def stats(self) -> dict[str, int]:
+        """``store_timeouts``: requests that computed their prompts because the store did not answer in time;
+        ``store_calls_skipped``: store calls not made while the store thread was stalled."""
+        skipped = self.store_thread.refused if self.store_thread is not None else 0
+        return {"store_timeouts": self.store_timeouts, "store_calls_skipped": skipped}
+
     def run(self) -> None:
         try:
             while self._open or self.running or self.waiting:
-                self._take(block=not self.running and not self.waiting)
+                self._take(self._wait_s())
+                self._expire_lookups()
                 self._start_waiting()
                 self._step()
         finally:
             for r in list(self.running.values()):
                 self._end(r)
             self.waiting.clear()
+            if self.store_thread is not None:
+                self.engine.background = None
+                if self.store_thread.stop():
+                    self._take(0.0)  # the last calls' ends: their pages come back
 
-    def _take(self, block: bool) -> None:
+    def _wait_s(self) -> float | None:
+        """How long to wait for the inbox: not at all while a request can step (or the loop ends); until the nearest
+        lookup's deadline while lookups run; for good while requests wait for pages (abandoned lookups give
+        them back through the inbox) or nothing runs."""
+        if any(r.steppable for r in self.running.values()) or self._can_start():
+            return 0.0
+        deadlines = [r.lookup_until for r in self.running.values() if r.lookup_until is not None]
+        if deadlines:
+            return max(0.0, min(deadlines) - time.monotonic())
+        return None if self._open or self.waiting else 0.0
+
+    def _take(self, wait_s: float | None) -> None:
         while True:
             try:
-                item = self.inbox.get(block=block and self._open)
+                item = self.inbox.get(block=wait_s != 0, timeout=wait_s)
             except queue.Empty:
                 return
-            block = False
+            wait_s = 0.0
             if item is None:
                 self._open = False
-                return
-            self._accept(item)
+            elif callable(item):  # a store call's end (StoreThread.post)
+                item()
+            else:
+                self._accept(item)
 
     def _accept(self, item: str | dict[str, Any]) -> None:
         rid = None
@@ -269,17 +363,62 @@ class WorkerLoop:
             self.emit({"id": rid, "error": str(e)})
             return
         resume = self.role == "decode"
-        start = lambda: self.engine.start(prompt, new, sampling, resume=resume, first_token=first)  # noqa: E731
+
+        def start(reuse: bool) -> Generation:
+            return self.engine.start(prompt, new, sampling, reuse=reuse, resume=resume, first_token=first)
+
         self.waiting.append(_Waiting(rid, start, bool(request.get("stream")) and self.role != "prefill", pages))
 
     def _start_waiting(self) -> None:
-        """Start waiting requests in order while the cache can hold everything the running ones may need: a
-        request never runs out of pages half way."""
-        total = self.engine.cache.num_pages
-        while self.waiting and self.reserved + self.waiting[0].pages <= total:
+        """Start waiting requests in order while the cache can hold everything the running ones may need (a
+        request never runs out of pages half way) and fewer than ``max_running`` run."""
+        while self._can_start():
             w = self.waiting.popleft()
-            self.running[w.rid] = _Running(w.rid, w.start(), w.stream, w.pages)
+            if w.reuse and self.store_thread is not None and self.store_thread.stalled():
+                self._count_timeout(w, "a store call is still running past the deadline")
+            g = w.start(w.reuse)
             self.reserved += w.pages
+            r = self.running[w.rid] = _Running(w, g)
+            g.on_release = lambda r=r: self._released(r)
+            if w.reuse and self.store_thread is not None:
+                r.lookup_until = time.monotonic() + (self.store_timeout_s or 0.0)
+                if not g.in_background(g.lookup, lambda r=r, g=g: self._looked_up(r, g)):
+                    self._compute_instead(r, "the store thread is stalled")
+
+    def _can_start(self) -> bool:
+        if not self.waiting or self.reserved + self.waiting[0].pages > self.engine.cache.num_pages:
+            return False
+        return self.max_running is None or len(self.running) < self.max_running
+
+    def _released(self, r: _Running) -> None:
+        """``r``'s pages are back: so is their reservation, and a prefill's answer goes out (its blocks and
+        handoff StateBlock are stored now, so the decode worker it names finds them)."""
+        self.reserved -= r.request.pages
+        if r.answer is not None:
+            self.emit(r.answer)
+
+    def _looked_up(self, r: _Running, g: Generation) -> None:
+        """On the loop's thread: ``g``'s lookup ended (after its deadline: ``g`` was abandoned, and closed)."""
+        if r.generation is g and r.lookup_until is not None:
+            r.lookup_until = None
+            self.lookups.answered()
+
+    def _expire_lookups(self) -> None:
+        now = time.monotonic()
+        for r in [r for r in self.running.values() if r.lookup_until is not None and now > r.lookup_until]:
+            self._compute_instead(r, f"a lookup took longer than {(self.store_timeout_s or 0) * 1e3:g} ms")
+
+    def _compute_instead(self, r: _Running, why: str) -> None:
+        """``r``'s lookup did not end in time: its request waits again, first in line, to run without reuse; the
+        abandoned generation's pages come back when its lookup ends."""
+        self._end(r)
+        self._count_timeout(r.request, why)
+        self.waiting.appendleft(r.request)
+
+    def _count_timeout(self, w: _Waiting, why: str) -> None:
+        w.reuse = False
+        self.store_timeouts += 1
+        self.lookups.failed(why)
 
     def _abort(self, rid: Any) -> None:
         waiting = next((w for w in self.waiting if w.rid == rid), None)
@@ -291,18 +430,18 @@ class WorkerLoop:
             self.emit({"id": rid, "aborted": True})
 
     def _end(self, r: _Running) -> None:
+        """Take ``r`` out and close its generation: its pages (and their reservation) come back now, or when the
+        store calls that use them end."""
         del self.running[r.rid]
         r.generation.close()
-        self.reserved -= r.pages
 
     def _step(self) -> None:
         began = time.perf_counter()
-        for r in [
-            r for r in self.running.values() if r.generation.computed is not None and not r.generation.prompt_left
-        ]:
+        steppable = [r for r in self.running.values() if r.steppable]
+        for r in [r for r in steppable if r.generation.computed is not None and not r.generation.prompt_left]:
             self._advance(r, None)
         first = True
-        for r in sorted((r for r in self.running.values() if r.generation.prompt_left), key=_prompt_left):
+        for r in sorted((r for r in steppable if r.generation.prompt_left), key=_prompt_left):
             limit = None
             if self.plan_chunk is not None:
                 left = self.step_budget_s - (time.perf_counter() - began)
@@ -321,15 +460,22 @@ class WorkerLoop:
             self._end(r)
             self.emit({"id": r.rid, "error": f"{type(e).__name__}: {e}"})
             return
-        if token is not None and r.stream:
+        if token is not None and r.request.stream:
             self.emit({"id": r.rid, "token": token, **_token_logprobs(g, -1)})
         if g.finish_reason:
-            self._end(r)
-            self.emit(self._answer(r.rid, g))
+            answer = self._answer(r, g)
+            if self.role == "prefill":
+                r.answer = answer
+                self._end(r)
+            else:
+                self._end(r)
+                self.emit(answer)
 
-    def _answer(self, rid: Any, g: Generation) -> dict[str, Any]:
-        seq = g.seq
-        common = {"hit_tokens": seq.hit_tokens, "replayed": seq.replayed, "ttft_s": seq.ttft_s}
+    def _answer(self, r: _Running, g: Generation) -> dict[str, Any]:
+        seq, rid = g.seq, r.rid
+        common: dict[str, Any] = {"hit_tokens": seq.hit_tokens, "replayed": seq.replayed, "ttft_s": seq.ttft_s}
+        if not r.request.reuse:
+            common["store_timeout"] = True
         if g.sampling.logprobs is not None:
             common["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in g.logprobs]
         if self.role == "prefill":

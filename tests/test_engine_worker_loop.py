@@ -70,7 +70,7 @@ def test_an_abort_releases_a_running_request_and_answers_once(engine: Engine) ->
     events: list[dict[str, Any]] = []
     loop = WorkerLoop(engine, "both", events.append)
     loop.submit({"id": "x", "prompt": prompt(200, 7), "max_new_tokens": 10_000, "stream": True})
-    loop._take(block=True)
+    loop._take(None)
     loop._start_waiting()
     for _ in range(3):
         loop._step()
@@ -152,3 +152,10 @@ def test_streamed_tokens_carry_the_logprobs_of_the_raw_logits(engine: Engine) ->
 def test_a_logit_bias_outside_the_vocabulary_is_one_error_line(engine: Engine) -> None:
     [answer] = run(engine, [{"id": 1, "prompt": prompt(10, 1), "logit_bias": {"512": 1.0}}])
     assert "logit_bias" in answer["error"]
+
+
+def test_no_more_than_max_running_requests_run_at_once(engine: Engine) -> None:
+    requests = [{"id": i, "prompt": prompt(60, 20 + i), "max_new_tokens": 3, "stream": True} for i in range(3)]
+    events = run(engine, requests, max_running=1)
+    order = [e["id"] for e in events]
+    assert order == [0] * 4 + [1] * 4 + [2] * 4  # three tokens and the answer of each, one request after another
