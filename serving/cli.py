@@ -2,10 +2,15 @@
 
     kvtier-engine serve --checkpoint DIR --store cluster.toml [--prefill N --decode M] [--host H --port P]
 
-With ``--prefill 0 --decode 0`` (the default) the engine runs inside the server process (embedded). Otherwise
-the server starts and supervises N prefill and M decode worker processes (``kvtier-engine prefill|decode`` with
-the step budget and cost model below) and, unless ``--directory`` names one, a StateBlock directory for them to
-meet through. ``GET /health`` answers 503 until the model is loaded and every pool has a worker up.
+With ``--prefill 0 --decode 0`` (the default) the engine runs inside the server process (embedded, on a thread).
+Otherwise the server starts and supervises N prefill and M decode worker processes (``kvtier-engine prefill|decode``
+with every worker option ``serve`` was given: ``worker.flags``) and, unless ``--directory`` names one, a StateBlock
+directory for them to meet through, serving this tenant only. ``GET /health`` answers 503 until the model is loaded
+and every worker is up (and while one is down); requests get 503 only while a pool has no worker up.
+
+The server binds its port before it says ``serving at``; it prints ``ready`` once every worker is. SIGTERM (or
+Ctrl-C) stops it gracefully: no new connections, answers running get ``--shutdown-grace-s`` to finish, then streams
+end with an error event and ``[DONE]`` and whole answers get a 503; then the workers stop.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,11 +29,14 @@ from pathlib import Path
 from kvtier.engine import cli as engine_cli
 from kvtier.engine import worker
 from kvtier.engine.worker import ChunkPlanner, WorkerProcess
+from kvtier.serving.app import MAX_REQUEST_BYTES, build_app
 from kvtier.serving.cost import CostModel
 from kvtier.serving.prefill_balance import DEFAULT_EDGES
 from kvtier.serving.server import Limits, Server
 from kvtier.serving.text import TextCodec
 from kvtier.serving.workers import ProcessWorker, ThreadWorker, Worker
+
+API_KEY_ENV = "KVTIER_API_KEY"
 
 
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,7 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--decode", type=int, default=0, help="decode worker processes")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", help="the model's name in the API (default: the checkpoint directory's name)")
+    s.add_argument(
+        "--served-model-name",
+        "--model",
+        nargs="+",
+        dest="served_model_name",
+        help="the model's names in the API: the first is reported, any is accepted (default: the directory's name)",
+    )
+    s.add_argument("--max-model-len", type=int, help="context in tokens (default and most: the checkpoint's)")
+    s.add_argument(
+        "--chat-template", help="a chat template (jinja2), or a file holding one, instead of the checkpoint's"
+    )
+    s.add_argument("--api-key", help=f"the key clients must send (Authorization: Bearer KEY); default ${API_KEY_ENV}")
+    s.add_argument(
+        "--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="largest request body (default 32 MiB)"
+    )
+    s.add_argument(
+        "--shutdown-grace-s", type=float, default=10.0, help="on SIGTERM, how long answers may run on (default 10)"
+    )
+    s.add_argument("--disable-access-log", action="store_true", help="no log line per request")
     s.add_argument(
         "--max-queued-requests",
         type=int,
@@ -81,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     return top
 
 
+def worker_argv(role: str, args: argparse.Namespace, directory: str) -> list[str]:
+    """The command of a ``role`` worker process for ``serve``'s ``args``: every worker option (``worker.flags``),
+    the step budget, and the StateBlock directory they meet through."""
+    options = argparse.Namespace(**{**vars(args), "directory": directory})
+    return [sys.executable, "-m", "kvtier.serving.cli", role, *worker.flags(options, worker.add_arguments,
+                                                                            add_budget_arguments)]  # fmt: skip
+
+
 def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
     """The server and its workers (not started) from ``serve``'s arguments, and the helper processes it
     started (the StateBlock directory). ValueError (one line) for bad arguments."""
@@ -90,61 +127,116 @@ def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
         raise ValueError("--max-queued-requests and --max-queued-tokens must be at least 1")
     if args.tbt_slo_ms is not None and (args.tbt_slo_ms <= 0 or not args.cost_model):
         raise ValueError("--tbt-slo-ms must be a positive number of milliseconds, with --cost-model")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise ValueError("--max-num-seqs must be at least 1")
     edges = tuple(int(e) for e in args.bucket_edges.split(","))
     if list(edges) != sorted(set(edges)) or edges[0] <= 0:
         raise ValueError(f"--bucket-edges must be increasing positive token counts, got {args.bucket_edges}")
     checkpoint = Path(args.checkpoint)
-    codec = TextCodec(checkpoint)
+    codec = TextCodec(checkpoint, args.chat_template)
     config = json.loads((checkpoint / "config.json").read_text())
+    context, vocab = int(config["max_position_embeddings"]), int(config["vocab_size"])
+    if args.max_model_len is not None:
+        if not 1 < args.max_model_len <= context:
+            raise ValueError(f"--max-model-len must be in 2…{context} (the checkpoint's context)")
+        context = args.max_model_len
     cost = CostModel.load(args.cost_model) if args.cost_model else None
-    limits = Limits(args.max_queued_requests, args.max_queued_tokens)
+    limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.cache_tokens)
     tbt_slo_s = args.tbt_slo_ms / 1e3 if args.tbt_slo_ms is not None else None
     common = {"cost": cost, "limits": limits, "window_s": args.window_s, "edges": edges, "tbt_slo_s": tbt_slo_s}
-    name = args.model or checkpoint.resolve().name
-    context, vocab = int(config["max_position_embeddings"]), int(config["vocab_size"])
+    names = args.served_model_name or [checkpoint.resolve().name]
     helpers: list[WorkerProcess] = []
     if not args.prefill:
-        engine = ThreadWorker(lambda: worker.open_engine("both", args), planner(args), args.step_budget_ms / 1e3)
-        return Server(codec, name, context, vocab, both=[engine], **common), helpers
+        engine = ThreadWorker(
+            lambda: worker.open_engine("both", args),
+            planner(args),
+            args.step_budget_ms / 1e3,
+            loop_options=worker.loop_options(args),
+        )
+        return Server(codec, names, context, vocab, both=[engine], **common), helpers
     directory = args.directory
     if directory is None:
-        run = "import sys; from kvtier.transfer.directory import main; sys.exit(main(sys.argv[1:]))"
-        argv = [sys.executable, "-c", run, "--config", args.store, "--listen", "127.0.0.1:0"]
-        helpers.append(WorkerProcess(argv, with_parent=True).wait_ready())  # (it never reads its stdin)
+        helpers.append(_start_directory(args))
         directory = helpers[-1].ready.split()[1]
-    flags = ["--checkpoint", str(checkpoint), "--store", args.store, "--directory", directory]
-    flags += ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
-    flags += ["--step-budget-ms", str(args.step_budget_ms), "--cache-tokens", str(args.cache_tokens)]
-    flags += ["--fetcher", args.fetcher] if args.fetcher else []
-    flags += ["--cost-model", args.cost_model] if args.cost_model else []
     pools: dict[str, list[Worker]] = {}
     for role, n in (("prefill", args.prefill), ("decode", args.decode)):
-        argv = [sys.executable, "-m", "kvtier.serving.cli", role, *flags]
+        argv = worker_argv(role, args, directory)
         pools[role] = [ProcessWorker(role, f"{role}-{i}", argv) for i in range(n)]
-    return Server(codec, name, context, vocab, prefill=pools["prefill"], decode=pools["decode"], **common), helpers
+    return Server(codec, names, context, vocab, prefill=pools["prefill"], decode=pools["decode"], **common), helpers
+
+
+def _start_directory(args: argparse.Namespace) -> WorkerProcess:
+    """A StateBlock directory for the workers, on a free local port, that knows the tenants the store file names:
+    every tenant of a cluster file, or (a client file) the one of ``--token-file`` / ``$KVTIER_TOKEN``."""
+    run = "import sys; from kvtier.serving.cli import run_directory; sys.exit(run_directory(sys.argv[1:]))"
+    argv = [sys.executable, "-c", run, args.store, args.token_file or ""]
+    return WorkerProcess(argv, with_parent=True).wait_ready()  # (it never reads its stdin)
+
+
+def run_directory(argv: list[str]) -> int:
+    """``_start_directory``'s process: ``STORE TOKEN_FILE`` (or '')."""
+    import threading
+
+    from kvtier.kvstore import cluster_map, logs
+    from kvtier.kvstore.cluster import ConfigError, read_token_file
+    from kvtier.transfer.directory import Directory
+    from kvtier.transfer.directory import serve as serve_directory
+
+    store, token_file = argv
+    try:
+        config = cluster_map.load_client(store, read_token_file(token_file) if token_file else None)
+    except ConfigError as e:
+        print(f"kvtier-engine: {e}", file=sys.stderr)
+        return 2
+    logs.configure(component="directory")
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"ready 127.0.0.1:{listener.getsockname()[1]}", flush=True)
+    serve_directory(config, listener, Directory(10.0), threading.Event())
+    return 0
 
 
 def serve(args: argparse.Namespace) -> None:
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.max_request_bytes < 1 or args.shutdown_grace_s < 0:
+        raise ValueError("--max-request-bytes must be at least 1 and --shutdown-grace-s at least 0")
+    try:
+        listener = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    _configure_logs(access=not args.disable_access_log)
     server, helpers = make_server(args)
     try:
-        asyncio.run(_serve(server, args.host, args.port))
+        app = build_app(server, api_key, args.max_request_bytes)
+        asyncio.run(_serve(server, app, listener, args.shutdown_grace_s))
     finally:
         for helper in helpers:  # the StateBlock directory: nothing to finish, it goes at once
             helper.proc.terminate()
             helper.proc.wait()
 
 
-async def _serve(server: Server, host: str, port: int) -> None:
+def _configure_logs(access: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.getLogger("kvtier.serving.access").disabled = not access
+
+
+async def _serve(server: Server, app: object, listener: socket.socket, grace_s: float) -> None:
     import uvicorn  # the `serve` extra
 
-    from kvtier.serving.app import build_app
+    class Web(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            server.begin_shutdown(grace_s)  # the answers still running then are cut; uvicorn waits for them
+            self._captured_signals.clear()  # a graceful stop: exit 0 (uvicorn would raise SIGTERM again at the end)
+            await super().shutdown(sockets)
 
-    config = uvicorn.Config(build_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-    web = uvicorn.Server(config)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(grace_s) + 10, access_log=False)
+    web = Web(config)
     await server.start()
+    host, port = listener.getsockname()[:2]
     print(f"kvtier-engine: serving {server.model} at http://{host}:{port}/v1 ({server.ready()[1]})", flush=True)
     try:
-        await web.serve()
+        await web.serve(sockets=[listener])
     finally:
         with contextlib.suppress(Exception):
             await asyncio.get_running_loop().run_in_executor(None, server.stop)

@@ -25,6 +25,11 @@ class Metrics:
         self.hit_tokens = Counter("kvtier_serving_hit_tokens", "prompt tokens reused from the store", registry=r)
         self.generated = Counter("kvtier_serving_generated_tokens", "tokens generated", registry=r)
         self.replays = Counter("kvtier_serving_replays", "requests whose sliding state was replayed", registry=r)
+        self.store_timeouts = Counter(
+            "kvtier_serving_store_timeouts",
+            "requests that computed their prompt: the store did not answer in time",
+            registry=r,
+        )
         self.rejections = Counter("kvtier_serving_rejections", "requests refused with 429", ["reason"], registry=r)
         self.aborts = Counter("kvtier_serving_aborts", "requests aborted on the workers", ["reason"], registry=r)
         self.worker_restarts = Gauge("kvtier_serving_worker_restarts", "restarts of a worker", ["worker"], registry=r)

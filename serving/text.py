@@ -35,7 +35,8 @@ class TextCodec:
     """A checkpoint's tokenizer, chat template and EOS ids. Thread-safe for reads (``tokenizers`` releases the
     GIL and keeps no per-call state)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, chat_template: str | None = None) -> None:
+        """``chat_template``: a template (jinja2 text, or a file holding one) in place of the checkpoint's."""
         path = Path(path)
         if not (path / "tokenizer.json").exists():
             raise FileNotFoundError(f"{path}: no tokenizer.json (kvtier-engine make-checkpoint writes one)")
@@ -51,7 +52,12 @@ class TextCodec:
         if self.eos_token is not None and (tid := self.tokenizer.token_to_id(self.eos_token)) is not None:
             eos.add(tid)
         self.eos_token_ids = frozenset(eos)
-        template = config.get("chat_template")
+        # the most characters one token stands for: a text longer than the context times this cannot fit it
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.max_token_chars = max(len(self.tokenizer.id_to_token(i) or "") for i in range(vocab)) or 1
+        template = chat_template if chat_template is not None else config.get("chat_template")
+        if chat_template is not None and "{" not in chat_template:  # a file, as vLLM's --chat-template takes either
+            template = Path(chat_template).read_text()
         if isinstance(template, list):  # several named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.template: jinja2.Template | None = None
@@ -69,13 +75,24 @@ class TextCodec:
         """Text of ``ids`` without special tokens (EOS and chat markers are not text)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of a conversation, ending where the assistant's answer begins."""
+    def token_text(self, token: int) -> str:
+        """The text of one token as logprobs show it (special tokens are '')."""
+        return self.tokenizer.decode([token], skip_special_tokens=True)
+
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, extra: dict[str, Any] | None = None
+    ) -> str:
+        """The prompt text of a conversation, ending where the assistant's answer begins (unless
+        ``add_generation_prompt`` is False); ``extra``: more variables for the template (``chat_template_kwargs``)."""
         if self.template is None:
             raise TemplateError("this checkpoint has no chat template (tokenizer_config.json chat_template)")
         try:
             return self.template.render(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+                **(extra or {}),
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
             )
         except jinja2.TemplateError as e:
             raise TemplateError(f"the chat template refused this conversation: {e}") from None
@@ -87,14 +104,14 @@ def _raise(message: str) -> None:
 
 class Detokenizer:
     """Token ids in, text deltas out, for one answer; stops at the first of ``stops`` (the text before it is
-    the answer's end, the stop string itself is not sent).
+    the answer's end, the stop string itself is not sent), looked for once ``min_tokens`` tokens are in.
 
     Text that might still change is held back: a trailing incomplete UTF-8 sequence (decoded as U+FFFD) and a
     tail that could be the start of a stop string. ``stopped`` is True once a stop string was found; ``flush``
     gives what was held back when the answer ends for another reason."""
 
-    def __init__(self, codec: TextCodec, stops: list[str]) -> None:
-        self.codec, self.stops = codec, [s for s in stops if s]
+    def __init__(self, codec: TextCodec, stops: list[str], min_tokens: int = 0) -> None:
+        self.codec, self.stops, self.min_tokens = codec, [s for s in stops if s], min_tokens
         self.ids: list[int] = []
         self.sent = 0  # characters of the answer's text already given out
         self.stopped = False
@@ -107,6 +124,8 @@ class Detokenizer:
         self.ids.append(token)
         self._text = self.codec.decode(self.ids)
         text = self._text
+        if len(self.ids) < self.min_tokens:  # (as vLLM: no stop before min_tokens)
+            return self._give(len(text) - 1 if text.endswith("\ufffd") else len(text))
         start = max(0, self.sent - max((len(s) for s in self.stops), default=0))
         hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         if hits:

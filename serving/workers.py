@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import queue
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +29,7 @@ from typing import Any
 from kvtier.engine.engine import Engine
 from kvtier.engine.worker import ChunkPlanner, WorkerLoop, remove_leftovers
 
+log = logging.getLogger("kvtier.serving")
 FINAL = ("error", "aborted", "tokens", "first_token")  # keys of a request's last line
 
 
@@ -47,6 +48,7 @@ class Worker(abc.ABC):
         self.ready = False
         self.running: dict[str, int] = {}
         self.restarts = 0
+        self.on_ready: Callable[[], None] | None = None  # called on the server's loop whenever it becomes ready
         self._queues: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -80,6 +82,12 @@ class Worker(abc.ABC):
             self.running.pop(rid, None)
             if not finished and self.ready:
                 self._send({"abort": rid})
+
+    def _set_ready(self, ready: bool) -> None:
+        """On the loop: the worker is up (or not); an ``on_ready`` callback is told when it comes up."""
+        self.ready = ready
+        if ready and self.on_ready is not None:
+            self.on_ready()
 
     def _deliver(self, event: dict[str, Any]) -> None:
         """From any thread: hand ``event`` to the request it names."""
@@ -115,9 +123,12 @@ class ThreadWorker(Worker):
         plan_chunk: ChunkPlanner | None = None,
         step_budget_s: float = 0.0,
         name: str = "engine",
+        loop_options: dict[str, Any] | None = None,
     ) -> None:
+        """``loop_options``: the :class:`WorkerLoop`'s keyword arguments (``store_timeout_s``, ``max_running``)."""
         super().__init__("both", name)
         self.open_engine, self.plan_chunk, self.step_budget_s = open_engine, plan_chunk, step_budget_s
+        self.loop_options = loop_options or {}
         self.loop: WorkerLoop | None = None
         self._inbox: queue.Queue[str | dict[str, Any] | None] = queue.Queue()  # the loop's, made before it
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -130,12 +141,15 @@ class ThreadWorker(Worker):
         try:
             engine = self.open_engine()
         except Exception as e:
-            print(f"kvtier-engine: the engine did not load: {e}", file=sys.stderr, flush=True)
+            log.error("%s did not load: %s", self.name, e)
             return
         with engine:
-            self.loop = WorkerLoop(engine, "both", self._deliver, self.plan_chunk, self.step_budget_s, self._inbox)
+            self.loop = WorkerLoop(
+                engine, "both", self._deliver, self.plan_chunk, self.step_budget_s, self._inbox, **self.loop_options
+            )
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(setattr, self, "ready", True)
+            log.info("%s is ready", self.name)
+            self._loop.call_soon_threadsafe(self._set_ready, True)
             self.loop.run()
 
     def _send(self, obj: dict[str, Any]) -> None:
@@ -150,10 +164,10 @@ class ThreadWorker(Worker):
 class ProcessWorker(Worker):
     """A supervised worker process started with ``argv`` (a ``prefill`` or ``decode`` worker command)."""
 
-    def __init__(self, role: str, name: str, argv: list[str], on_ready: Callable[[], None] | None = None) -> None:
+    def __init__(self, role: str, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        """``env``: the process's environment (default this one's)."""
         super().__init__(role, name)
-        self.argv = argv
-        self.on_ready = on_ready
+        self.argv, self.env = argv, env
         self.proc: subprocess.Popen[str] | None = None
         self._stopping = False
         self._outbox: queue.Queue[str | None] = queue.Queue()
@@ -171,7 +185,7 @@ class ProcessWorker(Worker):
         while not self._stopping:
             began = time.monotonic()
             proc = self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+                self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=self.env
             )
             outbox = self._outbox = queue.Queue()  # lines for this process only
             writer = threading.Thread(target=self._write, args=(proc, outbox), daemon=True)
@@ -180,27 +194,31 @@ class ProcessWorker(Worker):
             for line in proc.stdout:
                 event = json.loads(line) if line.startswith("{") else {}
                 if event.get("ready"):
-                    self._set_ready(True)
+                    log.info("%s is ready (pid %d)", self.name, proc.pid)
+                    self._ready_from_thread(True)
                 elif "id" in event:
                     self._deliver(event)
             status = proc.wait()
             remove_leftovers(self.role, proc.pid)  # a killed worker's StateBlock pool
             outbox.put(None)  # ends this process's writer
             writer.join()
-            self._set_ready(False)
+            self._ready_from_thread(False)
             if self._stopping:
                 return
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._fail_all, f"{self.name} exited with status {status}")
             self.restarts += 1
             backoff = 1.0 if time.monotonic() - began > 60 else min(backoff * 2, 30.0)
+            held = len(self._queues)
+            log.warning(
+                "%s exited with status %s (%d requests failed); restarting it in %g s", self.name, status, held, backoff
+            )
             time.sleep(backoff)
+            log.info("%s is restarting (restart %d)", self.name, self.restarts)
 
-    def _set_ready(self, ready: bool) -> None:
+    def _ready_from_thread(self, ready: bool) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(setattr, self, "ready", ready)
-        if ready and self.on_ready is not None:
-            self._loop.call_soon_threadsafe(self.on_ready)
+        self._loop.call_soon_threadsafe(self._set_ready, ready)
 
     @staticmethod
     def _write(proc: subprocess.Popen[str], outbox: queue.Queue[str | None]) -> None:

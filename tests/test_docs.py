@@ -13,9 +13,9 @@ The marker convention (README, "Every command here runs"), for whoever adds a se
   fail: write ``sh`` or ``python`` so that nothing escapes this test.
 
 The documents run as one session, the README first, then ``docs/*.md`` by name, one test per block in order: a
-block may use what earlier ones made or started. ``$KVTIER_HOME`` is a fresh folder, ``$KVTIER_DIRECTORY`` a free
-local port, ``$KVTIER_POOL`` a shared-memory name no other run uses; ``$KVTIER_TOKEN`` and ``$KVTIER_CONFIG`` start
-unset.
+block may use what earlier ones made or started. ``$KVTIER_HOME`` is a fresh folder, ``$KVTIER_DIRECTORY`` and
+``$KVTIER_PORT`` free local ports, ``$KVTIER_POOL`` a shared-memory name no other run uses; ``$KVTIER_TOKEN`` and
+``$KVTIER_CONFIG`` start unset.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ class Session:
         env["KVTIER_HOME"] = str(home)
         env["KVTIER_DIRECTORY"] = f"127.0.0.1:{free_port()}"
         env["KVTIER_POOL"] = f"kvtier-doctest-{secrets.token_hex(4)}"
+        env["KVTIER_PORT"] = str(free_port())
         env["COLUMNS"] = "120"
         self.env = env
         self.servers: list[tuple[str, subprocess.Popen[bytes], Path]] = []

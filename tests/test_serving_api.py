@@ -6,14 +6,20 @@ client that goes away aborts its request."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+import torch
 
 from kvtier.engine.engine import Engine
+from kvtier.engine.sampling import Sampling
 from kvtier.serving.text import TextCodec
 from tests.conftest import wait_for
 
@@ -132,16 +138,33 @@ def test_a_repeated_prompt_reports_its_reused_tokens(client: openai.OpenAI) -> N
     ("body", "param"),
     [
         (b'{"model": "tiny", "prompt": "unterminated', None),
-        (b'{"model": "gpt-5", "prompt": "hi"}', "model"),
         (json.dumps({"model": "tiny", "prompt": [1] * 32768}).encode(), "prompt"),
         (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', "max_tokens"),
         (b'{"model": "tiny", "prompt": [1, 2, 512]}', "prompt"),
         (b'{"model": "tiny", "prompt": [1, 2, -1]}', "prompt"),
         (b'{"model": "tiny", "prompt": "hi", "temperature": -1}', "temperature"),
         (b'{"model": "tiny", "prompt": "hi", "max_tokens": "many"}', "max_tokens"),
+        (b'{"model": "tiny", "prompt": "hi", "n": 0}', "n"),
+        (b'{"model": "tiny", "prompt": "hi", "top_k": -5}', "top_k"),
+        (b'{"model": "tiny", "prompt": "hi", "min_p": 2}', "min_p"),
+        (b'{"model": "tiny", "prompt": "hi", "logit_bias": {"999": 1}}', "logit_bias"),
+        (b'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "min_tokens": 5}', "min_tokens"),
+        (b'{"model": "tiny", "prompt": "hi", "repetition_penalty": 0}', "repetition_penalty"),
+        (b'{"model": "tiny", "prompt": "hi", "logprobs": 21}', "logprobs"),
+        (b'{"model": "tiny", "prompt": "hi", "stop_token_ids": [600]}', "stop_token_ids"),
+        (b'{"model": "tiny", "prompt": "hi", "best_of": 2}', "best_of"),
+        (b'{"model": "tiny", "prompt": "hi", "suffix": "x"}', "suffix"),
+        (b'{"model": "tiny", "prompt": "hi", "echo": true}', "echo"),
+        (b'{"model": "tiny", "prompt": "hi", "response_format": {"type": "json_object"}}', "response_format"),
+        (b'{"model": "tiny", "prompt": "hi", "tools": [{"type": "function"}]}', "tools"),
+        (b'{"model": "tiny", "prompt": ' + b"[" * 2000 + b"]" * 2000 + b"}", "prompt"),
+        (b'{"model": "tiny", "prompt": "hi", "extra": ' + b"[" * 2000 + b"]" * 2000 + b"}", None),
+        (json.dumps({"model": "tiny", "prompt": "x" * 400_000}).encode(), "prompt"),
     ],
-    ids=["malformed-json", "unknown-model", "longer-than-context", "max-tokens-0", "id-past-vocab",
-         "negative-id", "negative-temperature", "max-tokens-not-int"],
+    ids=["malformed-json", "longer-than-context", "max-tokens-0", "id-past-vocab", "negative-id",
+         "negative-temperature", "max-tokens-not-int", "n-0", "top-k", "min-p", "logit-bias-past-vocab",
+         "min-tokens-past-max", "repetition-0", "logprobs-21", "stop-id-past-vocab", "best-of", "suffix", "echo",
+         "response-format", "tools", "deep-prompt", "deep-unknown-field", "text-past-any-context"],
 )  # fmt: skip
 def test_bad_input_is_a_400_in_openais_error_shape(url: str, body: bytes, param: str | None) -> None:
     r = httpx.post(url + "/v1/completions", content=body, timeout=60)
@@ -150,6 +173,121 @@ def test_bad_input_is_a_400_in_openais_error_shape(url: str, body: bytes, param:
     assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
     assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 1},
                       timeout=60).status_code == 200  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x" * 400_000}]}, "messages"),
+    ],
+    ids=["top-logprobs-without-logprobs", "max-completion-tokens-0", "tool-choice", "text-past-any-context"],
+)
+def test_bad_chat_input_is_a_400_naming_the_field(url: str, body: dict, param: str) -> None:
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_a_deep_json_to_tokenize_is_a_400(url: str) -> None:
+    r = httpx.post(url + "/tokenize", content=b'{"prompt": "a", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}", timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_a_404_naming_the_model(url: str) -> None:
+    r = httpx.post(url + "/v1/completions", json={"model": "gpt-5", "prompt": "hi"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(url: str) -> None:
+    for r, status in ((httpx.get(url + "/v1/nothing"), 404), (httpx.get(url + "/v1/completions"), 405)):
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_null_n_and_null_stream_are_the_defaults(url: str) -> None:
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 2, "n": None, "stream": None, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
+def test_a_request_that_could_never_be_admitted_is_a_400_naming_the_limit(url: str) -> None:
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "n": MAX_QUEUED + 1}, timeout=60)
+    assert r.status_code == 400 and "--max-queued-requests" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "n"
+
+
+SETTINGS = [
+    {"temperature": 0, "logit_bias": {"30": 100}},
+    {"temperature": 1.0, "top_k": 1, "seed": 4},
+    {"temperature": 0.9, "top_k": 5, "min_p": 0.05, "seed": 4},
+    {"temperature": 0, "presence_penalty": 2.0, "frequency_penalty": 2.0},
+    {"temperature": 0, "repetition_penalty": 1.8},
+    {"temperature": 0, "min_tokens": 6, "stop_token_ids": [40]},
+]
+
+
+def as_sampling(settings: dict[str, Any], stop: frozenset[int] = frozenset()) -> Sampling:
+    fields = {k: v for k, v in settings.items() if k not in ("logit_bias", "stop_token_ids")}
+    bias = tuple((int(k), float(v)) for k, v in settings.get("logit_bias", {}).items())
+    return Sampling(**fields, logit_bias=bias, stop_token_ids=stop | frozenset(settings.get("stop_token_ids", ())))
+
+
+SETTING_IDS = ["logit-bias", "top-k-1", "top-k-min-p", "penalties", "repetition", "min-tokens"]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
+def test_each_sampling_setting_answers_as_the_engine_with_it(client: openai.OpenAI, reference, settings: dict) -> None:
+    ids = [(i * 13 + 7) % 500 + 5 for i in range(80)]
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=8, extra_body={"ignore_eos": True, **{
+        k: v for k, v in settings.items() if k not in ("temperature", "seed")}}, temperature=settings["temperature"],
+        seed=settings.get("seed"))  # fmt: skip
+    engine, codec = reference
+    tokens = engine.generate([ids], 8, reuse=False, sampling=as_sampling(settings))[0].tokens
+    stop = settings.get("stop_token_ids", [])
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    assert out.choices[0].text == codec.decode(tokens[:cut])
+
+
+def test_logprobs_of_a_completion_come_as_vllm_gives_them(url: str, reference) -> None:
+    ids = list(range(60, 90))
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    lp = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    engine, codec = reference
+    first = engine.generate([ids], 1, reuse=False)[0]
+    expected = torch.log_softmax(first.first_logits, -1)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 3
+    assert lp["tokens"][0] == codec.token_text(first.tokens[0])
+    assert lp["token_logprobs"][0] == pytest.approx(float(expected[first.tokens[0]]), abs=1e-3)
+    assert 2 <= len(lp["top_logprobs"][0]) <= 3 and lp["text_offset"][0] == 0
+    streamed = [json.loads(e) for e in sse_events(url + "/v1/completions", {**body, "stream": True})[:-1]]
+    assert [t for c in streamed for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])] == lp["tokens"]
+
+
+def test_logprobs_of_a_chat_come_as_openai_gives_them(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                         temperature=0, logprobs=True, top_logprobs=2,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+
+
+def test_n_choices_each_sample_with_their_own_seed(client: openai.OpenAI) -> None:
+    args = {"model": "tiny", "prompt": list(range(20, 50)), "max_tokens": 6, "temperature": 1.0, "seed": 9,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    many = client.completions.create(**args, n=3)
+    one = client.completions.create(**args)
+    assert [c.index for c in many.choices] == [0, 1, 2] and many.choices[0].text == one.choices[0].text
+    assert len({c.text for c in many.choices}) > 1 and many.usage.completion_tokens == 18
+    streamed = list(client.completions.create(**args, n=2, stream=True))
+    texts = ["".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert texts == [c.text for c in many.choices[:2]]
+
+
+def sse_events(url: str, body: dict) -> list[str]:
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        return [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
 
 
 def test_the_openai_client_sees_a_bad_request_error(client: openai.OpenAI) -> None:
@@ -212,3 +350,41 @@ def test_a_store_that_is_down_costs_reuse_never_a_request(start_server, checkpoi
     answers = [client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0) for _ in range(2)]
     assert [a.usage.prompt_tokens_details.cached_tokens for a in answers] == [0, 0]
     assert answers[0].choices[0].text == answers[1].choices[0].text
+
+
+def test_an_8_mb_prompt_and_a_deep_json_leave_a_running_stream_and_health_on_time(url: str) -> None:
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2000, "stream": True, "ignore_eos": True, "temperature": 0}
+    stamps: list[float] = []
+
+    def read() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    stamps.append(time.monotonic())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(3)  # the stream is under way
+    heavy = [
+        json.dumps({"model": "tiny", "prompt": "word " * ((8 << 20) // 5)}).encode(),  # 8 MB of text
+        json.dumps({"model": "tiny", "prompt": "word " * 78_000}).encode(),  # tokenized: longer than the context
+        b'{"model": "tiny", "prompt": "x", "y": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",  # 200,000 levels deep
+    ]
+
+    async def abuse() -> tuple[list[int], float]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            posts = asyncio.gather(*(http.post(url + "/v1/completions", content=b) for b in heavy))
+            worst = 0.0
+            while not posts.done():
+                began = time.monotonic()
+                assert (await http.get(url + "/health")).status_code == 200
+                worst = max(worst, time.monotonic() - began)
+                await asyncio.sleep(0.1)
+            return [r.status_code for r in await posts], worst
+
+    began = time.monotonic()
+    statuses, worst_health = asyncio.run(abuse())
+    ended = time.monotonic()
+    assert statuses == [400, 400, 400]
+    gaps = [b - a for a, b in itertools.pairwise(stamps) if began <= b <= ended + 1]
+    assert worst_health < 2.0 and gaps and max(gaps) < 2.0  # (the 8 MB prompt stalled both for 17 s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,8 +15,12 @@ import openai
 import pytest
 
 from kvtier.engine.engine import Engine
+from kvtier.engine.sampling import Sampling
+from kvtier.kvstore import cluster as cluster_mod
 from kvtier.serving.text import TextCodec
 from tests.conftest import wait_for
+from tests.test_serving_api import SETTING_IDS, SETTINGS, as_sampling
+from tests.test_serving_door import Served
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,6 +89,7 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_r
         rest = list(events)
     errors = [json.loads(e)["error"] for e in rest if e.startswith('{"error"')]
     assert len(errors) == 1 and "exited" in errors[0]["message"] and rest[-1] == "[DONE]"
+    assert httpx.get(url + "/health").status_code == 503  # until the decode worker is back
     wait_for(lambda: httpx.get(url + "/health").status_code == 200, 180, "the decode worker's restart")
     assert worker_pids(server)["decode"] != before["decode"]
     assert not list(Path("/dev/shm").glob(f"kvtier-state-decode-{before['decode']}-*"))  # its pool was removed
@@ -97,3 +103,78 @@ def _serves(d: Path, port: str) -> bool:
     except OSError:
         return False
     return b"serve" in cmd and port.encode() in cmd
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
+def test_pd_answers_every_sampling_setting_as_one_process(client: openai.OpenAI, checkpoint: Path, settings) -> None:
+    ids = [(i * 13 + 7) % 500 + 5 for i in range(80)]
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=8, extra_body={"ignore_eos": True, **{
+        k: v for k, v in settings.items() if k not in ("temperature", "seed")}}, temperature=settings["temperature"],
+        seed=settings.get("seed"))  # fmt: skip
+    engine = reference_engine(checkpoint)
+    tokens = engine.generate([ids], 8, reuse=False, sampling=as_sampling(settings))[0].tokens
+    stop = settings.get("stop_token_ids", [])
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    assert out.choices[0].text == TextCodec(checkpoint).decode(tokens[:cut])
+
+
+def test_pd_logprobs_equal_one_processes(client: openai.OpenAI, checkpoint: Path) -> None:
+    ids = list(range(60, 130))
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    engine = reference_engine(checkpoint)
+    generation = engine.start(ids, 4, Sampling(logprobs=2), reuse=False)
+    while not generation.finish_reason:
+        generation.step()
+    expected = [lp for lp, _ in generation.logprobs]
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+
+
+_ENGINES: dict[Path, Engine] = {}
+
+
+def reference_engine(checkpoint: Path) -> Engine:
+    if checkpoint not in _ENGINES:
+        _ENGINES[checkpoint] = Engine.from_pretrained(checkpoint)
+    return _ENGINES[checkpoint]
+
+
+TENANT_TOKEN = "teamb-" + "0123456789abcdef" * 3
+
+
+@pytest.fixture(scope="module")
+def tenant_server(make_cluster, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """P/D as tenant ``teamb`` from the client file and a token file, as a tenant's host runs it."""
+    local = make_cluster(capacity_bytes=64 << 20, extra_toml=f'[tenants.teamb]\ntoken = "{TENANT_TOKEN}"')
+    public = cluster_mod.write_public(local.config_path)
+    tmp = tmp_path_factory.mktemp("tenant")
+    token = tmp / "teamb.token"
+    token.write_text(TENANT_TOKEN + "\n")
+    token.chmod(0o600)
+    server = Served(tmp, "--checkpoint", str(checkpoint), "--store", str(public), "--token-file", str(token),
+                    "--model", "tiny", "--prefill", "1", "--decode", "1")  # fmt: skip
+    server.cluster = local.config_path  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+
+
+def test_pd_serves_a_tenant_from_its_client_file_and_token_file(tenant_server: Served, checkpoint: Path) -> None:
+    ids = [(i * 17 + 3) % 500 + 5 for i in range(700)]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0}
+    answers = [httpx.post(tenant_server.url + "/v1/completions", json=body, timeout=120).json() for _ in range(2)]
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers] == [0, 512]
+    cluster = tenant_server.cluster  # type: ignore[attr-defined]
+    with Engine.from_pretrained(checkpoint, store=cluster) as as_default:  # the cluster token: tenant default
+        assert as_default.generate([ids], 1)[0].hit_tokens == 0  # the blocks are teamb's, not the admin's
+    with Engine.from_pretrained(checkpoint, store=cluster, token=TENANT_TOKEN) as as_teamb:
+        assert as_teamb.generate([ids], 1)[0].hit_tokens == 512
+
+
+def test_a_worker_that_dies_is_said_in_one_line_and_so_are_its_restart_and_readiness(tenant_server: Served) -> None:
+    server_pid = tenant_server.proc.pid
+    decode = worker_pids(server_pid)["decode"]
+    os.kill(decode, signal.SIGKILL)
+    wait_for(lambda: httpx.get(tenant_server.url + "/health").status_code == 200, 180, "the decode worker's restart")
+    log = tenant_server.err.read_text()
+    assert log.count("decode-0 exited with status -9") == 1 and log.count("decode-0 is restarting") == 1
+    assert log.count("decode-0 is ready") == 2
