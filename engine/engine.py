@@ -21,6 +21,7 @@ that repeats the answer reuses it too.
 from __future__ import annotations
 
 import array
+import logging
 import math
 import os
 import secrets
@@ -51,6 +52,8 @@ from kvtier.transfer.stateblock import StateBlockHost
 
 # background(job, then): run ``job`` (store calls) off the stepping thread, then ``then`` on it; False: not taken
 Background = Callable[[Callable[[], None], Callable[[], None]], bool]
+
+log = logging.getLogger("kvtier.engine")
 
 
 class PromptError(ValueError):
@@ -308,6 +311,10 @@ class Engine:
             seq.state = self.family.restore(self.config, self.cache, seq, found.state, h)
         elif h and self.state_bytes:  # block KV without its StateBlock: bounded replay
             first = max(0, h - self.family.replay_tokens(self.config))  # the last min(W, h) tokens of the hit
+            log.info(
+                "no StateBlock at position %d of a %d-token prompt: bounded replay of positions %d-%d "
+                "(approximate; nothing of this request is stored)", h, len(seq.prompt), first, h - 1
+            )  # fmt: skip
             seq.state = self.family.new_state(self.config, self.cache, seq, first)
             self.runner.run(seq, first, h, write_global=False)
             seq.replayed = True

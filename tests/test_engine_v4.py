@@ -287,14 +287,18 @@ def test_the_next_turn_reuses_the_prompt_and_the_answer(
 
 
 def test_block_kv_without_its_state_block_is_a_bounded_replay_that_stores_nothing(
-    v4: Path, cluster_file: Path, engine: Callable[..., Engine]
+    v4: Path, cluster_file: Path, engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
     p = prompt(1100, seed=24)
     engine(v4, cluster_file, LocalStateBlocks()).generate([p], 4)  # blocks in the store, its StateBlocks elsewhere
     e = engine(v4, cluster_file, LocalStateBlocks())
     q = p + prompt(300, seed=25)
-    [replayed] = e.generate([q], 4)
+    with caplog.at_level("INFO", logger="kvtier.engine"):
+        [replayed] = e.generate([q], 4)
     assert (replayed.hit_tokens, replayed.replayed) == (1024, True)
+    said = [r.getMessage() for r in caplog.records if "no StateBlock" in r.getMessage()]
+    assert said == ["no StateBlock at position 1024 of a 1400-token prompt: bounded replay of positions 896-1023 "
+                    "(approximate; nothing of this request is stored)"]  # fmt: skip
     [after] = e.generate([q + prompt(200, seed=29)], 4)
     assert after.hit_tokens == 1024  # nothing of the replayed request was stored (its blocks would reach 1,280)
 
