@@ -4,6 +4,7 @@ store, windows and accumulators in StateBlocks, reuse exact end to end."""
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -316,7 +317,8 @@ def test_an_engine_of_another_block_size_or_dtype_never_reads_these_blocks(
 def test_reuse_through_the_fetcher_process_is_exact(
     v4: Path, cluster_file: Path, engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
-    with LocalFetcher(cluster_file, tmp_path / "fetch.sock", pool_bytes=32 << 20) as fetcher:
+    shm = f"kvt-v4-{secrets.token_hex(4)}"
+    with LocalFetcher(cluster_file, shm, tmp_path / "fetch.sock", "8MiB") as fetcher:
         e = engine(v4, cluster_file, LocalStateBlocks(), fetcher=fetcher.socket_path)
         p = prompt(1000, seed=27)
         [cold] = e.generate([p], 8, reuse=False)
