@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         site = gpu_bundle.unpack(gpu_bundle.ARCHIVE, work)
         packages = gpu_bundle.link_packages(work / "src")
         env["PYTHONPATH"] = f"{packages}:{site}"
-        device, dtype, preset, lengths, chunk = "cuda", "bfloat16", args.preset, args.lengths, "2048"
+        device, dtype, preset, lengths = "cuda", "bfloat16", args.preset, args.lengths
+        chunk = "4096" if preset.startswith("v4") else "2048"  # V4's step is light: fewer, larger chunks
         ckpt_root, root, capacity = places()
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-ttft-", dir=root))
     env["TMPDIR"] = str(scratch)  # the temporary cluster's nodes live here
