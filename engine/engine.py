@@ -254,12 +254,15 @@ class Engine:
         reuse: bool = True,
         resume: bool = False,
         first_token: int | None = None,
+        ids: np.ndarray | None = None,
     ) -> Generation:
         """One request, to be advanced step by step (:meth:`Generation.step`) and closed; nothing runs yet.
 
         ``first_token``: the answer's first token as a prefill worker chose it (P/D), used instead of sampling
-        one from this engine's logits. Raises PromptError for a prompt the model cannot take."""
-        return self._start(prompt, self._ids(prompt), max_new_tokens, sampling, reuse, resume, first_token)
+        one from this engine's logits; ``ids``: the prompt as :meth:`check_prompt` returned it (not converted
+        again: 4 ms at 77K tokens). Raises PromptError for a prompt the model cannot take."""
+        ids = self._ids(prompt) if ids is None else ids
+        return self._start(prompt, ids, max_new_tokens, sampling, reuse, resume, first_token)
 
     def _start(
         self,
@@ -280,10 +283,10 @@ class Engine:
         budget = min(max_new_tokens, self.config.max_position_embeddings - len(prompt))
         return Generation(self, seq, budget, sampling, reuse, resume, first_token)
 
-    def check_prompt(self, prompt: list[int]) -> None:
-        """Raise PromptError (one line) if the model cannot take ``prompt``: empty, longer than its context, or
-        token ids outside its vocabulary."""
-        self._ids(prompt)
+    def check_prompt(self, prompt: list[int]) -> np.ndarray:
+        """``prompt`` as the ids :meth:`start` takes, or PromptError (one line) if the model cannot take it: empty,
+        longer than its context, or token ids outside its vocabulary (or not integers)."""
+        return self._ids(prompt)
 
     # -- one request ----------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+import msgspec
 import torch
 
 from kvtier.engine.checkpoint import DTYPES
@@ -330,7 +331,7 @@ class WorkerLoop:
     def _accept(self, item: str | dict[str, Any]) -> None:
         rid = None
         try:
-            request = json.loads(item) if isinstance(item, str) else item
+            request = msgspec.json.decode(item) if isinstance(item, str) else item
             if not isinstance(request, dict):
                 raise ValueError("a request is a JSON object")
             if "abort" in request:
@@ -340,14 +341,14 @@ class WorkerLoop:
             if rid in self.running or any(w.rid == rid for w in self.waiting):
                 raise ValueError(f"request id {rid!r} is already running")
             prompt = request["prompt"]
-            if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+            if not isinstance(prompt, list):
                 raise ValueError("prompt must be a list of token ids")
             sampling = sampling_of(request, self.engine.config.vocab_size)
             new = 1 if self.role == "prefill" else int(request.get("max_new_tokens", 16))
             if new < 0:
                 raise ValueError(f"max_new_tokens must be >= 0, got {new}")
             first = request.get("first_token") if self.role == "decode" else None
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, msgspec.DecodeError) as e:
             self.emit({"id": rid, "error": f"bad request: {e}"})
             return
         length = min(len(prompt) + new, self.engine.config.max_position_embeddings)
@@ -357,15 +358,15 @@ class WorkerLoop:
             self.emit({"id": rid, "error": f"the request needs {length} tokens of KV; this worker's cache holds "
                                            f"{total * self.engine.block_tokens} (--cache-tokens)"})  # fmt: skip
             return
-        try:  # checked now; the engine starts it once its pages are free
-            self.engine.check_prompt(prompt)
+        try:  # checked now (ids, converted once); the engine starts it once its pages are free
+            ids = self.engine.check_prompt(prompt)
         except PromptError as e:
             self.emit({"id": rid, "error": str(e)})
             return
         resume = self.role == "decode"
 
         def start(reuse: bool) -> Generation:
-            return self.engine.start(prompt, new, sampling, reuse=reuse, resume=resume, first_token=first)
+            return self.engine.start(prompt, new, sampling, reuse=reuse, resume=resume, first_token=first, ids=ids)
 
         self.waiting.append(_Waiting(rid, start, bool(request.get("stream")) and self.role != "prefill", pages))
 
@@ -520,7 +521,7 @@ def _token_logprobs(g: Generation, at: int) -> dict[str, Any]:
 
 
 def _say(out: TextIO, obj: dict[str, Any]) -> None:
-    out.write(json.dumps(obj) + "\n")
+    out.write(msgspec.json.encode(obj).decode() + "\n")
     out.flush()
 
 

@@ -218,6 +218,7 @@ def _configure_logs(access: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.getLogger("uvicorn").setLevel(logging.WARNING)
     logging.getLogger("kvtier.serving.access").disabled = not access
 
 
@@ -230,7 +231,8 @@ async def _serve(server: Server, app: object, listener: socket.socket, grace_s: 
             self._captured_signals.clear()  # a graceful stop: exit 0 (uvicorn would raise SIGTERM again at the end)
             await super().shutdown(sockets)
 
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(grace_s) + 10, access_log=False)
+    # (log_config None: uvicorn's own would re-enable the access logger --disable-access-log turned off)
+    config = uvicorn.Config(app, timeout_graceful_shutdown=int(grace_s) + 10, access_log=False, log_config=None)
     web = Web(config)
     await server.start()
     host, port = listener.getsockname()[:2]

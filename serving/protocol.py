@@ -145,6 +145,12 @@ class CompletionRequest(_Common, kw_only=True):
     suffix: Any = UNSET
 
 
+class TokenIdsRequest(CompletionRequest, kw_only=True):
+    """A completion whose prompt is one list of token ids, decoded as such (no check of each id's type after)."""
+
+    prompt: list[int]
+
+
 class TextPart(msgspec.Struct):
     type: str
     text: str = ""

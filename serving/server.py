@@ -29,6 +29,7 @@ the end of the shutdown grace closes the token generators, which aborts the requ
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
 import logging
@@ -39,6 +40,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
+import numpy as np
 
 from kvtier.serving import protocol as p
 from kvtier.serving.cost import CostModel
@@ -304,7 +308,10 @@ class Server:
         return await self._in_pool(work, body, arrival)
 
     def _completion_jobs(self, body: bytes, arrival: float) -> tuple[p.CompletionRequest, list[Job]]:
-        req: p.CompletionRequest = p.decode(body, p.CompletionRequest)
+        try:  # token ids, the long prompts' form, decoded typed: a Python check of 77K ids' types cost 3 ms
+            req: p.CompletionRequest = msgspec.json.decode(body, type=p.TokenIdsRequest)
+        except (msgspec.DecodeError, RecursionError):
+            req = p.decode(body, p.CompletionRequest)
         self._check_fields(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise p.RequestError(400, f"logprobs must be in 0…{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
@@ -313,7 +320,11 @@ class Server:
             if len(prompt) != 1:
                 raise p.RequestError(400, "one prompt per request is supported", "prompt")
             prompt = prompt[0]
-        if isinstance(prompt, list) and not all(type(t) is int for t in prompt):
+        if (
+            not isinstance(req, p.TokenIdsRequest)
+            and isinstance(prompt, list)
+            and not all(type(t) is int for t in prompt)
+        ):
             raise p.RequestError(
                 400, "prompt must be a string, a list of token ids, or a list of one of either", "prompt"
             )
@@ -375,7 +386,11 @@ class Server:
             raise p.RequestError(404, f"the model {model!r} does not exist; this server serves {self.model!r}", "model")
 
     def _check_ids(self, ids: list[int], param: str) -> None:
-        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+        try:
+            as_array = np.frombuffer(array.array("q", ids), np.int64) if ids else None  # (a third of min(), max())
+        except OverflowError:
+            as_array = np.array([-1])
+        if as_array is not None and not (as_array.min() >= 0 and as_array.max() < self.vocab_size):
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise p.RequestError(400, f"token id {bad} is outside the vocabulary (0…{self.vocab_size - 1})", param)
 

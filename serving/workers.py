@@ -26,6 +26,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from kvtier.engine.engine import Engine
 from kvtier.engine.worker import ChunkPlanner, WorkerLoop, remove_leftovers
 
@@ -178,7 +180,7 @@ class ProcessWorker(Worker):
         self._supervisor.start()
 
     def _send(self, obj: dict[str, Any]) -> None:
-        self._outbox.put(json.dumps(obj))
+        self._outbox.put(msgspec.json.encode(obj).decode())  # (json.dumps: 10x the time for 77K token ids)
 
     def _supervise(self) -> None:
         backoff = 1.0

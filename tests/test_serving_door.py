@@ -164,7 +164,7 @@ def test_sigterm_ends_a_running_stream_with_an_error_event_and_done_and_no_trace
     checkpoint: Path, store: Path, tmp_path: Path
 ) -> None:
     server = Served(tmp_path, "--checkpoint", str(checkpoint), "--store", str(store), "--shutdown-grace-s", "1",
-                    "--api-key", KEY)  # fmt: skip
+                    "--api-key", KEY, "--disable-access-log")  # fmt: skip
     body = {"model": "tiny", "prompt": "go on", "max_tokens": 20000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
         lines = (line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: "))
@@ -176,3 +176,4 @@ def test_sigterm_ends_a_running_stream_with_an_error_event_and_done_and_no_trace
     assert rest[-1] == "[DONE]" and '"error"' in rest[-2] and "shutting down" in rest[-2]
     assert server.proc.wait(timeout=120) == 0
     assert "Traceback" not in server.err.read_text()
+    assert '"POST /v1/completions"' not in server.err.read_text()  # (--disable-access-log)
