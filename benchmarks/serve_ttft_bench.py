@@ -2,17 +2,18 @@
 
     python benchmarks/serve_ttft_bench.py [--checkpoint DIR | --preset tiny [--context N]] [--device cpu]
         [--dtype float32] [--prompt-tokens 32768,77824] [--hit 96] [--repeats 3] [--chunk-tokens 512]
-        [--cache-tokens N] [--node-capacity 2GiB] [--threads 1] [--json]
+        [--cache-tokens N] [--node-capacity 2GiB] [--threads 1] [--settle-s 2] [--json]
 
 A temporary cluster of 12 node processes (data in a temporary folder; ``/dev/shm`` on the GPU host is what
 ``dev/gpu_ttft.py`` uses), the server (embedded engine, the same device, dtype, chunk and cache sizes) and an
 engine in this process on the same store. For every prompt length and repeat, each way gets a fresh random
 prompt of token ids whose first ``hit`` % (rounded down to a multiple of 128) it has just prefilled (so the store
 holds the blocks and its own StateBlock pool the state): the server through ``/v1/completions`` (the prefix with
-``max_tokens`` 1), the engine through ``generate``. Then the whole prompt, a warm repeat of its prefix:
+``max_tokens`` 1, then ``--settle-s`` for its blocks to be put: the server puts them after it answers, the engine
+before ``generate`` returns), the engine through ``generate``. Then the whole prompt, a warm repeat of its prefix:
 
 - **serve**: a streaming ``/v1/completions`` with the token ids (``max_tokens`` 16, ``ignore_eos``), TTFT from
-  the request's first byte to the first chunk with text, on the client (``httpx``);
+  the request's first byte to the first chunk (the server sends the first token's at once), on the client;
 - **engine**: ``engine.generate([prompt], 1)``, TTFT from the call to its return (``wall``) and the engine's
   own ``ttft_s`` (prefill start to first token).
 
@@ -52,7 +53,7 @@ def start_server(checkpoint: Path, store: Path, args: argparse.Namespace) -> tup
             str(store), "--port", str(port), "--served-model-name", "m", "--device", args.device, "--dtype",
             args.dtype, "--chunk-tokens", str(args.chunk_tokens), "--cache-tokens", str(args.cache_tokens),
             "--threads", str(args.threads), "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(argv)
+    proc = subprocess.Popen(argv, stdout=sys.stderr)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -75,7 +76,7 @@ def through_serve(http: httpx.Client, url: str, prompt: list[int]) -> float:
     with http.stream("POST", url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+            if line.startswith("data: {"):  # the first token's chunk (sent at once, even with no text yet)
                 return time.perf_counter() - began
     raise RuntimeError("the stream ended without text")
 
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         url + "/v1/completions",
                                         json={"model": "m", "prompt": prompt[:h], "max_tokens": 1},
                                     ).raise_for_status()
-                                    serve_s.append(through_serve(http, url, prompt))  # fmt: skip
+                                    time.sleep(args.settle_s)  # its blocks are put after its answer
+                                    serve_s.append(through_serve(http, url, prompt))
                                 else:
                                     engine.generate([prompt[:h]], 1)
                                     began = time.perf_counter()
@@ -144,6 +146,7 @@ def main() -> int:
     parser.add_argument("--cache-tokens", type=int, default=1 << 17)
     parser.add_argument("--node-capacity", default="2GiB")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--settle-s", type=float, default=2.0, help="pause after a prefix, for its put (default 2)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = run(args)

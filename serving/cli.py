@@ -44,11 +44,23 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-budget-ms", type=float, default=200.0, help="time budget of one engine step (default 200)")
 
 
-def planner(args: argparse.Namespace, granule: int = 512) -> ChunkPlanner | None:
-    """The per-step chunk planner from ``--cost-model`` (None without one: prompts are computed whole)."""
+def cost_model(args: argparse.Namespace) -> CostModel | None:
+    """``--cost-model``'s model; ValueError naming the option for a file that is missing or not one."""
     if not args.cost_model:
         return None
-    cost = CostModel.load(args.cost_model)
+    try:
+        return CostModel.load(args.cost_model)
+    except OSError as e:
+        raise ValueError(f"--cost-model {args.cost_model}: {e.strerror} (kvbench fit-cost writes one)") from None
+    except ValueError as e:
+        raise ValueError(f"--cost-model {e}") from None
+
+
+def planner(args: argparse.Namespace, granule: int = 512) -> ChunkPlanner | None:
+    """The per-step chunk planner from ``--cost-model`` (None without one: prompts are computed whole)."""
+    cost = cost_model(args)
+    if cost is None:
+        return None
     return lambda left, cached, time_left_s: cost.largest_chunk(left, cached, time_left_s, granule)
 
 
@@ -140,7 +152,7 @@ def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
         if not 1 < args.max_model_len <= context:
             raise ValueError(f"--max-model-len must be in 2…{context} (the checkpoint's context)")
         context = args.max_model_len
-    cost = CostModel.load(args.cost_model) if args.cost_model else None
+    cost = cost_model(args)
     limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.cache_tokens)
     tbt_slo_s = args.tbt_slo_ms / 1e3 if args.tbt_slo_ms is not None else None
     common = {"cost": cost, "limits": limits, "window_s": args.window_s, "edges": edges, "tbt_slo_s": tbt_slo_s}

@@ -606,6 +606,7 @@ class Server:
         detok = Detokenizer(self.codec, job.stops, job.min_tokens)
         tokens = self._tokens(job)
         pending: list[tuple[int, float, list[list[Any]]]] = []
+        first = True  # the first token's delta goes out at once, text or not: it is the client's first token
         try:
             async for token, logprob in tokens:
                 job.generated.append(token)
@@ -617,9 +618,9 @@ class Server:
                     self.metrics.aborts.labels("stop_string").inc()
                     yield Delta(text, pending)
                     return
-                if text:
+                if text or first:
                     yield Delta(text, pending)
-                    pending = []
+                    pending, first = [], False
             yield Delta(detok.flush(), pending)
         except WorkerError:
             self.metrics.aborts.labels("error").inc()
@@ -693,7 +694,7 @@ class Server:
                 if item is None:
                     left -= 1
                     yield p.sse(chunk(job, "", job.finish_reason, []))
-                elif item.text or item.logprobs:
+                elif item.text or item.logprobs or not started:
                     yield p.sse(chunk(job, item.text, None, item.logprobs))
                 started = True
             if usage is not None:

@@ -177,3 +177,10 @@ def test_sigterm_ends_a_running_stream_with_an_error_event_and_done_and_no_trace
     assert server.proc.wait(timeout=120) == 0
     assert "Traceback" not in server.err.read_text()
     assert '"POST /v1/completions"' not in server.err.read_text()  # (--disable-access-log)
+
+
+def test_a_missing_cost_model_is_one_line_naming_the_option(checkpoint: Path, store: Path) -> None:
+    args = cli.build_parser().parse_args(["serve", "--checkpoint", str(checkpoint), "--store", str(store),
+                                          "--cost-model", "cost.json"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"--cost-model cost\.json: No such file"):
+        cli.make_server(args)
