@@ -39,7 +39,7 @@ def start_server(checkpoint: Path, store: Path, args: argparse.Namespace) -> tup
     argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(checkpoint), "--store",
             str(store), "--port", str(port), "--served-model-name", "tiny", "--api-key", KEY, "--prefill",
             str(args.prefill), "--decode", str(args.decode), "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(argv)
+    proc = subprocess.Popen(argv, stdout=sys.stderr)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
