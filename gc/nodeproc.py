@@ -20,17 +20,19 @@ from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import logs
 from kvtier.kvstore.chunks import MetadataError
 from kvtier.kvstore.cluster_map import MapFeed
-from kvtier.kvstore.local import NODE_ERROR_PREFIX
+from kvtier.kvstore.disk import NoSpace
+from kvtier.kvstore.local import NEEDS_RESET_EXIT, NODE_ERROR_PREFIX
 from kvtier.kvstore.membership import Membership
 from kvtier.kvstore.node import open_node, serve
 
 log = logging.getLogger("kvtier.node")
 
 
-def run_node(config_path: str, node_id: int, etcd: str | None = None) -> None:
+def run_node(config_path: str, node_id: int, etcd: str | None = None, fallback_log_fd: int | None = None) -> None:
     """Open the node, attach its GC worker, serve until SIGTERM/SIGINT. With an etcd map: register (and keep the
-    lease alive), follow the map, leave when stopped (``kvstore.membership``)."""
-    logs.configure(node=node_id)
+    lease alive), follow the map, leave when stopped (``kvstore.membership``). Log lines its log (stderr) cannot
+    take go to ``fallback_log_fd``."""
+    logs.configure(fallback_log_fd, node=node_id)
     node, server = open_node(config_path, node_id, etcd)
     evictor = Evictor(node.engine, node.config, node_id)
     worker = GCWorker(
@@ -70,16 +72,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("config", help="cluster file")
     parser.add_argument("node_id", type=int)
     parser.add_argument("--etcd", default=None, help="etcd endpoints (instead of the cluster file's)")
+    parser.add_argument(
+        "--fallback-log-fd", type=int, default=None, help="where log lines go that stderr (the log) cannot take"
+    )
     args = parser.parse_args(argv)
     try:
-        run_node(args.config, args.node_id, args.etcd)
+        run_node(args.config, args.node_id, args.etcd, args.fallback_log_fd)
     except cluster_mod.ConfigError as exc:
         sys.exit(f"{NODE_ERROR_PREFIX}{exc}")
-    except MetadataError as exc:
-        sys.exit(
+    except NoSpace as exc:  # a data dir that must be written to be opened, on a disk with no room
+        sys.exit(f"{NODE_ERROR_PREFIX}node {args.node_id} cannot start: {exc}; free room on its disk")
+    except MetadataError as exc:  # not restarted by `kvstore serve` until reset: it would fail the same way
+        print(
             f"{NODE_ERROR_PREFIX}node {args.node_id}: {exc}; move its data aside and start it empty with "
-            f"`kvstore reset-node {args.config} {args.node_id}` (repair then refills it)"
+            f"`kvstore reset-node {args.config} {args.node_id}` (repair then refills it)",
+            file=sys.stderr,
         )
+        sys.exit(NEEDS_RESET_EXIT)
     except OSError as exc:  # e.g. its metrics port in use: the cause in one line, not a traceback
         sys.exit(f"{NODE_ERROR_PREFIX}node {args.node_id} cannot start: {exc}")
 

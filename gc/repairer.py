@@ -52,9 +52,10 @@ from kvtier.gc.evictor import Evictor
 from kvtier.gc.stats import GCStats
 from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.client_repair import UNKNOWN, Survey
+from kvtier.kvstore.client_core import UNKNOWN, Survey
 from kvtier.kvstore.cluster import ClusterConfig
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS
+from kvtier.kvstore.disk import NoSpace
 from kvtier.kvstore.owed import CORRUPT, ORPHAN, Owed
 from kvtier.kvstore.placement import Placement
 from kvtier.kvstore.wire import RecordState
@@ -177,6 +178,8 @@ class Repairer:
                 since = self.engine.rebuild_pending()
                 progress = self.rebuild(before=since) if since is not None else False
                 progress = self.work_off() or progress
+            except NoSpace:  # (counted, and logged once, by the engine) retried next time
+                progress = False
             except Exception:
                 log.exception("repair pass failed")
                 progress = False

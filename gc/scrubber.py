@@ -18,12 +18,13 @@ from collections.abc import Callable
 
 from kvtier.gc.repairer import Repairer
 from kvtier.gc.stats import GCStats
-from kvtier.kvstore.chunks import ChunkEngine
+from kvtier.kvstore.chunks import SCRUB_AT, ChunkEngine
 from kvtier.kvstore.cluster import ClusterConfig
+from kvtier.kvstore.disk import NoSpace
 
 log = logging.getLogger("kvtier.gc")
 
-POSITION = "scrub_at"  # setting: the place (size class, slot) the running pass has checked up to
+POSITION = SCRUB_AT  # setting: the place (size class, slot) the running pass has checked up to
 STEP_BYTES = 8 << 20  # checked per step (then the pace decides how long to wait)
 
 
@@ -57,6 +58,8 @@ class Scrubber:
             try:
                 position, _ = self._step(position, step)
                 self.engine.set_setting(POSITION, position or b"")
+            except NoSpace:  # (counted, and logged once, by the engine) where it got to is kept in memory
+                pass
             except Exception:
                 log.exception("scrub step failed")
 

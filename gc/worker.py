@@ -47,6 +47,7 @@ from kvtier.gc.scrubber import Scrubber
 from kvtier.kvstore.chunks import COMMIT, DROP, KEEP, ChunkEngine
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.cluster import ClusterConfig
+from kvtier.kvstore.disk import NoSpace
 from kvtier.kvstore.lru import BlockEntry
 from kvtier.kvstore.protocol import Status
 
@@ -109,6 +110,9 @@ class GCWorker:
                 else:
                     self.make_headroom()
                 self.stats.failing = False
+            except NoSpace as exc:  # (counted, and logged once, by the engine) retried next time
+                self.stats.failing = True
+                self.stats.last_error = f"NoSpace: {exc}"
             except Exception as exc:
                 self.stats.failing = True
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"

@@ -148,4 +148,6 @@ class BlockTable:
 def _split(value: bytes) -> tuple[bytes, bytes]:
     """A stored value as (name, packed record)."""
     n = _NAME_LEN.unpack_from(value)[0]
+    if len(value) < 2 + n:
+        raise ValueError("a block record is shorter than its name")
     return value[2 : 2 + n], value[2 + n :]

@@ -67,7 +67,9 @@ import numpy as np
 from kvtier.kvstore import _native
 from kvtier.kvstore.block_table import BlockTable
 from kvtier.kvstore.charges import Charges
+from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.dead_slots import DeadSlots
+from kvtier.kvstore.disk import DiskBudget, MetaRoom, NoSpace, Refusals
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
 from kvtier.kvstore.lru import BlockEntry, TenantLru
 from kvtier.kvstore.owed import Owed, OwedRepairs
@@ -76,14 +78,29 @@ from kvtier.kvstore.protocol import Status
 from kvtier.kvstore.quotas import TenantShares, plan_removals
 from kvtier.kvstore.removals import Removal, RemovalLog
 from kvtier.kvstore.shard_index import RECORD, ShardIndex, every_shard, name_table, table_names, tables_by_width
-from kvtier.kvstore.slabs import SIZE_CLASSES, NoSpace, SlabFiles, by_class
+from kvtier.kvstore.slabs import SIZE_CLASSES, SlabFiles, by_class
 from kvtier.kvstore.wire import RecordState
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
 SETTLED_KEPT = 256  # settled puts whose COMMIT answer is kept, for a COMMIT resent after a lost connection
 # setting: while a new (or wiped) data dir has not yet asked its peers what it should hold, when it was made
 REBUILD = "rebuild_since"
+SCRUB_AT = "scrub_at"  # setting: the place (size class, slot) the scrubber's running pass has checked up to
 _TIME = struct.Struct("<d")
+
+
+_TXN_BYTES = 256 << 10  # room in the metadata a small write transaction may need
+_OLD_TABLES = (b"shards", b"blocks", b"evicting")  # tables of an older data dir, moved (written) at open
+
+
+def _txn_bytes(rows: int) -> int:
+    """Room in the metadata a write transaction of ``rows`` records may need (pages copied and added, generously)."""
+    return _TXN_BYTES + rows * 1024
+
+
+def _disk_full(exc: lmdb.Error) -> bool:
+    """Whether LMDB failed for lack of disk (it reports the OS error in its message)."""
+    return "No space left" in str(exc) or "Disk quota" in str(exc)
 
 
 class MetadataError(Exception):
@@ -150,8 +167,11 @@ class BlockRecord(NamedTuple):
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> BlockRecord:
+        """Raises ValueError (or struct.error) for bytes that are not a block record."""
         block_len, created, last_access, header, ns, parent_len = _BLOCK.unpack_from(raw)
         rest = bytes(raw[_BLOCK.size :])
+        if len(rest) < parent_len:
+            raise ValueError("a block record is shorter than its parent key")
         return cls(block_len, created, last_access, header, ns, rest[:parent_len], rest[parent_len:].decode())
 
 
@@ -343,9 +363,13 @@ class ChunkEngine:
         primary_budget_bytes: int | None = None,
         room_wait_s: float = 2.0,
         quotas: Mapping[str, float] | None = None,
+        max_disk_fraction: float = 1.0,
     ) -> None:
         """Open (or create) the data dir. Raises ``MetadataError`` when its LMDB cannot be read (corrupt,
-        truncated, not LMDB): nothing is changed then."""
+        truncated, not LMDB): nothing is changed then; ``NoSpace`` when the disk is full and the data dir needs
+        writing to be opened (a new one, or one of an older layout). On a full disk an existing data dir opens with
+        writes refused (``kvstore.disk``), its reads served. ``max_disk_fraction``: the share of the filesystem the
+        slab files may grow into."""
         self.data_dir = Path(data_dir)
         self.capacity_bytes = capacity_bytes
         # what the blocks this node is primary for may take on every node of its group (capacity / 12)
@@ -364,11 +388,17 @@ class ChunkEngine:
         self._room = threading.Condition(self._lock)  # notified whenever used bytes may have dropped
         meta = self.data_dir / "meta"
         meta.mkdir(parents=True, exist_ok=True)
+        self.refusals = Refusals(self.data_dir)  # writes refused for lack of disk: counted, logged once
+        self.disk = DiskBudget(self.data_dir, max_disk_fraction)
         # a data dir without metadata is new (or was wiped): the blocks it should hold are rebuilt from its peers
         self.fresh = not (meta / "data.mdb").exists()
         try:
             self._open(meta)
         except lmdb.Error as exc:
+            if _disk_full(exc):
+                raise NoSpace(f"no room on the disk to open its metadata {meta / 'data.mdb'}") from None
+            raise MetadataError(meta / "data.mdb", exc) from None
+        except _DAMAGED as exc:  # a record that does not decode, or says what cannot be
             raise MetadataError(meta / "data.mdb", exc) from None
 
     def _open(self, meta: Path) -> None:
@@ -385,8 +415,9 @@ class ChunkEngine:
             writemap=True,
         )
         try:
+            self.meta_room = MetaRoom(self.env, meta / "data.mdb")
             self._load()
-        except lmdb.Error:
+        except (lmdb.Error, NoSpace, *_DAMAGED):
             self.env.close()
             raise
 
@@ -415,16 +446,29 @@ class ChunkEngine:
         # dead records (their shards were deleted; see dead_slots), and PENDING records an older node left in
         # LMDB (writes that were never committed): deleted now, so every record left is a live shard
         abandoned = []
+        # on a disk with no room for the clean-up below (nor for the writes that would fail at once anyway) the data
+        # dir opens as it is: dead and abandoned records stay until a start with room, and reads are served
+        try:
+            self.meta_room.ensure(_TXN_BYTES)
+            writable = True
+        except NoSpace as exc:
+            writable = False
+            self.refusals.refused("writes", str(exc))
         with self.env.begin(write=True) as txn:
+            if not writable and (self.fresh or any(txn.get(old) is not None for old in _OLD_TABLES)):
+                raise NoSpace(f"no room on the disk to prepare its metadata {self.data_dir / 'meta'}")
             self._move_named_records(txn)
             self.removal_log = RemovalLog(self.env, txn)  # removals whose DELETEs not every holder answered yet
             self.owed = OwedRepairs(self.env, txn)  # blocks short of shards that this node repairs
+            self.owed.check(txn)
+            _check_settings(txn, self.settings_db)
             self.block_table, held = BlockTable.open(self.env, txn)  # block records (primary, and the copies)
             self.dead_slots = DeadSlots(freed_db)
-            dead = self.dead_slots.take_all(txn)
+            dead = self.dead_slots.take_all(txn) if writable else self.dead_slots.read_all(txn)
             for where, raw in txn.cursor(db=self.slots_db):
                 name, raw_record = _unpack_slot_value(raw)
                 rec = ShardRecord.unpack(raw_record)
+                _check_shard(bytes(where), name, rec)
                 if rec.state == PENDING or (dead and (rec.size_class, rec.slot) in dead):
                     abandoned.append(bytes(where))
                     continue
@@ -432,7 +476,7 @@ class ChunkEngine:
                 packed.append(raw_record)
                 used.setdefault(rec.size_class, set()).add(rec.slot)
                 self.used_bytes += SIZE_CLASSES[rec.size_class]
-            for where in abandoned:
+            for where in abandoned if writable else ():
                 txn.delete(where, db=self.slots_db)
             if self.fresh:
                 txn.put(REBUILD.encode(), _TIME.pack(self.clock()), db=self.settings_db)  # until rebuilt
@@ -443,8 +487,15 @@ class ChunkEngine:
             for (bkey, block), primary, size in zip(blocks, own.tolist(), sizes, strict=True):
                 if primary:  # primary here (a record without shard 0 is a copy: shard 1's or 2's holder)
                     self.lru.insert(bkey, size, block.last_access, block.ttl_class, block.created)
-        self.slabs = SlabFiles(self.data_dir / "slabs")
+        self.slabs = SlabFiles(self.data_dir / "slabs", self.disk)
+        _check_slots_in_files(self.slabs.directory, used)
         self.slabs.rebuild(used)
+        self._rebuilding = self.rebuild_pending() is not None
+        if writable:  # (a start without room for the metadata said so already)
+            try:
+                self.disk.check(0)
+            except NoSpace as exc:  # said at start: new shards will be refused until there is room
+                self.refusals.refused("new shards", str(exc))
 
     def _move_named_records(self, txn: lmdb.Transaction) -> None:
         """Shard records of a data dir written before they were keyed by slot (a ``shards`` table keyed by
@@ -495,14 +546,24 @@ class ChunkEngine:
                     self._refuse(batch, i)
                 rows = rows[fits]
                 needed = int(sizes[fits].sum())
+            try:  # its COMMIT's records must fit in the metadata: refused now, before the payload, if not
+                self.meta_room.ensure(_txn_bytes(len(rows)))
+            except NoSpace as exc:
+                self.refusals.refused("writes", str(exc))
+                for i in rows.tolist():
+                    self._refuse(batch, i)
+                rows, needed = rows[:0], 0
             self.used_bytes += needed
             for size_class, mine in by_class(batch.size_class, rows):
                 try:
                     batch.slot[mine] = self.slabs.allocate(size_class, len(mine))
-                except NoSpace:  # the disk under the slabs is full
+                except NoSpace as exc:  # the disk under the slabs is full, or as full as it may be
+                    self.refusals.refused("new shards", str(exc))
                     self.used_bytes -= len(mine) * SIZE_CLASSES[size_class]
                     for i in mine.tolist():
                         self._refuse(batch, i)
+                else:
+                    self.refusals.room()
             over_high = self.used_bytes - self.freeing_bytes > self.capacity_bytes * self.high_watermark
             if over_high and self.on_high_watermark is not None:
                 self.on_high_watermark()
@@ -640,7 +701,12 @@ class ChunkEngine:
             out = np.full(batch.n, _MISSING, dtype=np.uint8)
             write = np.flatnonzero((status == _OK) & committing)
             again = np.flatnonzero((status == _EXISTS) & committing)
-            with self.env.begin(write=True) as txn:
+            try:
+                room = self._writing(_txn_bytes(batch.n))
+            except NoSpace:  # nothing of it can be recorded: every shard given back, NO_SPACE to the writer
+                self._give_back(batch, batch.rows(_OK))
+                return self._settle(tenant, put_id, np.full(batch.n, _NO_SPACE, dtype=np.uint8))
+            with room as txn:
                 if len(write):
                     self._write_shards(txn, batch, write, now)
                     out[write] = _OK
@@ -663,11 +729,27 @@ class ChunkEngine:
                 self._give_back(batch, np.flatnonzero(pending & (action == DROP)))
                 pending &= action == KEEP
             if not pending.any():
-                del self._pending[(tenant, put_id)]
-                self._settled[(tenant, put_id)] = out.tobytes()
-                while len(self._settled) > SETTLED_KEPT:
-                    self._settled.popitem(last=False)
+                return self._settle(tenant, put_id, out)
         return out.tobytes()
+
+    def _writing(self, need_bytes: int = _TXN_BYTES) -> lmdb.Transaction:
+        """With the lock held: a write transaction, once LMDB's file has room for ``need_bytes`` more of its pages
+        (``disk.MetaRoom``: LMDB stores into its mapped file, and a page the disk has no block for is a SIGBUS).
+        NoSpace, counted and logged once an episode, when it has not: nothing is written."""
+        try:
+            self.meta_room.ensure(need_bytes)
+        except NoSpace as exc:
+            self.refusals.refused("writes", str(exc))
+            raise
+        return self.env.begin(write=True)
+
+    def _settle(self, tenant: str, put_id: bytes, out: np.ndarray) -> bytes:
+        """With the lock held: the put is settled with the answers ``out`` (kept for a COMMIT resent later)."""
+        del self._pending[(tenant, put_id)]
+        self._settled[(tenant, put_id)] = answer = out.tobytes()
+        while len(self._settled) > SETTLED_KEPT:
+            self._settled.popitem(last=False)
+        return answer
 
     def _write_shards(self, txn: lmdb.Transaction, batch: WriteBatch, rows: np.ndarray, now: float) -> None:
         """Shard records of ``rows`` in one ``putmulti``, in slot order; a record another writer committed
@@ -784,8 +866,9 @@ class ChunkEngine:
         how many shards were removed. With ``before`` (an eviction's time), records and shards written later
         are left alone: a block stored again since it was evicted is not touched by the eviction's DELETE.
         ``index`` (per key, the shard this node holds by the placement) makes it one batched lookup; a key
-        whose shard is not found there is searched among all its shards here."""
-        with self._lock, self.env.begin(write=True) as txn:
+        whose shard is not found there is searched among all its shards here. NoSpace (nothing removed) when the
+        metadata has no room to record it."""
+        with self._lock, self._writing(_txn_bytes(len(keys))) as txn:
             return self._delete_locked(txn, tenant, keys, before, index)
 
     def _delete_locked(
@@ -852,8 +935,8 @@ class ChunkEngine:
         this node's shards and write the removal's intent (one record for all of ``keys``). The blocks are
         invisible from here on; the caller then has every other holder delete its shard (``before`` the
         removal's time) and clears the intent (``clear_removal``) once all of them answered. Intents left by
-        a crash are replayed (``removals``)."""
-        with self._lock, self.env.begin(write=True) as txn:
+        a crash are replayed (``removals``). NoSpace (nothing removed) when the metadata has no room for it."""
+        with self._lock, self._writing(_txn_bytes(len(keys))) as txn:
             now = self.clock()
             self._delete_locked(txn, tenant, keys, None, np.zeros(len(keys), dtype=np.int64))
             return self.removal_log.add(txn, tenant, list(keys), now)
@@ -865,7 +948,7 @@ class ChunkEngine:
 
     def clear_removal(self, removal: Removal) -> None:
         """Every holder answered ``removal``'s DELETE: forget its intent."""
-        with self._lock, self.env.begin(write=True) as txn:
+        with self._lock, self._writing() as txn:
             self.removal_log.clear(txn, removal)
 
     def eviction_candidates(
@@ -929,7 +1012,11 @@ class ChunkEngine:
             accessed, self._accessed = self._accessed, {}
             if not accessed:
                 return 0
-            with self.env.begin(write=True) as txn:
+            try:
+                room = self._writing(_txn_bytes(len(accessed)))
+            except NoSpace:  # (counted and logged) these times are lost; the LRU order in memory stays right
+                return 0
+            with room as txn:
                 self.block_table.stamp_many(txn, accessed, _LAST_ACCESS_AT)
         return len(accessed)
 
@@ -975,7 +1062,7 @@ class ChunkEngine:
     ) -> int:
         """Remove the committed shards ``items`` for which ``still(record)`` holds when looked at again under the
         lock (a shard written since the caller decided is left alone); returns how many."""
-        with self._lock, self.env.begin(write=True) as txn:
+        with self._lock, self._writing(_txn_bytes(len(items))) as txn:
             names = list(dict.fromkeys(shard_key(tenant, key, index) for key, index in items))
             present, records = self._index.lookup_names(names)
             chosen = [
@@ -997,9 +1084,18 @@ class ChunkEngine:
         byte per key, 1 or 0. Raises ValueError when ``blob`` is not a whole number of keys.
 
         Answered from the in-memory LRU index, which mirrors the primary's block records (inserted at
-        commit, removed with the record, rebuilt from LMDB at start-up): ``match`` never touches disk.
+        commit, removed with the record, rebuilt from LMDB at start-up): ``match`` never touches disk. While the
+        node is ``rebuilding`` a key it has no record of is 2 (unknown: the record may not be back yet).
         """
-        return self.lru.live_flags(tenant_prefix(tenant), blob, klen, _OldestLive(self.clock(), ttl_s))
+        prefix = tenant_prefix(tenant)
+        flags = self.lru.live_flags(prefix, blob, klen, _OldestLive(self.clock(), ttl_s))
+        if not self.rebuilding or all(flags):
+            return flags
+        unknown = bytes(
+            flag or (2 if prefix + blob[i * klen : (i + 1) * klen] not in self.lru else 0)
+            for i, flag in enumerate(flags)
+        )
+        return unknown
 
     def read(
         self,
@@ -1043,7 +1139,9 @@ class ChunkEngine:
             # asked of the primary: is the block live? (the block record's key: the shard's without its index)
             for row, bkey in zip(primary.tolist(), table_names(names[primary, :-1]), strict=True):
                 entry = self.lru.get(bkey)
-                if entry is None or entry.created < reads.cutoffs[entry.ttl_class]:
+                if entry is None and self.rebuilding:  # its record may not be back yet: an erasure, read around
+                    reads.status[row] = Status.MISSING
+                elif entry is None or entry.created < reads.cutoffs[entry.ttl_class]:
                     reads.status[row] = Status.ABSENT
                 else:
                     live.append(entry)
@@ -1100,7 +1198,7 @@ class ChunkEngine:
 
     def owe(self, items: Sequence[Owed]) -> int:
         """Take on the repair of blocks (a block owed already keeps its entry); returns how many are new."""
-        with self._lock, self.env.begin(write=True) as txn:
+        with self._lock, self._writing(_txn_bytes(len(items))) as txn:
             return self.owed.add(txn, items)
 
     def owe_short(self, tenant: str, blob: bytes, klen: int, missing: np.ndarray) -> int:
@@ -1108,7 +1206,7 @@ class ChunkEngine:
         node is the live primary of, each missing the shards ``missing`` names (a bit each; rows of 0 are skipped).
         Returns how many repairs are new."""
         prefix, now = tenant_prefix(tenant), self.clock()
-        with self._lock, self.env.begin(write=True) as txn:
+        with self._lock, self._writing(_txn_bytes(len(missing))) as txn:
             short = [
                 Owed(bkey, now, mask)
                 for i, mask in enumerate(missing.tolist())
@@ -1123,7 +1221,7 @@ class ChunkEngine:
 
     def settle_owed(self, bkeys: Sequence[bytes]) -> dict[bytes, float]:
         """The repairs of ``bkeys`` are done (or their blocks gone); returns since when each was owed."""
-        with self._lock, self.env.begin(write=True) as txn:
+        with self._lock, self._writing() as txn:
             return self.owed.settle(txn, bkeys)
 
     def owed_summary(self) -> tuple[int, float | None]:
@@ -1201,8 +1299,8 @@ class ChunkEngine:
             return txn.get(name.encode())
 
     def set_setting(self, name: str, value: bytes) -> None:
-        with self._lock, self.env.begin(db=self.settings_db, write=True) as txn:
-            txn.put(name.encode(), value)
+        with self._lock, self._writing() as txn:
+            txn.put(name.encode(), value, db=self.settings_db)
 
     def rebuild_pending(self) -> float | None:
         """When this data dir was made, while it has not yet been rebuilt from its peers (None: it has been, or
@@ -1210,9 +1308,16 @@ class ChunkEngine:
         raw = self.setting(REBUILD)
         return _TIME.unpack(raw)[0] if raw else None
 
+    @property
+    def rebuilding(self) -> bool:
+        """Whether this data dir is being rebuilt from its peers (``rebuild_pending``): reads of shard 0 it has no
+        record of are erasures (``MISSING``), not ``ABSENT``, so readers decode around it meanwhile."""
+        return self._rebuilding
+
     def rebuilt(self) -> None:
         """Every peer has told what this data dir should hold (``rebuild_pending`` is None from now on)."""
         self.set_setting(REBUILD, b"")
+        self._rebuilding = False
 
     def counts(self) -> dict[str, int]:
         return {"shards": len(self._index), "blocks": len(self.block_table)}
@@ -1256,7 +1361,44 @@ def _slot_keys(classes: np.ndarray, slots: np.ndarray) -> list[bytes]:
 
 def _unpack_slot_value(raw: bytes) -> tuple[bytes, bytes]:
     (n,) = _NAME_LEN.unpack_from(raw)
+    if len(raw) < 2 + n:
+        raise ValueError("a shard record is shorter than its name")
     return bytes(raw[2 : 2 + n]), bytes(raw[2 + n :])
+
+
+_DAMAGED = (ValueError, struct.error, IndexError, KeyError, TypeError)  # what damaged records raise as they decode
+
+
+def _check_shard(where: bytes, name: bytes, rec: ShardRecord) -> None:
+    """ValueError unless a shard record read at open says what can be: a known state, shard index and size class, a
+    length within its slot, its LMDB key its place, its name ending with its index."""
+    if rec.state not in (PENDING, COMMITTED) or rec.index >= TOTAL_SHARDS or rec.size_class >= len(SIZE_CLASSES):
+        raise ValueError(f"a shard record has state {rec.state}, index {rec.index}, size class {rec.size_class}")
+    if not 0 < rec.length <= SIZE_CLASSES[rec.size_class] or where != _SLOT_KEY.pack(rec.size_class, rec.slot):
+        raise ValueError("a shard record's length or place does not fit its slot")
+    if not name or name[-1] != rec.index or b"/" not in name:
+        raise ValueError("a shard record's name is not tenant/key/index")
+
+
+def _check_slots_in_files(directory: Path, used: dict[int, set[int]]) -> None:
+    """ValueError unless every slot a record names lies within its slab file (a damaged slot number would
+    otherwise make the free lists billions of slots long)."""
+    for size_class, slots in used.items():
+        path = directory / f"slab-{SIZE_CLASSES[size_class]}.dat"
+        size = path.stat().st_size if path.exists() else 0
+        if (max(slots) + 1) * SIZE_CLASSES[size_class] > size:
+            raise ValueError(f"a shard record names slot {max(slots)}, beyond the end of {path}")
+
+
+def _check_settings(txn: lmdb.Transaction, db: lmdb._Database) -> None:
+    """ValueError unless the node's settings are what it writes: the drain flag 0 or 1, the rebuild's time 8 bytes
+    (or none), the scrubber's place a shard record's key (or none)."""
+    lengths = {b"draining": (1,), REBUILD.encode(): (0, _TIME.size), SCRUB_AT.encode(): (0, _SLOT_KEY.size)}
+    for name, value in txn.cursor(db=db):
+        if len(value) not in lengths.get(bytes(name), (len(value),)):
+            raise ValueError(f"setting {bytes(name)!r} holds {len(value)} bytes")
+    if txn.get(b"draining", db=db) not in (None, b"0", b"1"):
+        raise ValueError("the drain flag is neither 0 nor 1")
 
 
 class ScrubStep(NamedTuple):

@@ -9,18 +9,31 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.codec import Codec, default_codec
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, Namespace, TokenInput, chain, header_digests
-from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.transport import ConnectionPool, Pending
+from kvtier.kvstore.placement import RECORD_HOLDERS, Placement
+from kvtier.kvstore.protocol import Op, Status
+from kvtier.kvstore.transport import ConnectionPool, Exchange, Pending
 from kvtier.kvstore.wire import pack_keys
 
 Buffer = bytes | bytearray | memoryview
+UNKNOWN = -1  # a record state the holder did not report: it is down, or did not answer
+
+
+class Survey(NamedTuple):
+    """What a probe found, per (block, shard): ``present`` (stored and committed), ``answered`` (its holder
+    replied at all: a shard not present where the holder answered is lost, one whose holder did not may come
+    back); and per block and holder of shard 0, 1, 2 the block record's ``wire.RecordState`` there
+    (``UNKNOWN``: no answer, or not asked)."""
+
+    present: np.ndarray
+    answered: np.ndarray
+    records: np.ndarray
 
 
 class ClientCore:
@@ -103,6 +116,34 @@ class ClientCore:
             return rows[:0]
         picked = [keys[r] for r in rows.tolist()]
         return rows[(self.previous.shard_nodes(picked) != self._placement.shard_nodes(picked)).any(axis=1)]
+
+    def _probe(self, keys: Sequence[bytes], asked: np.ndarray) -> Survey:
+        """Ask the holders of the ``asked`` (n × 12) shards of ``keys`` whether they store them and, at the holders
+        of shards 0, 1 and 2, whether they keep the block's record. Metadata only, one request per node."""
+        shard_nodes = self.placement.shard_nodes(keys)
+        present = np.zeros(shard_nodes.shape, dtype=bool)
+        answered = np.zeros(shard_nodes.shape, dtype=bool)
+        records = np.full((len(keys), RECORD_HOLDERS), UNKNOWN, dtype=np.int8)
+        exchange = Exchange(self.pool)
+        asks = []
+        key_table = key_rows(keys)  # once, not per request
+        for node_id, entries in _by_node(shard_nodes, asked):
+            meta = {**self._entry_meta(key_table, entries, None), "probe": True}
+            asks.append((entries, exchange.request(node_id, Op.GET_SHARDS, meta)))
+        exchange.run(self.config.client.op_timeout_s)
+        for entries, pending in asks:
+            statuses = self._flags(pending, "st", len(entries))
+            if statuses is None:
+                continue
+            answered[entries[:, 0], entries[:, 1]] = True
+            ok = entries[statuses == Status.OK]
+            present[ok[:, 0], ok[:, 1]] = True
+            states = self._flags(pending, "rec", len(entries))
+            if states is not None:
+                holders = entries[:, 1] < RECORD_HOLDERS
+                at = entries[holders]
+                records[at[:, 0], at[:, 1]] = states[holders]
+        return Survey(present, answered, records)
 
     @contextlib.contextmanager
     def acting_for(self, tenant: str) -> Iterator[None]:

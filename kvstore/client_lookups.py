@@ -8,10 +8,13 @@ from typing import Any
 import numpy as np
 
 from kvtier.kvstore.client_core import ClientCore
+from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.placement import RECORD_HOLDERS
 from kvtier.kvstore.protocol import Op
 from kvtier.kvstore.transport import Exchange
-from kvtier.kvstore.wire import pack_keys
+from kvtier.kvstore.wire import RecordState, pack_keys
+
+REBUILDING = 2  # a MATCH answer: the primary is rebuilding its data dir and has no record of the block yet
 
 _ANY_SHARD = 255  # a DELETE's ``idx`` for a key of which the node holds several shards: it looks among all
 
@@ -33,11 +36,20 @@ class Lookups(ClientCore):
         return self.liveness(keys) == 1
 
     def liveness(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Per key: 1 stored and live, 0 not (its primary said so), -1 unknown (primary unreachable)."""
+        """Per key: 1 stored and live, 0 not (its primary said so), -1 unknown (primary unreachable). A primary
+        rebuilding its data dir answers unknown (2) for blocks it has no record of yet: the holders of the record's
+        copies (shards 1 and 2) answer for it (live if one keeps the record and its shard)."""
         live = np.full(len(keys), -1, dtype=np.int8)
         if not keys:
             return live
         self._ask_primaries(keys, live)
+        rebuilding = np.flatnonzero(live == REBUILDING)
+        if len(rebuilding):
+            asked = np.zeros((len(rebuilding), TOTAL_SHARDS), dtype=bool)
+            asked[:, 1:RECORD_HOLDERS] = True
+            copies = self._probe([keys[b] for b in rebuilding.tolist()], asked)
+            kept = (copies.present[:, 1:RECORD_HOLDERS] & (copies.records[:, 1:] == RecordState.HELD)).any(axis=1)
+            live[rebuilding] = kept
         moved = self.moved(keys, np.flatnonzero(live == 0))  # a growth moving blocks: ask where they were before
         if len(moved) and self.previous is not None:
             with self.placed_by(self.previous):
@@ -56,12 +68,12 @@ class Lookups(ClientCore):
         exchange.run(self.config.client.op_timeout_s)
         flags = [self._answer(pending, "live", hi - lo) for (_, lo, hi), pending in zip(runs, asks, strict=True)]
         if all(f is not None for f in flags):  # (the usual case: every primary answered, in one pass)
-            live[order] = np.frombuffer(b"".join(flags), dtype=np.uint8) != 0  # type: ignore[arg-type]
+            live[order] = np.frombuffer(b"".join(flags), dtype=np.int8)  # type: ignore[arg-type]
             return
         answers = np.full(len(keys), -1, dtype=np.int8)  # in the sorted order
         for (_, lo, hi), answer in zip(runs, flags, strict=True):
             if answer is not None:
-                answers[lo:hi] = np.frombuffer(answer, dtype=np.uint8) != 0
+                answers[lo:hi] = np.frombuffer(answer, dtype=np.int8)
         live[order] = answers
 
     def delete(self, keys: Sequence[bytes], before: float | None = None, primary_done: int | None = None) -> bool:

@@ -9,25 +9,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.kvstore.client_core import _by_node, key_rows
+from kvtier.kvstore.client_core import Survey
 from kvtier.kvstore.client_reads import Reads, ReadState
+from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.held_blocks import PAGE_BLOCKS
-from kvtier.kvstore.placement import RECORD_HOLDERS
-from kvtier.kvstore.protocol import Op, Status
+from kvtier.kvstore.protocol import Op
 from kvtier.kvstore.transport import Exchange
-
-UNKNOWN = -1  # a record state the holder did not report: it is down, or did not answer
-
-
-class Survey(NamedTuple):
-    """What a probe found, per (block, shard): ``present`` (stored and committed), ``answered`` (its holder
-    replied at all: a shard not present where the holder answered is lost, one whose holder did not may come
-    back); and per block and holder of shard 0, 1, 2 the block record's ``wire.RecordState`` there
-    (``UNKNOWN``: no answer)."""
-
-    present: np.ndarray
-    answered: np.ndarray
-    records: np.ndarray
 
 
 class Decoded(NamedTuple):
@@ -44,30 +31,7 @@ class Repairs(Reads):
     def survey(self, keys: Sequence[bytes]) -> Survey:
         """Ask the 12 holders of every block which of its shards they store and, at the holders of shards 0,
         1 and 2, whether they keep its record. Metadata only, one request per node."""
-        shard_nodes = self.placement.shard_nodes(keys)
-        present = np.zeros(shard_nodes.shape, dtype=bool)
-        answered = np.zeros(shard_nodes.shape, dtype=bool)
-        records = np.full((len(keys), RECORD_HOLDERS), UNKNOWN, dtype=np.int8)
-        exchange = Exchange(self.pool)
-        asks = []
-        key_table = key_rows(keys)  # once, not per request
-        for node_id, entries in _by_node(shard_nodes, np.ones(shard_nodes.shape, dtype=bool)):
-            meta = {**self._entry_meta(key_table, entries, None), "probe": True}
-            asks.append((entries, exchange.request(node_id, Op.GET_SHARDS, meta)))
-        exchange.run(self.config.client.op_timeout_s)
-        for entries, pending in asks:
-            statuses = self._flags(pending, "st", len(entries))
-            if statuses is None:
-                continue
-            answered[entries[:, 0], entries[:, 1]] = True
-            ok = entries[statuses == Status.OK]
-            present[ok[:, 0], ok[:, 1]] = True
-            states = self._flags(pending, "rec", len(entries))
-            if states is not None:
-                holders = entries[:, 1] < RECORD_HOLDERS
-                at = entries[holders]
-                records[at[:, 0], at[:, 1]] = states[holders]
-        return Survey(present, answered, records)
+        return self._probe(keys, np.ones((len(keys), TOTAL_SHARDS), dtype=bool))
 
     def probe(self, keys: Sequence[bytes]) -> np.ndarray:
         """(n × 12) whether each shard of each block is stored, committed and (shard 0) recorded.

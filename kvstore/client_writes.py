@@ -219,9 +219,11 @@ class Writes(ClientCore):
                 committed = entries[statuses == Status.OK]
                 durable[committed[:, 0], committed[:, 1]] = True
                 vanished[entries[(statuses == Status.MISSING) & (entries[:, 1] == 0), 0]] = True
-        if not repair:
+                no_space[entries[statuses == Status.NO_SPACE, 0]] = True  # no room to record them there
+        uncommitted = write & ~durable
+        if not repair and uncommitted.any():  # (a put that committed everything costs this one test)
             named = missing if missing is not None else np.zeros(len(keys), dtype=np.uint16)
-            self._owe(key_table, shard_nodes, write & ~durable, durable[:, 0], named)
+            self._owe(key_table, shard_nodes, uncommitted, durable[:, 0], named)
         return Stored(durable, durable[:, 0], no_space, ok, vanished & committable)
 
     def _owe(

@@ -140,6 +140,9 @@ class GCConfig:
     # every committed shard's crc32c is checked once per period, reading at most this fast (the scrubber)
     scrub_period_s: float = 7 * 86400.0
     scrub_bytes_per_s: float = 32.0 * (1 << 20)
+    # a node's slab files take new room only while its filesystem stays within this share of its size: the rest is
+    # headroom for the metadata and the logs (``kvstore.disk``); beyond it a write is refused NO_SPACE
+    max_disk_fraction: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -510,6 +513,8 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
         raise ConfigError("[gc] meta_sync_s and access_flush_s must be positive")
     if not gc.scrub_period_s > 0 or not gc.scrub_bytes_per_s > 0 or not gc.repair_bytes_per_s > 0:
         raise ConfigError("[gc] scrub_period_s, scrub_bytes_per_s and repair_bytes_per_s must be positive")
+    if not 0 < gc.max_disk_fraction <= 1:
+        raise ConfigError("[gc] max_disk_fraction must be above 0 and at most 1")
     client = _settings(ClientConfig, file.client, "client")
     if not 10 <= client.read_fanout <= TOTAL_SHARDS:
         raise ConfigError(f"[client] read_fanout must be between 10 and {TOTAL_SHARDS}")

@@ -75,11 +75,20 @@ class DeadSlots:
     def take_all(self, txn: lmdb.Transaction) -> set[tuple[int, int]]:
         """Every (size class, slot) marked in LMDB, and the marks cleared: the caller (at open, before any
         ``mark``) deletes those records in ``txn``."""
-        out = set()
-        for key, raw in txn.cursor(db=self.db):
-            size_class, chunk = _KEY.unpack(key)
-            offsets = np.flatnonzero(np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=CHUNK_SLOTS))
-            out.update((size_class, chunk << _SHIFT | offset) for offset in offsets.tolist())
+        out = self.read_all(txn)
         self._bits.clear()
         txn.drop(self.db, delete=False)
+        return out
+
+    def read_all(self, txn: lmdb.Transaction) -> set[tuple[int, int]]:
+        """Every (size class, slot) marked in LMDB, the marks kept, here too (at open, on a disk with no room to
+        delete those records: later writes of a chunk then keep its old marks)."""
+        out = set()
+        for key, raw in txn.cursor(db=self.db):
+            if len(raw) != CHUNK_SLOTS // 8:
+                raise ValueError("a dead-slot bitmap is not one chunk long")
+            size_class, chunk = _KEY.unpack(key)
+            page = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=CHUNK_SLOTS).astype(bool)
+            out.update((size_class, chunk << _SHIFT | offset) for offset in np.flatnonzero(page).tolist())
+            self._grown(size_class, (chunk + 1 << _SHIFT) - 1)[chunk << _SHIFT : chunk + 1 << _SHIFT] = page
         return out

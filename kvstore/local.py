@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvtier.kvstore import cluster as cluster_mod
@@ -20,6 +20,7 @@ from kvtier.kvstore.children import Backoff, exit_reason
 from kvtier.kvstore.cluster import LOCAL_HOSTS
 
 NODE_ERROR_PREFIX = "kvstore node: "  # how a node process starts the one line it exits with (gc.nodeproc)
+NEEDS_RESET_EXIT = 3  # a node's exit status when its metadata is damaged: only `kvstore reset-node` gets it going
 
 
 class NodeStartError(RuntimeError):
@@ -66,13 +67,16 @@ class LocalCluster:
         for nid in ids:
             data_dir = self.config.nodes[nid].data_dir
             data_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.log_path(nid), "ab") as log:
+            with open(self.log_path(nid), "ab") as log, _own_stderr() as fallback:
                 override = ["--etcd", self.etcd] if self.etcd else []
+                # what the node's log (its disk full) cannot take goes to this process's stderr
+                divert = ["--fallback-log-fd", str(fallback)] if fallback is not None else []
                 self.procs[nid] = subprocess.Popen(
-                    [sys.executable, "-m", "kvtier.gc.nodeproc", str(self.config_path), str(nid), *override],
+                    [sys.executable, "-m", "kvtier.gc.nodeproc", str(self.config_path), str(nid), *override, *divert],
                     stdout=subprocess.PIPE,
                     stderr=log,
                     stdin=subprocess.DEVNULL,
+                    pass_fds=(fallback,) if fallback is not None else (),
                 )
         deadline = time.monotonic() + self.ready_timeout_s
         for nid in ids:
@@ -144,6 +148,21 @@ class LocalCluster:
         self.stop()
         if self._config.feed is not None:
             self._config.feed.close()
+
+
+@contextlib.contextmanager
+def _own_stderr() -> Iterator[int | None]:
+    """A copy of this process's stderr descriptor for a child to inherit, closed here afterwards (None: it has no
+    stderr)."""
+    try:
+        fd = os.dup(2)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def reset_node(config_path: str | Path, node_id: int) -> Path:
@@ -228,22 +247,31 @@ def _follow(cluster: LocalCluster, supervisor: Supervisor) -> None:
 
 
 class Supervisor:
-    """Restarts the nodes of a :class:`LocalCluster` that exit, with back-off (see :func:`serve`)."""
+    """Restarts the nodes of a :class:`LocalCluster` that exit, with back-off (see :func:`serve`). A node that exits
+    because its metadata is damaged (``NEEDS_RESET_EXIT``) is not restarted (it would fail the same way, again and
+    again): it is said once, and the node starts again once ``kvstore reset-node`` has given it an empty data dir."""
 
     def __init__(self, cluster: LocalCluster, clock: Callable[[], float] = time.monotonic) -> None:
         self.cluster = cluster
         self.clock = clock
         self.backoff = {nid: Backoff(clock) for nid in cluster.procs}  # node -> its restart back-off
         self.restart_at: dict[int, float] = {}  # nodes down, waiting to be restarted -> when
+        self.held: set[int] = set()  # nodes whose metadata is damaged, until they are reset
 
     def check(self) -> None:
         """Notice nodes that exited and restart those whose wait is over; never raises for a node's failure."""
         now = self.clock()
         for nid, proc in list(self.cluster.procs.items()):
-            if proc.poll() is not None and nid not in self.restart_at:
+            if proc.poll() is not None and nid not in self.restart_at and nid not in self.held:
                 self._exited(nid, proc.returncode, now)
+        for nid in list(self.held):
+            if not (self.cluster.config.nodes[nid].data_dir / "meta" / "data.mdb").exists():
+                self.held.discard(nid)
+                print(f"node {nid} has an empty data dir now (reset): starting it", flush=True)
+                self._restart(nid)
         for nid, when in list(self.restart_at.items()):
             if now >= when:
+                del self.restart_at[nid]
                 self._restart(nid)
 
     def forget(self, nid: int) -> None:
@@ -257,14 +285,21 @@ class Supervisor:
             self.backoff[nid] = Backoff(self.clock)
 
     def _exited(self, nid: int, code: int, now: float) -> None:
+        if code == NEEDS_RESET_EXIT:
+            self._hold(nid)
+            return
         wait = self.backoff.setdefault(nid, Backoff(self.clock)).exited()
         self.restart_at[nid] = now + wait
         log = self.cluster.log_path(nid)
         print(f"node {nid} exited with code {code}: {exit_reason(code)} (log: {log}); restarting it in {wait:g} s")
         sys.stdout.flush()
 
+    def _hold(self, nid: int) -> None:
+        """``nid`` exited for damaged metadata: said once, not restarted until it is reset."""
+        self.held.add(nid)
+        print(f"node {nid} is not restarted: {self.cluster._exit_reason(nid, NEEDS_RESET_EXIT)}", flush=True)
+
     def _restart(self, nid: int) -> None:
-        del self.restart_at[nid]
         exited = self.cluster.procs.pop(nid)
         exited.wait()
         if exited.stdout is not None:
@@ -273,6 +308,9 @@ class Supervisor:
         try:
             self.cluster.start([nid])
         except NodeStartError as exc:  # exited again (the next check schedules another try) or not ready yet
-            print(f"node {nid} did not restart: {exc}", flush=True)
+            if self.cluster.procs[nid].poll() == NEEDS_RESET_EXIT:
+                self._hold(nid)
+            else:
+                print(f"node {nid} did not restart: {exc}", flush=True)
             return
         print(f"node {nid} restarted (pid {self.cluster.procs[nid].pid})", flush=True)

@@ -23,6 +23,7 @@ descriptors). Connection state machine:
 | NEW           | ``hello_timeout_s`` passed   | ERROR(AUTH_REQUIRED), close                   | closed        |
 | AUTHENTICATED | a request                    | reply                                         | AUTHENTICATED |
 | AUTHENTICATED | admin op or tenant, no admin | ERROR(FORBIDDEN) (a PUT's payload dropped)    | AUTHENTICATED |
+| AUTHENTICATED | no disk to record a request  | ERROR(NO_SPACE) (nothing changed)             | AUTHENTICATED |
 | any           | malformed frame              | ERROR(BAD_FRAME/TOO_LARGE/BAD_REQUEST), close | closed        |
 
 Other connections never notice a closed one.
@@ -61,6 +62,7 @@ from kvtier.kvstore.admission import (
 )
 from kvtier.kvstore.chunks import KEEP, ChunkEngine, WriteBatch, holds_record
 from kvtier.kvstore.codec import TOTAL_SHARDS
+from kvtier.kvstore.disk import NoSpace
 from kvtier.kvstore.held_blocks import PAGE_BLOCKS, blocks_held
 from kvtier.kvstore.metrics import MetricsServer
 from kvtier.kvstore.node_metrics import NodeMetrics
@@ -192,7 +194,10 @@ class StorageNode:
         handler = self.handlers.get(frame.opcode)
         if handler is None:
             raise bad(f"unknown opcode {frame.opcode}")
-        reply = handler(session, frame)
+        try:
+            reply = handler(session, frame)
+        except NoSpace as exc:  # (counted and logged by the engine) the request changed nothing; the connection stays
+            raise ProtocolError(ErrorCode.NO_SPACE, f"node {self.node_id}: {exc}", frame.request_id) from None
         if self.config.revision:  # the map this node acts on: a client on an older one reads the map again
             reply.meta["rev"] = self.config.revision
         return reply
@@ -450,6 +455,7 @@ class StorageNode:
                 "ttl": self.ttl_classes,
                 "classes": self.engine.blocks_by_class(),
                 "draining": self.draining,
+                "rebuilding": self.engine.rebuilding,
                 "blocks_under_replicated": owed,
                 "oldest_owed_s": time.time() - since if since is not None else 0.0,
                 "gc": self.gc.stats.as_dict() if self.gc is not None else None,
@@ -612,7 +618,7 @@ class NodeServer:
             try:
                 reply = self.node.handle(session, frame)
             except ProtocolError as exc:
-                if exc.code != ErrorCode.FORBIDDEN:
+                if exc.code not in (ErrorCode.FORBIDDEN, ErrorCode.NO_SPACE):
                     raise
                 _native.send_all(conn.fileno(), timeout_ms, [encode_error(frame.request_id, exc.code, str(exc))])
                 continue
@@ -746,6 +752,7 @@ def open_node(config_path: str, node_id: int, etcd: str | None = None) -> tuple[
         ),
         room_wait_s=config.gc.room_wait_s,
         quotas=config.quotas,
+        max_disk_fraction=config.gc.max_disk_fraction,
     )
     node = StorageNode(config, node_id, engine)
     try:

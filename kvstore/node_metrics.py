@@ -4,8 +4,9 @@ The metric names are an interface (dashboards use them): ``kvtier_node_requests_
 ``kvtier_node_request_seconds{op}`` (histogram), ``kvtier_node_bytes_total{direction}``,
 ``kvtier_node_shard_lookups_total{result}``, the gauges ``kvtier_node_used_bytes``, ``kvtier_node_freeing_bytes``,
 ``kvtier_node_capacity_bytes``, ``kvtier_node_high_watermark_bytes``, ``kvtier_node_low_watermark_bytes``,
-``kvtier_node_primary_blocks``, ``kvtier_node_blocks_under_replicated`` (blocks short of their 12 shards whose
-repair this node owes), ``kvtier_node_oldest_owed_repair_seconds``, the histogram
+``kvtier_node_primary_blocks``, ``kvtier_node_no_space_total`` (writes refused for lack of disk since start),
+``kvtier_node_blocks_under_replicated`` (blocks short of their 12 shards whose repair this node owes),
+``kvtier_node_oldest_owed_repair_seconds``, the histogram
 ``kvtier_node_redundancy_restored_seconds`` (from when a repair was owed to when the block had 12 shards again),
 ``kvtier_gc_<stat>`` for each GC counter (repair and scrub included), and the connections its server admits
 (:mod:`kvtier.kvstore.admission`): ``kvtier_node_connections``, ``kvtier_node_pre_auth_connections``,
@@ -100,6 +101,9 @@ class NodeMetrics:
             gc_config.low_watermark * engine.capacity_bytes
         )
         gauge("kvtier_node_primary_blocks", "Blocks this node is primary for.").set_function(lambda: len(engine.lru))
+        gauge(
+            "kvtier_node_no_space_total", "Writes refused since start because the disk (or its budget) had no room."
+        ).set_function(lambda: engine.refusals.count)
         gauge(
             "kvtier_node_blocks_under_replicated", "Blocks below 12 shards whose repair this node owes."
         ).set_function(lambda: engine.owed_summary()[0])

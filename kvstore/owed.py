@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import lmdb
 
+from kvtier.kvstore.codec import TOTAL_SHARDS
+
 _SINCE = struct.Struct(">d")
 _VALUE = struct.Struct("<HBd")
 ORPHAN, CORRUPT = 1, 2
@@ -78,6 +80,19 @@ class OwedRepairs:
                 txn.delete(key, db=self.db)
                 since[bkey] = _SINCE.unpack_from(key)[0]
         return since
+
+    def check(self, txn: lmdb.Transaction) -> None:
+        """Decode every entry (at open: a damaged one is found then, not by the repairer later); ValueError or
+        struct.error for one that does not decode."""
+        for key, value in txn.cursor(db=self.db):
+            if len(key) <= _SINCE.size or len(value) != _VALUE.size:
+                raise ValueError("an owed repair is not (time + block key → missing, flags, created)")
+            missing, flags, _ = _VALUE.unpack(value)
+            if missing >> TOTAL_SHARDS or flags & ~(ORPHAN | CORRUPT):
+                raise ValueError(f"an owed repair names shards {missing:#x} and flags {flags:#x}")
+        for bkey, key in txn.cursor(db=self.keys_db):
+            if len(key) != _SINCE.size + len(bkey) or key[_SINCE.size :] != bkey:
+                raise ValueError("an owed repair's index entry does not name it")
 
     def count(self, txn: lmdb.Transaction) -> int:
         return int(txn.stat(self.keys_db)["entries"])

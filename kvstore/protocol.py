@@ -92,6 +92,7 @@ class ErrorCode(enum.IntEnum):
     FORBIDDEN = 6
     INTERNAL = 7
     BUSY = 8  # the node serves as many connections as it allows; try again later
+    NO_SPACE = 9  # the node's disk has no room to record the request: nothing was changed (the connection stays)
 
 
 class ProtocolError(Exception):

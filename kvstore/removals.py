@@ -61,6 +61,10 @@ class RemovalLog:
         out = []
         for rid, raw in txn.cursor(db=self.db):
             tenant, keys = msgpack.unpackb(raw, raw=False)
+            if len(rid) != _TIME.size + 8 or not isinstance(tenant, str) or not isinstance(keys, list):
+                raise ValueError("a removal intent is not (time + id → tenant, keys)")
+            if not all(isinstance(key, bytes) for key in keys):
+                raise ValueError("a removal intent names something other than keys")
             out.append(Removal(bytes(rid), tenant, _TIME.unpack_from(rid)[0], keys))
         return out
 

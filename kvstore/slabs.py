@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
 import math
 import mmap
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.kvstore import _native
+from kvtier.kvstore.disk import FULL_ERRNOS, DiskBudget, NoSpace
 
 
 def _size_classes() -> list[int]:
@@ -82,10 +82,6 @@ def by_class(classes: np.ndarray, rows: np.ndarray) -> list[tuple[int, np.ndarra
     if (mine == first).all():
         return [(first, rows)]
     return [(c, rows[mine == c]) for c in np.unique(mine).tolist()]
-
-
-class NoSpace(Exception):
-    """The disk under the slab files is full."""
 
 
 class Pins:
@@ -202,8 +198,10 @@ def _slots_of_runs(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
 class SlabFiles:
     """Slot allocation and mapped views over one node's slab files."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, budget: DiskBudget | None = None) -> None:
+        """``budget``: the share of the filesystem new slots may take (none: all of it, up to ENOSPC)."""
         self.directory = directory
+        self.budget = budget
         directory.mkdir(parents=True, exist_ok=True)
         self.fds: dict[int, int] = {}
         self.next_slot: dict[int, int] = {}  # slots of the class handed out at least once
@@ -238,7 +236,8 @@ class SlabFiles:
 
     def allocate(self, size_class: int, count: int) -> np.ndarray:
         """``count`` slots of a class, in ascending order (adjacent slots are written in one call): freed ones
-        first (in runs, :class:`FreeSlots`), then new ones reserved on disk in one call."""
+        first (in runs, :class:`FreeSlots`), then new ones reserved on disk in one call. NoSpace (nothing taken)
+        when the new ones would take the filesystem past the budget, or it has no room."""
         free = self.free[size_class]
         reused = free.take(count)
         new = count - len(reused)
@@ -250,12 +249,17 @@ class SlabFiles:
         per_extent = self.extent_slots(size_class)
         end_extent = -(-(first + new) // per_extent)
         try:
+            if self.budget is not None:
+                self.budget.check(new * size)
             if os.fstat(fd).st_size < end_extent * per_extent * size:
                 os.ftruncate(fd, end_extent * per_extent * size)
             os.posix_fallocate(fd, first * size, new * size)
+        except NoSpace:
+            free.add(reused)
+            raise
         except OSError as exc:
             free.add(reused)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno in FULL_ERRNOS:
                 raise NoSpace(f"disk full under {self.directory}") from None
             raise
         self.next_slot[size_class] = first + new

@@ -234,6 +234,20 @@ def drop_block_records(local: LocalCluster, node_id: int, keys: list[bytes]) -> 
     engine.close()
 
 
+def test_a_wiped_node_rebuilding_from_its_peers_lets_every_block_be_read_and_matched_meanwhile(own_cluster) -> None:
+    local = own_cluster(gc=FAST_GC + "repair_bytes_per_s = 20000\n")  # its rebuild takes minutes
+    with Client(local.config) as client:
+        keys, data = stored_blocks(client, 120)
+        assert (Placement(local.config.groups).primaries(keys) == 4).sum() >= 3
+        wipe(local, [4])
+        wait_reachable(client)
+        assert client.node_info([4])[4]["rebuilding"]
+        assert client.match(keys) == len(keys)  # its own blocks too: their records are kept by two other nodes
+        assert [bytes(b) if b is not None else None for b in client.get(keys)] == data  # decoded around it
+        out = [bytearray(BLOCK) for _ in keys]
+        assert client.get_into(keys, out) == [True] * len(keys) and out == data
+
+
 def test_blocks_whose_every_record_was_lost_are_rebuilt_from_their_shards(own_cluster) -> None:
     local = own_cluster(gc=FAST_GC + "write_timeout_s = 1.0\n")
     placement = Placement(local.config.groups)

@@ -403,25 +403,31 @@ def next_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return proc.stdout.readline() if select.select([proc.stdout], [], [], timeout_s)[0] else ""
 
 
-def test_kvstore_serve_restarts_a_killed_node_and_the_cluster_keeps_serving(tmp_path: Path) -> None:
-    path = cluster_mod.write_default(tmp_path, capacity_bytes=64 << 20)
+@contextlib.contextmanager
+def kvstore_serve(directory: Path) -> Iterator[tuple[subprocess.Popen[str], cluster_mod.ClusterConfig]]:
+    """``kvstore serve`` of a new 12-node cluster in ``directory``, once every node is ready: the process (its
+    stdout to read) and the cluster; stopped with SIGTERM after, saying all its nodes stopped."""
+    path = cluster_mod.write_default(directory, capacity_bytes=64 << 20)
     serve = subprocess.Popen(
         [sys.executable, "-m", "kvtier.kvstore.cli", "serve", str(path)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert "nodes ready" in next_line(serve, 60)
-        config = cluster_mod.load(path)
-        with Client(config) as client:
-            pid = client.node_info([3])[3]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            lines = [next_line(serve, 30) for _ in range(2)]
-            assert lines[0].startswith("node 3 exited with code -9"), lines
-            assert lines[1].startswith("node 3 restarted"), lines
-            wait_for(lambda: client.node_info([3])[3].get("pid") not in (None, pid), 10, "node 3 to answer again")
-            keys, blocks = [os.urandom(16) for _ in range(4)], [os.urandom(8 << 10) for _ in range(4)]
-            assert client.put(keys, blocks) == [True] * 4
-            assert client.get(keys) == blocks
+        yield serve, cluster_mod.load(path)
     finally:
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=30)
     assert "all nodes stopped" in out
+
+
+def test_kvstore_serve_restarts_a_killed_node_and_the_cluster_keeps_serving(tmp_path: Path) -> None:
+    with kvstore_serve(tmp_path) as (serve, config), Client(config) as client:
+        pid = client.node_info([3])[3]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        lines = [next_line(serve, 30) for _ in range(2)]
+        assert lines[0].startswith("node 3 exited with code -9"), lines
+        assert lines[1].startswith("node 3 restarted"), lines
+        wait_for(lambda: client.node_info([3])[3].get("pid") not in (None, pid), 10, "node 3 to answer again")
+        keys, blocks = [os.urandom(16) for _ in range(4)], [os.urandom(8 << 10) for _ in range(4)]
+        assert client.put(keys, blocks) == [True] * 4
+        assert client.get(keys) == blocks

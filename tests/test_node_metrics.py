@@ -27,6 +27,7 @@ EXPOSED = {
     "kvtier_node_high_watermark_bytes",
     "kvtier_node_low_watermark_bytes",
     "kvtier_node_primary_blocks",
+    "kvtier_node_no_space_total",
     "kvtier_gc_evictions",
     "kvtier_gc_evictions_on_demand",
     "kvtier_gc_removals_pending",

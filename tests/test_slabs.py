@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import crc32c
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier.kvstore import _native
+from kvtier.kvstore.disk import DiskBudget
 from kvtier.kvstore.slabs import EXTENT_BYTES, SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
 
 
@@ -61,6 +63,19 @@ def test_a_full_disk_is_no_space_at_allocation(small_disk: Path) -> None:
     with pytest.raises(NoSpace, match="disk full"):
         slabs.allocate(size_class_for(1 << 20), 4)
     assert bytes(slabs.view(size_class_for(1 << 20), first, 4)) == b"xxxx"  # what was stored is intact
+    slabs.close()
+
+
+def test_new_slots_stop_at_the_disks_budget_leaving_the_rest_of_it_free(small_disk: Path) -> None:
+    slabs = SlabFiles(small_disk, DiskBudget(small_disk, max_fraction=0.5))
+    size_class = size_class_for(64 << 10)
+    taken = 0
+    with pytest.raises(NoSpace, match="max_disk_fraction"):
+        while True:
+            slabs.allocate(size_class, 1)
+            taken += 1
+    stats = os.statvfs(small_disk)
+    assert taken > 0 and stats.f_bfree / stats.f_blocks >= 0.5  # the rest is the metadata's and the logs'
     slabs.close()
 
 
