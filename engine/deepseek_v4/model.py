@@ -473,8 +473,8 @@ def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     if grouped is not None and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
         try:
             return grouped(rows.to(weight.dtype), weight_t, offs=offsets)
-        except (RuntimeError, NotImplementedError):
-            pass  # this build or device has no kernel for it
+        except (RuntimeError, NotImplementedError, ValueError, TypeError):
+            pass  # this build, device or layout has no kernel for it
     out = rows.new_empty(rows.shape[0], weight.shape[1])
     start = 0
     for g, end in enumerate(offsets.tolist()):
