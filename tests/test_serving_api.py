@@ -223,30 +223,50 @@ SETTINGS = [
     {"temperature": 0.9, "top_k": 5, "min_p": 0.05, "seed": 4},
     {"temperature": 0, "presence_penalty": 2.0, "frequency_penalty": 2.0},
     {"temperature": 0, "repetition_penalty": 1.8},
-    {"temperature": 0, "min_tokens": 6, "stop_token_ids": [40]},
+    {"temperature": 0, "min_tokens": 6, "stop_token_ids": "first"},  # the first token it would have made
 ]
+SETTING_IDS = ["logit-bias", "top-k-1", "top-k-min-p", "penalties", "repetition", "min-tokens"]
 
 
-def as_sampling(settings: dict[str, Any], stop: frozenset[int] = frozenset()) -> Sampling:
+def as_sampling(settings: dict[str, Any]) -> Sampling:
     fields = {k: v for k, v in settings.items() if k not in ("logit_bias", "stop_token_ids")}
     bias = tuple((int(k), float(v)) for k, v in settings.get("logit_bias", {}).items())
-    return Sampling(**fields, logit_bias=bias, stop_token_ids=stop | frozenset(settings.get("stop_token_ids", ())))
+    return Sampling(**fields, logit_bias=bias, stop_token_ids=frozenset(settings.get("stop_token_ids", ())))
 
 
-SETTING_IDS = ["logit-bias", "top-k-1", "top-k-min-p", "penalties", "repetition", "min-tokens"]
+def engine_text(reference: tuple[Engine, TextCodec], ids: list[int], settings: dict[str, Any]) -> str:
+    """The engine's answer of 8 tokens with ``settings`` (to its first stop token), as text."""
+    engine, codec = reference
+    tokens = engine.generate([ids], 8, reuse=False, sampling=as_sampling(settings))[0].tokens
+    stop = settings.get("stop_token_ids", [])
+    return codec.decode(tokens[: next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))])
+
+
+def sampled_case(reference: tuple[Engine, TextCodec], settings: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    """A prompt on which ``settings`` change the engine's answer from what temperature and seed alone give (so a
+    server that ignored them would fail), with ``"first"`` stop ids made concrete."""
+    base = {k: v for k, v in settings.items() if k in ("temperature", "seed")}
+    for shift in range(40):
+        ids = [(i * 13 + 7 + shift * 11) % 500 + 5 for i in range(80)]
+        concrete = dict(settings)
+        if concrete.get("stop_token_ids") == "first":
+            concrete["stop_token_ids"] = [reference[0].generate([ids], 1, reuse=False)[0].tokens[0]]
+        if engine_text(reference, ids, concrete) != engine_text(reference, ids, base):
+            return ids, concrete
+    raise AssertionError(f"no prompt on which {settings} change the answer")
+
+
+def ask(client: openai.OpenAI, ids: list[int], settings: dict[str, Any]) -> str:
+    extra = {k: v for k, v in settings.items() if k not in ("temperature", "seed")}
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=settings["temperature"],
+                                    seed=settings.get("seed"), extra_body={"ignore_eos": True, **extra})  # fmt: skip
+    return out.choices[0].text
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 def test_each_sampling_setting_answers_as_the_engine_with_it(client: openai.OpenAI, reference, settings: dict) -> None:
-    ids = [(i * 13 + 7) % 500 + 5 for i in range(80)]
-    out = client.completions.create(model="tiny", prompt=ids, max_tokens=8, extra_body={"ignore_eos": True, **{
-        k: v for k, v in settings.items() if k not in ("temperature", "seed")}}, temperature=settings["temperature"],
-        seed=settings.get("seed"))  # fmt: skip
-    engine, codec = reference
-    tokens = engine.generate([ids], 8, reuse=False, sampling=as_sampling(settings))[0].tokens
-    stop = settings.get("stop_token_ids", [])
-    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
-    assert out.choices[0].text == codec.decode(tokens[:cut])
+    ids, concrete = sampled_case(reference, settings)
+    assert ask(client, ids, concrete) == engine_text(reference, ids, concrete)
 
 
 def test_logprobs_of_a_completion_come_as_vllm_gives_them(url: str, reference) -> None:

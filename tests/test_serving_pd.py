@@ -19,7 +19,7 @@ from kvtier.engine.sampling import Sampling
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.serving.text import TextCodec
 from tests.conftest import wait_for
-from tests.test_serving_api import SETTING_IDS, SETTINGS, as_sampling
+from tests.test_serving_api import SETTING_IDS, SETTINGS, ask, engine_text, sampled_case
 from tests.test_serving_door import Served
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -107,15 +107,9 @@ def _serves(d: Path, port: str) -> bool:
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 def test_pd_answers_every_sampling_setting_as_one_process(client: openai.OpenAI, checkpoint: Path, settings) -> None:
-    ids = [(i * 13 + 7) % 500 + 5 for i in range(80)]
-    out = client.completions.create(model="tiny", prompt=ids, max_tokens=8, extra_body={"ignore_eos": True, **{
-        k: v for k, v in settings.items() if k not in ("temperature", "seed")}}, temperature=settings["temperature"],
-        seed=settings.get("seed"))  # fmt: skip
-    engine = reference_engine(checkpoint)
-    tokens = engine.generate([ids], 8, reuse=False, sampling=as_sampling(settings))[0].tokens
-    stop = settings.get("stop_token_ids", [])
-    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
-    assert out.choices[0].text == TextCodec(checkpoint).decode(tokens[:cut])
+    reference = (reference_engine(checkpoint), TextCodec(checkpoint))
+    ids, concrete = sampled_case(reference, settings)
+    assert ask(client, ids, concrete) == engine_text(reference, ids, concrete)
 
 
 def test_pd_logprobs_equal_one_processes(client: openai.OpenAI, checkpoint: Path) -> None:
