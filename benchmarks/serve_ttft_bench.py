@@ -2,10 +2,10 @@
 
     python benchmarks/serve_ttft_bench.py [--checkpoint DIR | --preset tiny [--context N]] [--device cpu]
         [--dtype float32] [--prompt-tokens 32768,77824] [--hit 96] [--repeats 3] [--chunk-tokens 512]
-        [--cache-tokens N] [--node-capacity 2GiB] [--threads 1] [--settle-s 2] [--json]
+        [--cache-tokens N] [--node-capacity 2GiB] [--data-dir DIR] [--threads 1] [--settle-s 2] [--json]
 
-A temporary cluster of 12 node processes (data in a temporary folder; ``/dev/shm`` on the GPU host is what
-``dev/gpu_ttft.py`` uses), the server (embedded engine, the same device, dtype, chunk and cache sizes) and an
+A temporary cluster of 12 node processes (data in a temporary folder under ``--data-dir``; ``/dev/shm`` on the GPU
+host, as ``dev/gpu_ttft.py`` uses), the server (embedded engine, the same device, dtype, chunk and cache sizes) and an
 engine in this process on the same store. For every prompt length and repeat, each way gets a fresh random
 prompt of token ids whose first ``hit`` % (rounded down to a multiple of 128) it has just prefilled (so the store
 holds the blocks and its own StateBlock pool the state): the server through ``/v1/completions`` (the prefix with
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in args.prompt_tokens.split(",")]
     rng = np.random.default_rng(0)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kvtier-serve-ttft-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvtier-serve-ttft-", dir=args.data_dir) as tmp:
         checkpoint = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(tmp) / "ck", args.preset)
         if args.context and not args.checkpoint:
             config = json.loads((checkpoint / "config.json").read_text())
@@ -145,6 +145,7 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--cache-tokens", type=int, default=1 << 17)
     parser.add_argument("--node-capacity", default="2GiB")
+    parser.add_argument("--data-dir", help="where the cluster's data and the checkpoint go (e.g. /dev/shm)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--settle-s", type=float, default=2.0, help="pause after a prefix, for its put (default 2)")
     parser.add_argument("--json", action="store_true")
