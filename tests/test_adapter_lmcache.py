@@ -8,6 +8,7 @@ of memory objects from LMCache's real local CPU backend.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -23,10 +24,12 @@ pytest.importorskip(
 
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.event_manager import EventManager  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.connector import CreateConnector  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
+from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
 
 from kvtier.adapters.lmcache import KvtierConnector  # noqa: E402
 from kvtier.adapters.store import SettingsError  # noqa: E402
@@ -240,6 +243,31 @@ def test_layerwise_and_bad_settings_fail_at_start_with_one_line(cluster: LocalCl
         with pytest.raises(SettingsError) as err:
             KvtierConnector(loop, LocalCPUBackend(config, md), config, "kvtier")
         assert what in str(err.value) and "\n" not in str(err.value)
+
+
+def test_lmcache_starts_without_kvtier_on_a_wrong_cluster_path_saying_so_once_then_every_lookup_is_zero(
+    tmp_path: Path,
+) -> None:
+    """LMCache 0.5.6 catches every error of a remote plugin at start-up: the engine runs on without kvtier."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lmcache.v1.storage_backend.remote_backend")  # LMCache's loggers do not propagate
+    logger.addHandler(handler)
+    try:
+        manager = StorageManager(engine_config(tmp_path / "missing.toml"), metadata(), EventManager())
+    finally:
+        logger.removeHandler(handler)
+    try:
+        remote = manager.storage_backends["RemoteBackend-kvtier"]
+        assert remote.connection is None
+        refused = [line for line in lines if "kvtier LMCache connector kvtier: cluster file" in line]
+        assert len(refused) == 1 and "missing.toml does not exist" in refused[0], lines
+        key = CacheEngineKey("llama", 1, 0, 1, torch.bfloat16)
+        lookup = asyncio.run_coroutine_threadsafe(remote.batched_async_contains("lookup", [key]), manager.loop)
+        assert lookup.result(timeout=30) == 0
+    finally:
+        manager.close()
 
 
 def _recording_allocations(engine: Engine) -> list[Any]:
