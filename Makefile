@@ -33,8 +33,10 @@ $(ENGINES): $(STAMP) requirements-engines.txt requirements-adapters.txt
 	$(PY) -m pip install -q -r requirements-adapters.txt
 	touch $(ENGINES)
 
+# two workers (pytest-xdist), each test file a unit of work so that its module's clusters start once; the files in
+# tests/conftest.py's HEAVY are one unit, run one after another on one worker, never beside each other
 test: $(STAMP) $(ENGINES) system-tools
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 --durations=25
 
 # the demo needs kvtier and its `demo` extra (the engine, the server, the openai client), not the test tools
 $(DEMO_STAMP): pyproject.toml $(wildcard csrc/*.c kernels/*.c)

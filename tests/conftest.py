@@ -36,6 +36,34 @@ def _import_installed(name: str) -> None:
 _import_installed("kernels")
 
 
+# The files that load this 2-core machine most (node processes by the dozen busy for minutes, a new environment
+# installed). Under ``make test`` (pytest-xdist, two workers) they are one unit of work, run one after another on
+# one worker; every other file is a unit of its own, so its module-scoped clusters start once, on one worker.
+HEAVY = {
+    "test_demo.py",
+    "test_gc.py",
+    "test_durability.py",
+    "test_store.py",
+    "test_cluster_map.py",
+    "test_replay_live.py",
+    "test_multihost.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it (no -n) nothing calls it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's file-scoped scheduler with the heavy files as one scope (xdist's own ``xdist_group`` marks do not
+    reach pytest 9's node ids)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndHeavy(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "heavy" if Path(file).name in HEAVY else file
+
+    return FilesAndHeavy(config, log)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def no_token_from_the_shell() -> Iterator[None]:
     """Tests choose the token each client presents: a ``KVTIER_TOKEN`` (or ``KVTIER_CONFIG``) exported in the shell
