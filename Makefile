@@ -6,9 +6,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ENGINES := $(VENV)/.engines-installed
+VLLM := $(VENV)/.vllm-installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: test demo bench lint clean system-tools
+.PHONY: test test-vllm demo bench lint clean system-tools
 
 $(STAMP): pyproject.toml $(wildcard csrc/*.c kernels/*.c)  # the C extensions are built by the install
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,15 @@ $(ENGINES): $(STAMP) requirements-engines.txt requirements-adapters.txt
 # tests/conftest.py's HEAVY are one unit, run one after another on one worker, never beside each other
 test: $(STAMP) $(ENGINES) system-tools
 	$(PY) -m pytest -q -n 2 --durations=25
+
+# vLLM's tier through vLLM 0.33.0 itself (its 336 MB wheel is left out of `make test`, which then skips those tests):
+# vllm with --no-deps on the CPU and what its offloading code imports (requirements-vllm.txt)
+$(VLLM): $(STAMP) requirements-vllm.txt
+	$(PY) -m pip install -q --no-deps -r requirements-vllm.txt
+	touch $(VLLM)
+
+test-vllm: $(VLLM)
+	$(PY) -m pytest -q tests/test_adapter_vllm.py
 
 # the demo needs kvtier and its `demo` extra (the engine, the server, the openai client), not the test tools
 $(DEMO_STAMP): pyproject.toml $(wildcard csrc/*.c kernels/*.c)

@@ -354,7 +354,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc, valid-type]
         offloading_spec: Any,
         primary_kv_view: memoryview,
         tier_type: str,
-        config: str,
+        config: str | None = None,  # required: StoreSettings refuses its absence in one line, not a TypeError
         token: str | None = None,
         token_file: str | None = None,
         ttl_class: str = "chatbot",
@@ -364,14 +364,17 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc, valid-type]
         fetcher: str | None = None,
         locality: str | None = None,
         backpressure_detector: Any = None,
+        **unknown: Any,
     ) -> None:
+        where = f"secondary tier {tier_type}"
+        if unknown:  # vLLM's factory passes every key of the tier's config: a misspelt one would be a TypeError
+            raise SettingsError(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         from vllm.v1.kv_offload.base import Locality, LookupResult, RequestOffloadingContext
         from vllm.v1.kv_offload.tiering.base import JobResult
 
         self._types = (LookupResult, RequestOffloadingContext, JobResult)
         self.locality = Locality(locality) if locality is not None else None
-        where = f"secondary tier {tier_type}"
         values = {"config": config, "ttl_class": ttl_class, "timeout_s": timeout_s, "namespace": namespace}
         values.update({k: v for k, v in (("token", token), ("token_file", token_file)) if v is not None})
         settings = StoreSettings.from_mapping(values, where)

@@ -233,13 +233,13 @@ def test_the_keyspace_takes_the_deployment_from_vllms_offloading_config() -> Non
     assert Keyspace(identity(config(1), STRIDE, "")).digest == Keyspace(identity(config(1), STRIDE, "")).digest
 
 
-# --- with vLLM 0.33.0 itself (not installed by `make test`: its wheel is 336 MB) -----------------------------------
+# --- with vLLM 0.33.0 itself (`make test-vllm` installs it; `make test` does not: its wheel is 336 MB) -----------
 
 
 def vllm_tiering() -> Any:
     return pytest.importorskip(
         "vllm.v1.kv_offload.tiering.manager",
-        reason="vllm 0.33.0 is not installed (make test leaves out its 336 MB wheel)",
+        reason="vllm 0.33.0 is not installed (make test leaves out its 336 MB wheel: make test-vllm installs it)",
     )
 
 
@@ -258,9 +258,10 @@ def offloading_config(tp: int = 1) -> Any:
     )
 
 
-def real_manager(path: Path, chunks: int = 8) -> tuple[Any, Any, np.ndarray]:
+def real_manager(settings: dict[str, Any], chunks: int = 8) -> tuple[Any, Any, np.ndarray]:
     """vLLM's TieringOffloadingManager over a real CPU primary tier (a /dev/shm region), with the kvtier tier built
-    by vLLM's SecondaryTierFactory from the tier config of docs/adapters.md."""
+    by vLLM's SecondaryTierFactory from the tier config of docs/adapters.md with ``settings``. A tier the factory
+    refuses leaves no region behind."""
     import uuid
 
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -270,10 +271,14 @@ def real_manager(path: Path, chunks: int = 8) -> tuple[Any, Any, np.ndarray]:
     region = SharedOffloadRegion(uuid.uuid4().hex, chunks, None, STRIDE, STRIDE)
     primary = tiering.CPUPrimaryTierOffloadingManager(chunks, region)
     view = primary.get_kv_memoryview()
-    tier_config = {"type": "KvtierTier", "module_path": "kvtier.adapters.vllm", "config": str(path), "timeout_s": 2.0}
-    tier = SecondaryTierFactory.create_secondary_tier(
-        tier_config, view, types.SimpleNamespace(config=offloading_config())
-    )
+    tier_config = {"type": "KvtierTier", "module_path": "kvtier.adapters.vllm", **settings}
+    try:
+        tier = SecondaryTierFactory.create_secondary_tier(
+            tier_config, view, types.SimpleNamespace(config=offloading_config())
+        )
+    except BaseException:
+        primary.shutdown()  # unmaps the region and removes its /dev/shm file
+        raise
     manager = tiering.TieringOffloadingManager(primary, [tier], tier_poll_interval_s=0)
     return manager, tier, np.frombuffer(view, dtype=np.int8).reshape(chunks, STRIDE)
 
@@ -284,7 +289,7 @@ def test_vllms_tiering_manager_cascades_chunks_to_kvtier_and_promotes_them_back(
 
     from kvtier.adapters.vllm import KvtierTier
 
-    manager, tier, rows = real_manager(cluster.config_path)
+    manager, tier, rows = real_manager({"config": str(cluster.config_path), "timeout_s": 2.0})
     assert isinstance(tier, KvtierTier)
     step = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
     keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
@@ -317,9 +322,27 @@ def test_vllms_tiering_manager_cascades_chunks_to_kvtier_and_promotes_them_back(
         manager.shutdown()
 
 
-def test_vllms_factory_refuses_a_tier_config_without_a_cluster_file(tmp_path: Path) -> None:
+def shm_regions() -> set[str]:
+    return {path.name for path in Path("/dev/shm").glob("vllm_offload_*")}
+
+
+def test_vllms_factory_refuses_a_tier_config_without_a_cluster_file_and_leaves_no_region(tmp_path: Path) -> None:
     vllm_tiering()
     from kvtier.adapters.store import SettingsError
 
+    before = shm_regions()
     with pytest.raises(SettingsError, match="cluster file"):
-        real_manager(tmp_path / "missing.toml")
+        real_manager({"config": str(tmp_path / "missing.toml")})
+    assert shm_regions() == before
+
+
+def test_vllms_factory_refuses_a_tier_config_without_config_or_with_an_unknown_key_in_one_line(
+    cluster: LocalCluster,
+) -> None:
+    vllm_tiering()
+    from kvtier.adapters.store import SettingsError
+
+    for settings, what in (({}, "'config' must name"), ({"config": str(cluster.config_path), "ttl": "1d"}, "ttl")):
+        with pytest.raises(SettingsError, match=what) as err:
+            real_manager(settings)
+        assert "\n" not in str(err.value)
