@@ -1091,11 +1091,10 @@ class ChunkEngine:
         flags = self.lru.live_flags(prefix, blob, klen, _OldestLive(self.clock(), ttl_s))
         if not self.rebuilding or all(flags):
             return flags
-        unknown = bytes(
+        return bytes(
             flag or (2 if prefix + blob[i * klen : (i + 1) * klen] not in self.lru else 0)
             for i, flag in enumerate(flags)
         )
-        return unknown
 
     def read(
         self,
