@@ -6,6 +6,7 @@ in the sequence's :class:`~kvtier.engine.sliding.SlidingState` (a StateBlock's c
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from kvtier.engine.config import FAMILIES, ModelConfig
-from kvtier.engine.model import CausalLM, attention, causal_attention
+from kvtier.engine.model import CausalLM, attention, causal_attention, padded_attention
 from kvtier.engine.paged_cache import PagedKVCache, block_layout
 from kvtier.engine.sliding import SPECULATIVE_POSITIONS, SlidingState, state_block_bytes
 
@@ -48,6 +49,55 @@ class PagedContext:
             self.cache.write(layer, self.table, self.positions, k, v)
         keys, values = self.cache.read(layer, self.table, self.end)
         return causal_attention(q, keys, values)
+
+
+class BatchContext:
+    """The :class:`~kvtier.engine.model.KVContext` of several sequences' chunks in one forward (rows in the order of
+    ``parts``, each a :class:`PagedContext`). Global layers write every part's keys and values with one scatter;
+    the parts of one query (decode steps) attend together, their pages gathered into one padded batch (keys past a
+    sequence's length masked); longer chunks attend one by one. Sliding layers go part by part (each extends its
+    own window state)."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, parts: list[PagedContext]) -> None:
+        assert all(p.write_global for p in parts), "bounded replay runs alone"
+        self.windows = model.windows()
+        self.cache, self.parts = cache, parts
+        self.positions = torch.cat([p.positions for p in parts])
+        bounds = [0]
+        for p in parts:
+            bounds.append(bounds[-1] + p.positions.shape[0])
+        self.rows = list(itertools.pairwise(bounds))
+        device, block = cache.pages.device, cache.block_tokens
+        self.write_page = torch.cat([p.table[p.positions // block] for p in parts])
+        self.write_offset = self.positions % block
+        self.single = [i for i, (lo, hi) in enumerate(self.rows) if hi - lo == 1]
+        self.decode_rows = torch.tensor([self.rows[i][0] for i in self.single], dtype=torch.long, device=device)
+        if self.single:
+            ends = torch.tensor([parts[i].end for i in self.single], device=device)
+            at = torch.arange(int(max(parts[i].end for i in self.single)), device=device)[None, :]
+            tables = torch.nn.utils.rnn.pad_sequence([parts[i].table for i in self.single], batch_first=True)
+            self.gather_page = tables.gather(1, (at // block).expand(len(self.single), -1))
+            self.gather_offset = (at % block).expand(len(self.single), -1)
+            self.visible = at < ends[:, None]  # [B, S]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.windows[layer] is not None:
+            parts = zip(self.parts, self.rows, strict=True)
+            return torch.cat([p.attend(layer, q[a:b], k[a:b], v[a:b]) for p, (a, b) in parts])
+        g = self.cache.slot[layer]
+        self.cache.pages[self.write_page, g, 0, self.write_offset] = k
+        self.cache.pages[self.write_page, g, 1, self.write_offset] = v
+        out = torch.empty_like(q)
+        if self.single:
+            kv = self.cache.pages[self.gather_page, g, :, self.gather_offset]  # [B, S, 2, kvh, d]: one gather
+            keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+            out[self.decode_rows] = padded_attention(q[self.decode_rows], keys, values, self.visible)
+        singles = set(self.single)
+        for i, (p, (a, b)) in enumerate(zip(self.parts, self.rows, strict=True)):
+            if i not in singles:
+                keys, values = self.cache.read(layer, p.table, p.end)
+                out[a:b] = causal_attention(q[a:b], keys, values)
+        return out
 
 
 class DenseKV:
@@ -122,6 +172,10 @@ class DenseFamily:
     ) -> PagedContext:
         assert isinstance(model, CausalLM)
         return PagedContext(model, cache, seq.state, table, span, write)
+
+    def batch(self, model: nn.Module, cache: PagedKVCache, parts: list[Any]) -> BatchContext:
+        assert isinstance(model, CausalLM)
+        return BatchContext(model, cache, parts)
 
     def reference(self, model: nn.Module, total: int) -> Callable[[torch.Tensor], DenseKV]:
         assert isinstance(model, CausalLM)

@@ -39,7 +39,7 @@ from kvtier.engine.dense import forward_logits
 from kvtier.engine.family import FAMILIES
 from kvtier.engine.fetch import FetcherPages, PageTransfer, StorePages
 from kvtier.engine.reuse import Plan, Reuse, plan
-from kvtier.engine.runner import Runner
+from kvtier.engine.runner import Runner, Work
 from kvtier.engine.sampling import GREEDY, Sampling, sample, token_logprobs
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.sliding import STATE_INTERVAL
@@ -123,6 +123,7 @@ class Engine:
         self._state_host: StateBlockHost | None = None
         self.state_bytes = self.family.state_bytes(self.config, self.dtype)  # 0: no StateBlocks
         self._state_buf: torch.Tensor | None = None
+        self.fetched_bytes, self.fetch_s = 0, 0.0  # every reuse's lookup and fetch: the rate a refetch would get
 
     def attach_store(self, store: BlockStore, fetcher: FetchClient | None = None) -> None:
         """Reuse and keep prefix KV in ``store`` (its namespace must be this engine's); blocks move through
@@ -290,20 +291,28 @@ class Engine:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def _look_up(self, seq: Sequence, reuse: bool, resume: bool) -> Lookup:
+    def _look_up(self, seq: Sequence, reuse: bool, resume: bool, fetch: bool = True, exact: bool = False) -> Lookup:
         """The store's part of a prefill's start: the prompt's keys, ``match``, the hit rule (asking the StateBlock
-        pool), and the fetch of what it reuses into the sequence's pages.
+        pool), and the fetch of what it reuses into the sequence's pages. ``fetch`` off: reuse nothing (the keys
+        are still made, to publish with); ``exact``: reuse only what is exact (a hit without its StateBlock is not
+        replayed but recomputed: a preempted request's resume).
 
         It touches only this sequence's pages, which hold the prompt's full blocks already (:meth:`_start`
         allocates them), the store's connections and the StateBlock buffer: it may run on another thread while
         this engine steps other sequences, so long as every store call of the engine runs on that thread."""
         start = time.perf_counter()
-        keys = self.store.keys(seq.ids) if self.store is not None and reuse else []
-        matched = self.store.match(keys) if keys else 0
+        keys = self.store.keys(seq.prefill_ids()) if self.store is not None and reuse else []
+        matched = self.store.match(keys) if keys and fetch else 0
         h, state = self._reuse(seq, keys, matched, resume)
         if state is not None:
             state = state.clone()  # (the StateBlock buffer is the next lookup's)
-        return Lookup(keys, matched, h, state, self._clock() - start)
+        elif h and exact and self.state_bytes:
+            h = 0  # the hit needs a replay: recompute it (over the fetched pages) instead
+        seconds = self._clock() - start
+        if h:
+            self.fetched_bytes += h // self.block_tokens * self.cache.page_bytes
+            self.fetch_s += seconds
+        return Lookup(keys, matched, h, state, seconds)
 
     def _begin_prefill(self, seq: Sequence, found: Lookup, resume: bool) -> None:
         """The rest of a prefill's start, on the stepping thread: the sequence's state from the StateBlock ``found``,
@@ -353,7 +362,8 @@ class Engine:
         up short re-plans with the blocks that landed."""
         if not matched or self.transfer is None or self.store is None:
             return 0, None
-        state_keys = chain(self.state_namespace, seq.ids, self.store.hash_algo)
+        ids = seq.prefill_ids()
+        state_keys = chain(self.state_namespace, ids, self.store.hash_algo)
         found: dict[int, torch.Tensor | None] = {}
 
         def has_state(h: int) -> bool:
@@ -365,7 +375,7 @@ class Engine:
         block_hit = matched * self.block_tokens
         while True:
             p: Plan = plan(
-                len(seq.prompt),
+                seq.prefill,
                 block_hit,
                 self.block_tokens,
                 self.config.sliding_window if self.state_bytes else None,
@@ -377,7 +387,7 @@ class Engine:
                 return 0, None
             n = p.hit_tokens // self.block_tokens
             self.runner.ensure_pages(seq, p.hit_tokens)
-            landed = self.transfer.fetch(keys[:n], seq.pages[:n], seq.ids[: n * self.block_tokens])
+            landed = self.transfer.fetch(keys[:n], seq.pages[:n], ids[: n * self.block_tokens])
             if landed == n:
                 exact = p.reuse is Reuse.EXACT and self.state_bytes
                 return p.hit_tokens, (found[p.hit_tokens] if exact and has_state(p.hit_tokens) else None)
@@ -440,8 +450,10 @@ class Engine:
 class Generation:
     """One request in progress on an engine (made by :meth:`Engine.start`): its prompt's prefill in steps of
     whole runner chunks, then one token a step. Several may be in progress on one engine at once (their pages
-    are their own); an engine runs one step at a time. ``close`` (or the ``with`` block) releases its pages,
-    whether it finished or was abandoned half way (an abort)."""
+    are their own), advanced alone (:meth:`step`) or together, one forward for all (:meth:`work` for each, one
+    ``Runner.forward``, :meth:`take` for each: what ``engine.scheduler.Scheduler`` does). ``close`` (or the
+    ``with`` block) releases its pages, whether it finished or was abandoned half way (an abort); :meth:`preempt`
+    gives them back too, and the request goes on later as if it had never stopped."""
 
     def __init__(
         self,
@@ -455,28 +467,48 @@ class Generation:
     ) -> None:
         self.engine, self.seq, self.budget, self.sampling = engine, seq, budget, sampling
         self.reuse, self.resume, self.first_token = reuse, resume, first_token
-        self.computed: int | None = None  # prompt positions in the cache; None until the lookup ran
+        self.computed: int | None = None  # prefill positions in the cache; None until the lookup ran
         self.finish_reason: str | None = None  # "stop" (a stop token) or "length"; None while running
         self.first_logits: torch.Tensor | None = None
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per token, with ``sampling.logprobs``
         self.released = False  # its pages went back to the cache
         self.on_release: Callable[[], None] | None = None  # called then (on the stepping thread)
+        self.preemptions = 0
+        self.preempting = False  # preempted, its pages not back yet (a store call in the background uses them)
+        self.refetch = True  # a resume reuses the store's blocks of its tokens (else recomputes them)
         self._found: Lookup | None = None
+        self._stored = 0  # leading blocks of its tokens the store holds (found or published)
         self._holds = 0  # store calls in the background that use its pages
         self._states: dict[int, torch.Tensor] = {}  # StateBlocks this request computed, by position
         self._state_at: list[int] = []
         self._started = 0.0
+        self._computing = 0.0
+        self._work: Work | None = None
         self._closed = False
 
     @property
     def prompt_left(self) -> int:
-        """Prompt positions still to compute (the whole prompt before the lookup ran)."""
-        return len(self.seq.prompt) - (self.computed or 0)
+        """Prefill positions still to compute (the whole prompt before the lookup ran; after a preemption every
+        token so far)."""
+        return self.seq.prefill - (self.computed or 0)
 
     @property
     def cached(self) -> int:
         """Positions whose KV the cache holds: the reused prefix plus what was computed since."""
-        return (self.computed or 0) + max(0, len(self.seq.generated) - 1)
+        return (self.computed or 0) + max(0, len(self.seq.tokens) - self.seq.prefill - 1)
+
+    @property
+    def holding(self) -> bool:
+        """Whether store calls in the background use its pages now (they cannot go back before those end)."""
+        return self._holds > 0
+
+    @property
+    def restorable_blocks(self) -> int:
+        """Leading blocks of its tokens the store would give back to a resume after :meth:`preempt` with refetch:
+        every full block it computed when it publishes, else those its lookup found."""
+        if self.computed is None:
+            return 0
+        return self.cached // self.engine.block_tokens if self.seq.publishing else self._stored
 
     def step(self, max_prefill_tokens: int | None = None) -> int | None:
         """Advance by one step and return the token it produced, or None (a prefill step that did not reach the
@@ -487,45 +519,71 @@ class Generation:
         but at least one chunk, so equal prefixes are always computed in equal pieces; the step that completes
         the prompt publishes its blocks and yields the first token. Afterwards each step computes one token.
         Sets ``finish_reason`` on the last token."""
-        assert not self.finish_reason and not self._closed, "step() on a finished or closed request"
+        return self.take(self.engine.runner.forward([self.work(max_prefill_tokens)])[0])
+
+    def work(self, max_prefill_tokens: int | None = None) -> Work:
+        """What this request computes in its next step (:meth:`step`'s rules), for a forward with others; the
+        first call also looks the prompt up and fetches what it reuses (unless :meth:`lookup` ran). Hand the
+        logits of the forward to :meth:`take` before asking for the next."""
+        assert not self.finish_reason and not self._closed and self._work is None, "work() out of turn"
         engine, seq = self.engine, self.seq
         if self.computed is None:
-            if self._found is None:
-                self.lookup()
-            assert self._found is not None
-            engine._begin_prefill(seq, self._found, self.resume)
-            self.computed = seq.hit_tokens
-            if seq.publishing and engine.state_bytes:
-                self._state_at = engine._state_positions(seq.hit_tokens, len(seq.prompt))
-        if self.computed < len(seq.prompt):
-            return self._prefill(max_prefill_tokens)
-        pos = len(seq.tokens) - 1
-        at = [pos + 1] if (pos + 1) % STATE_INTERVAL == 0 else []
-        save = engine._saver(seq, self._states) if seq.publishing and engine.state_bytes else None
-        return self._emit(engine.runner.run(seq, pos, pos + 1, state_at=at, on_state=save))
+            self._begin()
+        assert self.computed is not None
+        if self.computed < seq.prefill:
+            start, chunk = self.computed, engine.runner.chunk_tokens
+            end = seq.prefill
+            if max_prefill_tokens is not None:
+                end = min(end, max(start // chunk + 1, (start + max_prefill_tokens) // chunk) * chunk)
+            self._computing = engine._clock()
+            self._work = Work(seq, start, end, True, self._state_at, engine._saver(seq, self._states))
+        else:
+            pos = len(seq.tokens) - 1
+            at = [pos + 1] if (pos + 1) % STATE_INTERVAL == 0 else []
+            save = engine._saver(seq, self._states) if seq.publishing and engine.state_bytes else None
+            self._work = Work(seq, pos, pos + 1, True, at, save)
+        return self._work
 
-    def _prefill(self, max_tokens: int | None) -> int | None:
-        engine, seq, start = self.engine, self.seq, self.computed
-        assert start is not None
-        length, chunk = len(seq.prompt), engine.runner.chunk_tokens
-        end = length
-        if max_tokens is not None:
-            end = min(length, max(start // chunk + 1, (start + max_tokens) // chunk) * chunk)
-        computing = engine._clock()
-        states: dict[int, torch.Tensor] = {}
-        logits = engine.runner.run(seq, start, end, state_at=self._state_at, on_state=engine._saver(seq, states))
-        self._states.update(states)
+    def take(self, logits: torch.Tensor) -> int | None:
+        """The logits [vocab] of the last position of :meth:`work`'s span: what the step produced (:meth:`step`)."""
+        work, self._work = self._work, None
+        assert work is not None, "take() without work()"
+        if work.end <= self.seq.prefill:
+            return self._prefilled(work.end, logits)
+        return self._emit(logits)
+
+    def _begin(self) -> None:
+        """The first step's start: the lookup (unless it ran), then the state from its StateBlock or replay."""
+        engine, seq = self.engine, self.seq
+        if self._found is None:
+            self.lookup()
+        assert self._found is not None
+        if not self.preemptions:
+            engine._begin_prefill(seq, self._found, self.resume)
+        else:  # a resume: what the request reports stays its first prefill's
+            reported = seq.hit_tokens, seq.replayed, seq.timings, seq.publishing
+            engine._begin_prefill(seq, self._found, self.resume)
+            seq.hit_tokens, seq.replayed, seq.timings, seq.publishing = reported
+        self.computed = self._found.hit_tokens
+        self._stored = max(self._found.matched, self.computed // engine.block_tokens)
+        if seq.publishing and engine.state_bytes:
+            self._state_at = engine._state_positions(self.computed, seq.prefill)
+
+    def _prefilled(self, end: int, logits: torch.Tensor) -> int | None:
+        engine, seq = self.engine, self.seq
         self.computed = end
         now = engine._clock()
-        seq.timings["compute_s"] = seq.timings.get("compute_s", 0.0) + now - computing
-        if end < length:
+        seq.timings["compute_s"] = seq.timings.get("compute_s", 0.0) + now - self._computing
+        if end < seq.prefill:
             return None
-        seq.ttft_s = now - self._started
         if seq.publishing:
             assert self._found is not None
-            first = max(self._found.matched, seq.hit_tokens // engine.block_tokens)
-            self._publish(seq.ids, self._found.keys, first, self._states)
+            self._publish(seq.prefill_ids(), self._found.keys, self._stored, self._states)
+            self._stored = len(self._found.keys)
         self._states = {}
+        if self.first_logits is not None:  # a resume: its last logits choose the next token, as a decode step would
+            return self._emit(logits)
+        seq.ttft_s = now - self._started
         self.first_logits = logits
         if self.budget == 0:
             self.finish_reason = "length"
@@ -555,7 +613,42 @@ class Generation:
         engine, seq = self.engine, self.seq
         if seq.publishing and len(seq.generated) > 1:
             computed = np.asarray(seq.tokens[:-1], dtype=np.uint32)  # once: the block chain and the state chain
-            self._publish(computed, None, len(seq.prompt) // engine.block_tokens, self._states)
+            self._publish(computed, None, seq.prefill // engine.block_tokens, self._states)
+
+    def stop_for_length(self) -> None:
+        """End the answer here (``"length"``): the cache cannot hold it any longer, even alone."""
+        self.finish_reason = "length"
+        self._publish_decoded()
+
+    def preempt(self, refetch: bool) -> None:
+        """Give every page back (now, or when the store calls in the background that use them end:
+        ``preempting`` until then); the next step computes every token so far again, as a prompt whose last
+        logits choose the next token, reusing what the store holds of them when ``refetch`` (what this request
+        computed is published first, when it publishes) or recomputing it all. The answer goes on as if nothing
+        had happened: a choice depends only on the logits, the settings and the tokens before it."""
+        assert self._work is None and not self.finish_reason and not self.preempting
+        seq = self.seq
+        self.refetch = refetch
+        if self.computed is not None:
+            if refetch and seq.publishing and self.cached:
+                computed = np.asarray(seq.tokens[: self.cached], dtype=np.uint32)
+                states = {m: s for m, s in self._states.items() if m <= self.cached}
+                self._publish(computed, None, self._stored, states)
+            seq.prefill = len(seq.tokens) if seq.generated else seq.prefill
+            self.preemptions += 1
+        self.preempting = True
+        if not self._holds:
+            self._drop()
+
+    def _drop(self) -> None:
+        """A preemption's end: the pages back, the state as at the sequence's start."""
+        engine, seq = self.engine, self.seq
+        engine.cache.release(seq.pages)
+        seq.pages = []
+        seq.state = engine.family.new_state(engine.config, engine.cache, seq, 0)
+        self.computed, self._found, self._states, self.preempting = None, None, {}, False
+        if self.on_release is not None:
+            self.on_release()
 
     def _publish(
         self, tokens: np.ndarray, keys: list[bytes] | None, first: int, states: dict[int, torch.Tensor]
@@ -576,9 +669,13 @@ class Generation:
 
     def lookup(self) -> None:
         """The first step's store part (:meth:`Engine._look_up`), run once: by ``step`` when it has not run, or
-        before, through :meth:`in_background`, while the engine steps other requests."""
-        self._started = time.perf_counter()
-        self._found = self.engine._look_up(self.seq, self.reuse, self.resume)
+        before, through :meth:`in_background`, while the engine steps other requests. A resume's reuses only what
+        is exact, and nothing unless ``refetch``."""
+        if not self.preemptions:
+            self._started = time.perf_counter()
+            self._found = self.engine._look_up(self.seq, self.reuse, self.resume)
+        else:
+            self._found = self.engine._look_up(self.seq, self.reuse, self.resume, self.refetch, exact=True)
 
     @property
     def looked_up(self) -> bool:
@@ -599,6 +696,8 @@ class Generation:
                 then()
             if self._closed and not self._holds:
                 self._release()
+            elif self.preempting and not self._holds:
+                self._drop()
 
         if background(job, ended):
             return True

@@ -122,6 +122,11 @@ class Family(Protocol):
         rewritten (bounded replay); ``marks``: positions in the span where a StateBlock will be asked for."""
         ...
 
+    def batch(self, model: nn.Module, cache: Pages, parts: list[Any]) -> Any:
+        """The KV context of several sequences' chunks run as one forward: ``parts`` are their :meth:`context`
+        objects, the forward's rows theirs in that order (its ``positions`` theirs, concatenated)."""
+        ...
+
     def reference(self, model: nn.Module, total: int) -> Callable[[torch.Tensor], Any]:
         """For a whole forward of ``total`` tokens without cache or store: ``positions`` → the KV context of the
         chunk at those positions (one object carrying the state from chunk to chunk)."""

@@ -53,6 +53,17 @@ def attention(
     return out[0].transpose(0, 1)
 
 
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention of one query in each of a batch of sequences, their keys padded to one length:
+    q [B, H, D]; k, v [B, KVH, S, D]; ``visible`` [B, S] (False: padding). Returns [B, H, D]."""
+    q4, mask = q[:, :, None], visible[:, None, None, :]
+    if q.is_cuda:  # as in :func:`attention`: masked GQA with the heads repeated keeps the efficient kernel
+        groups = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+        return F.scaled_dot_product_attention(q4, k, v, attn_mask=mask)[:, :, 0]
+    return F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """:func:`attention` without a window for queries that are the last ``T`` of the ``S`` keys' positions
     (``0 … S-1``): on a GPU the flash kernel with its causal mask aligned to the bottom right, no mask in

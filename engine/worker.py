@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import queue
 import select
@@ -54,6 +55,7 @@ import torch
 from kvtier.engine.checkpoint import DTYPES
 from kvtier.engine.engine import Engine, Generation, PromptError
 from kvtier.engine.sampling import Sampling
+from kvtier.engine.scheduler import Scheduler, StepCost
 from kvtier.engine.store_thread import StoreThread
 from kvtier.kvstore.children import die_with_parent
 from kvtier.kvstore.cluster import read_token_file
@@ -77,9 +79,6 @@ answering each on stdout as it finishes, naming its id:
                  [[logprob, top_logprobs], ...] in the answer (prefill: the first token's)
   an abort       {"id", "aborted": true} once its pages are released
 A request it cannot take is answered {"id", "error": "one line"} and the worker carries on; end of input ends it."""
-
-# (prompt tokens left, tokens already in the cache, seconds left in this step) -> most tokens to compute now
-ChunkPlanner = Callable[[int, int, float], int]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,13 +167,13 @@ def serve(
     args: argparse.Namespace,
     requests: TextIO = sys.stdin,
     out: TextIO = sys.stdout,
-    plan_chunk: ChunkPlanner | None = None,
+    cost: StepCost | None = None,
     step_budget_s: float = 0.0,
 ) -> None:
     """Run a worker of ``role`` on JSON lines from ``requests`` until they end (the module doc's protocol)."""
     with open_engine(role, args) as engine:
         _say(out, ready_line(engine, role))
-        loop = WorkerLoop(engine, role, lambda event: _say(out, event), plan_chunk, step_budget_s, **loop_options(args))
+        loop = WorkerLoop(engine, role, lambda event: _say(out, event), cost, step_budget_s, **loop_options(args))
         reader = threading.Thread(target=_read_lines, args=(requests, loop), daemon=True)
         reader.start()
         loop.run()
@@ -192,8 +191,9 @@ class _Waiting:
     rid: Any
     start: Callable[[bool], Generation]  # (reuse) -> the request's generation
     stream: bool
-    pages: int  # reserved for it once it runs: its prompt and every token it may generate
     reuse: bool = True  # False once a lookup of its ran past the deadline (or the store was stalled)
+    preempted: Generation | None = None  # its generation, when it ran and was preempted
+    prompt_tokens: int = 0  # tokens it needs pages for to start: its prompt (after a preemption every token)
 
 
 @dataclass
@@ -212,25 +212,22 @@ class _Running:
         return self.lookup_until is None
 
 
-def _prompt_left(r: _Running) -> int:
-    return r.generation.prompt_left
-
-
 Inbox = queue.Queue[str | dict[str, Any] | Callable[[], None] | None]
 
 
 class WorkerLoop:
-    """The scheduler of one engine: requests in (:meth:`submit`, from any thread), events out (``emit``, called
-    on the loop's thread, in the module doc's shapes).
+    """The protocol side of one engine: requests in (:meth:`submit`, from any thread), events out (``emit``, called
+    on the loop's thread, in the module doc's shapes); a :class:`~kvtier.engine.scheduler.Scheduler` steps them.
 
-    Each iteration takes what was submitted, then runs one *step*: a token for every request that is decoding,
-    then prefill chunks of waiting prompts, the least prompt left first (a short prompt never waits for a long one
-    to finish; ties in arrival order), while the step's time budget lasts. With
-    ``plan_chunk`` each chunk is the most tokens it allows for the time left of ``step_budget_s`` (the first
-    chunk of a step at least one runner chunk, so every step progresses); without it a prompt is computed whole.
-    A request waits (in order) until the cache can hold its prompt and every token it may generate on top of what
-    the running requests may need, so none runs out of pages half way, and while ``max_running`` requests run. An
-    abort takes effect between steps (or removes a waiting request).
+    Each iteration takes what was submitted, admits waiting requests (preempted ones first, then in arrival order)
+    while the pages of their prompt are free and fewer than ``max_running`` run, then runs one *step*: one forward
+    for a token of every request that is decoding and prefill chunks of the prompts being computed, the least
+    prompt left first (a short prompt never waits for a long one to finish), within the step's time budget: with
+    ``cost``, the largest chunks ``t(q, c)`` fits in what ``step_budget_s`` leaves after the decode tokens; without
+    it a prompt is computed whole. Pages are taken as tokens are computed; when they run out, the requests admitted
+    last are preempted and resumed later (the scheduler's doc), never failed. A request whose prompt alone is more
+    than the cache holds is refused; one whose answer outgrows the whole cache ends there (``"length"``). An abort
+    takes effect between steps (or removes a waiting request).
 
     With ``store_timeout_s`` (and a store) every store call runs on a :class:`StoreThread`, never in a step: a
     request's lookup (match and fetch) runs there while the others step, and its new blocks are put from there. A
@@ -248,7 +245,7 @@ class WorkerLoop:
         engine: Engine,
         role: str,
         emit: Callable[[dict[str, Any]], None],
-        plan_chunk: ChunkPlanner | None = None,
+        cost: StepCost | None = None,
         step_budget_s: float = 0.0,
         inbox: Inbox | None = None,
         store_timeout_s: float | None = None,
@@ -257,12 +254,11 @@ class WorkerLoop:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.engine, self.role, self.emit = engine, role, emit
-        self.plan_chunk, self.step_budget_s = plan_chunk, step_budget_s
+        self.scheduler = Scheduler(engine, cost, step_budget_s)
         self.inbox: Inbox = inbox if inbox is not None else queue.Queue()
         self.max_running = max_running
         self.running: dict[Any, _Running] = {}  # in arrival order
-        self.waiting: deque[_Waiting] = deque()  # for cache pages, in arrival order
-        self.reserved = 0  # pages the running requests may still need (and abandoned lookups hold), in all
+        self.waiting: deque[_Waiting] = deque()  # for cache pages: preempted ones first, then in arrival order
         self.store_timeouts = 0
         self.store_timeout_s = store_timeout_s
         self.store_thread: StoreThread | None = None
@@ -297,6 +293,9 @@ class WorkerLoop:
         finally:
             for r in list(self.running.values()):
                 self._end(r)
+            for w in self.waiting:
+                if w.preempted is not None:
+                    w.preempted.close()
             self.waiting.clear()
             if self.store_thread is not None:
                 self.engine.background = None
@@ -310,7 +309,7 @@ class WorkerLoop:
         if any(r.steppable for r in self.running.values()) or self._can_start():
             return 0.0
         deadlines = [r.lookup_until for r in self.running.values() if r.lookup_until is not None]
-        if deadlines:
+        if deadlines and min(deadlines) < math.inf:  # (a resume's lookup has none: its end wakes the loop)
             return max(0.0, min(deadlines) - time.monotonic())
         return None if self._open or self.waiting else 0.0
 
@@ -351,12 +350,10 @@ class WorkerLoop:
         except (ValueError, KeyError, TypeError, AttributeError, msgspec.DecodeError) as e:
             self.emit({"id": rid, "error": f"bad request: {e}"})
             return
-        length = min(len(prompt) + new, self.engine.config.max_position_embeddings)
-        pages = -(-length // self.engine.block_tokens)
-        total = self.engine.cache.num_pages
-        if pages > total:
-            self.emit({"id": rid, "error": f"the request needs {length} tokens of KV; this worker's cache holds "
-                                           f"{total * self.engine.block_tokens} (--cache-tokens)"})  # fmt: skip
+        held = self.engine.cache.num_pages * self.engine.block_tokens
+        if len(prompt) > held:
+            self.emit({"id": rid, "error": f"the prompt needs {len(prompt)} tokens of KV; this worker's cache holds "
+                                           f"{held} (--cache-tokens)"})  # fmt: skip
             return
         try:  # checked now (ids, converted once); the engine starts it once its pages are free
             ids = self.engine.check_prompt(prompt)
@@ -368,33 +365,44 @@ class WorkerLoop:
         def start(reuse: bool) -> Generation:
             return self.engine.start(prompt, new, sampling, reuse=reuse, resume=resume, first_token=first, ids=ids)
 
-        self.waiting.append(_Waiting(rid, start, bool(request.get("stream")) and self.role != "prefill", pages))
+        stream = bool(request.get("stream")) and self.role != "prefill"
+        self.waiting.append(_Waiting(rid, start, stream, prompt_tokens=len(prompt)))
 
     def _start_waiting(self) -> None:
-        """Start waiting requests in order while the cache can hold everything the running ones may need (a
-        request never runs out of pages half way) and fewer than ``max_running`` run."""
+        """Start waiting requests in order (preempted ones are first) while the pages of their prompt are free and
+        fewer than ``max_running`` run; a preempted one once its pages have come back."""
         while self._can_start():
             w = self.waiting.popleft()
-            if w.reuse and self.store_thread is not None and self.store_thread.stalled():
-                self._count_timeout(w, "a store call is still running past the deadline")
-            g = w.start(w.reuse)
-            self.reserved += w.pages
+            g = w.preempted
+            if g is None:
+                if w.reuse and self.store_thread is not None and self.store_thread.stalled():
+                    self._count_timeout(w, "a store call is still running past the deadline")
+                g = w.start(w.reuse)
+            self.engine.runner.ensure_pages(g.seq, g.seq.prefill)
             r = self.running[w.rid] = _Running(w, g)
             g.on_release = lambda r=r: self._released(r)
-            if w.reuse and self.store_thread is not None:
+            if g.preemptions:  # a resume: its lookup (a refetch) has no deadline, and a stalled store means recompute
+                if g.refetch and self.store_thread is not None:
+                    r.lookup_until = math.inf
+                    if not g.in_background(g.lookup, lambda r=r, g=g: self._looked_up(r, g)):
+                        r.lookup_until, g.refetch = None, False
+            elif w.reuse and self.store_thread is not None:
                 r.lookup_until = time.monotonic() + (self.store_timeout_s or 0.0)
                 if not g.in_background(g.lookup, lambda r=r, g=g: self._looked_up(r, g)):
                     self._compute_instead(r, "the store thread is stalled")
 
     def _can_start(self) -> bool:
-        if not self.waiting or self.reserved + self.waiting[0].pages > self.engine.cache.num_pages:
+        if not self.waiting or (self.max_running is not None and len(self.running) >= self.max_running):
             return False
-        return self.max_running is None or len(self.running) < self.max_running
+        w = self.waiting[0]
+        if w.preempted is not None and w.preempted.preempting:
+            return False  # its pages are not back yet
+        held = len(w.preempted.seq.pages) if w.preempted is not None else 0
+        return -(-w.prompt_tokens // self.engine.block_tokens) - held <= self.engine.cache.free_pages
 
     def _released(self, r: _Running) -> None:
-        """``r``'s pages are back: so is their reservation, and a prefill's answer goes out (its blocks and
-        handoff StateBlock are stored now, so the decode worker it names finds them)."""
-        self.reserved -= r.request.pages
+        """``r``'s pages are back: a prefill's answer goes out (its blocks and handoff StateBlock are stored now,
+        so the decode worker it names finds them)."""
         if r.answer is not None:
             self.emit(r.answer)
 
@@ -425,52 +433,43 @@ class WorkerLoop:
         waiting = next((w for w in self.waiting if w.rid == rid), None)
         if waiting is not None:
             self.waiting.remove(waiting)
+            if waiting.preempted is not None:
+                waiting.preempted.close()
             self.emit({"id": rid, "aborted": True})
         elif rid in self.running:
             self._end(self.running[rid])
             self.emit({"id": rid, "aborted": True})
 
     def _end(self, r: _Running) -> None:
-        """Take ``r`` out and close its generation: its pages (and their reservation) come back now, or when the
-        store calls that use them end."""
+        """Take ``r`` out and close its generation: its pages come back now, or when the store calls that use
+        them end."""
         del self.running[r.rid]
         r.generation.close()
 
-    def _step(self) -> None:
-        began = time.perf_counter()
-        steppable = [r for r in self.running.values() if r.steppable]
-        for r in [r for r in steppable if r.generation.computed is not None and not r.generation.prompt_left]:
-            self._advance(r, None)
-        first = True
-        for r in sorted((r for r in steppable if r.generation.prompt_left), key=_prompt_left):
-            limit = None
-            if self.plan_chunk is not None:
-                left = self.step_budget_s - (time.perf_counter() - began)
-                g = r.generation
-                limit = self.plan_chunk(g.prompt_left, g.cached, left)
-                if limit <= 0 and not first:
-                    break
-            first = False
-            self._advance(r, limit)
-
-    def _advance(self, r: _Running, limit: int | None) -> None:
+    def _preempted(self, rid: Any) -> None:
+        """The scheduler preempted ``rid``: it waits first in line, to resume where it was."""
+        r = self.running.pop(rid)
         g = r.generation
-        try:
-            token = g.step(limit)
-        except Exception as e:  # a bug or a device failure: this request fails, the worker carries on
-            self._end(r)
-            self.emit({"id": r.rid, "error": f"{type(e).__name__}: {e}"})
-            return
-        if token is not None and r.request.stream:
-            self.emit({"id": r.rid, "token": token, **_token_logprobs(g, -1)})
-        if g.finish_reason:
-            answer = self._answer(r, g)
-            if self.role == "prefill":
-                r.answer = answer
+        self.waiting.appendleft(_Waiting(rid, r.request.start, r.request.stream, r.request.reuse, g, g.seq.prefill))
+
+    def _step(self) -> None:
+        steppable = {rid: r.generation for rid, r in self.running.items() if r.steppable}
+        for a in self.scheduler.step(steppable, self._preempted):
+            r, g = self.running[a.key], a.generation
+            if a.error is not None:  # a bug or a device failure: this request fails, the worker carries on
                 self._end(r)
-            else:
-                self._end(r)
-                self.emit(answer)
+                self.emit({"id": a.key, "error": a.error})
+                continue
+            if a.token is not None and r.request.stream:
+                self.emit({"id": a.key, "token": a.token, **_token_logprobs(g, -1)})
+            if g.finish_reason:
+                answer = self._answer(r, g)
+                if self.role == "prefill":
+                    r.answer = answer
+                    self._end(r)
+                else:
+                    self._end(r)
+                    self.emit(answer)
 
     def _answer(self, r: _Running, g: Generation) -> dict[str, Any]:
         seq, rid = g.seq, r.rid

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kvtier.engine import cli as engine_cli
 from kvtier.engine import worker
-from kvtier.engine.worker import ChunkPlanner, WorkerProcess
+from kvtier.engine.worker import WorkerProcess
 from kvtier.serving.app import MAX_REQUEST_BYTES, build_app
 from kvtier.serving.cost import CostModel
 from kvtier.serving.prefill_balance import DEFAULT_EDGES
@@ -45,7 +45,8 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cost_model(args: argparse.Namespace) -> CostModel | None:
-    """``--cost-model``'s model; ValueError naming the option for a file that is missing or not one."""
+    """``--cost-model``'s model, which sizes each step's prefill chunks (None without one: prompts are computed
+    whole); ValueError naming the option for a file that is missing or not one."""
     if not args.cost_model:
         return None
     try:
@@ -56,16 +57,8 @@ def cost_model(args: argparse.Namespace) -> CostModel | None:
         raise ValueError(f"--cost-model {e}") from None
 
 
-def planner(args: argparse.Namespace, granule: int = 512) -> ChunkPlanner | None:
-    """The per-step chunk planner from ``--cost-model`` (None without one: prompts are computed whole)."""
-    cost = cost_model(args)
-    if cost is None:
-        return None
-    return lambda left, cached, time_left_s: cost.largest_chunk(left, cached, time_left_s, granule)
-
-
 def _run_worker(role: str, args: argparse.Namespace) -> None:
-    worker.serve(role, args, plan_chunk=planner(args), step_budget_s=args.step_budget_ms / 1e3)
+    worker.serve(role, args, cost=cost_model(args), step_budget_s=args.step_budget_ms / 1e3)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +154,7 @@ def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
     if not args.prefill:
         engine = ThreadWorker(
             lambda: worker.open_engine("both", args),
-            planner(args),
+            cost,
             args.step_budget_ms / 1e3,
             loop_options=worker.loop_options(args),
         )

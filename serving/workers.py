@@ -29,7 +29,8 @@ from typing import Any
 import msgspec
 
 from kvtier.engine.engine import Engine
-from kvtier.engine.worker import ChunkPlanner, WorkerLoop, remove_leftovers
+from kvtier.engine.scheduler import StepCost
+from kvtier.engine.worker import WorkerLoop, remove_leftovers
 
 log = logging.getLogger("kvtier.serving")
 FINAL = ("error", "aborted", "tokens", "first_token")  # keys of a request's last line
@@ -122,14 +123,14 @@ class ThreadWorker(Worker):
     def __init__(
         self,
         open_engine: Callable[[], Engine],
-        plan_chunk: ChunkPlanner | None = None,
+        cost: StepCost | None = None,
         step_budget_s: float = 0.0,
         name: str = "engine",
         loop_options: dict[str, Any] | None = None,
     ) -> None:
         """``loop_options``: the :class:`WorkerLoop`'s keyword arguments (``store_timeout_s``, ``max_running``)."""
         super().__init__("both", name)
-        self.open_engine, self.plan_chunk, self.step_budget_s = open_engine, plan_chunk, step_budget_s
+        self.open_engine, self.cost, self.step_budget_s = open_engine, cost, step_budget_s
         self.loop_options = loop_options or {}
         self.loop: WorkerLoop | None = None
         self._inbox: queue.Queue[str | dict[str, Any] | None] = queue.Queue()  # the loop's, made before it
@@ -147,7 +148,7 @@ class ThreadWorker(Worker):
             return
         with engine:
             self.loop = WorkerLoop(
-                engine, "both", self._deliver, self.plan_chunk, self.step_budget_s, self._inbox, **self.loop_options
+                engine, "both", self._deliver, self.cost, self.step_budget_s, self._inbox, **self.loop_options
             )
             assert self._loop is not None
             log.info("%s is ready", self.name)

@@ -1,6 +1,6 @@
 """The engine's worker loop in-process: every request it holds advances a step at a time, streamed tokens and
 answers equal ``generate``'s, chunked prefill under a step budget changes nothing, aborts release their pages,
-and a request waits for cache pages rather than failing half way."""
+and a request waits for cache pages rather than failing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import Sampling, sample, token_logprobs
 from kvtier.engine.worker import WorkerLoop
+from kvtier.serving.cost import CostModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -45,25 +46,39 @@ def test_concurrent_requests_stream_the_same_tokens_as_generate(engine: Engine) 
     assert engine.cache.free_pages == engine.cache.num_pages
 
 
+def started(engine: Engine, requests: list[dict[str, Any]], **kw: Any) -> tuple[WorkerLoop, list[dict[str, Any]]]:
+    """A worker loop that took ``requests`` and admitted them, not stepped yet; and its events."""
+    events: list[dict[str, Any]] = []
+    loop = WorkerLoop(engine, "both", events.append, **kw)
+    for r in requests:
+        loop.submit(r)
+    loop._take(0.0)
+    loop._start_waiting()
+    return loop, events
+
+
+ONE_CHUNK_A_STEP = CostModel(0.0, 1.0, 0.0)  # a second a token: in a budget of 0 s only the step's first chunk runs
+
+
 def test_chunked_prefill_under_a_step_budget_gives_the_same_answer(engine: Engine) -> None:
     p = prompt(1500, 4)
-    chunks: list[int] = []
-
-    def planner(left: int, cached: int, time_left_s: float) -> int:
-        chunks.append(left)
-        return 512
-
-    events = run(engine, [{"id": "a", "prompt": p, "max_new_tokens": 4}], plan_chunk=planner, step_budget_s=0.0)
-    assert chunks == [1500, 988, 476]  # three steps of one 512-token chunk (the last is what is left)
+    loop, events = started(engine, [{"id": "a", "prompt": p, "max_new_tokens": 4}], cost=ONE_CHUNK_A_STEP)
+    computed = []
+    while loop.running:
+        loop._step()
+        computed.append(loop.running["a"].generation.computed if loop.running else None)
+    assert computed[:3] == [512, 1024, 1500]  # three steps of one 512-token chunk (the last is what is left)
     assert events[-1]["tokens"] == engine.generate([p], 4, reuse=False)[0].tokens
 
 
 def test_a_short_prompt_is_computed_before_a_long_one_that_came_first(engine: Engine) -> None:
-    order: list[int] = []
-    run(engine, [{"id": "long", "prompt": prompt(2000, 5), "max_new_tokens": 1},
-                 {"id": "short", "prompt": prompt(100, 6), "max_new_tokens": 1}],
-        plan_chunk=lambda left, cached, t: order.append(left) or 512, step_budget_s=10.0)  # fmt: skip
-    assert order[:2] == [100, 2000]
+    requests = [{"id": "long", "prompt": prompt(2000, 5), "max_new_tokens": 1},
+                {"id": "short", "prompt": prompt(100, 6), "max_new_tokens": 1}]  # fmt: skip
+    loop, events = started(engine, requests, cost=ONE_CHUNK_A_STEP)
+    loop._step()
+    assert [e["id"] for e in events] == ["short"] and loop.running["long"].generation.computed is None
+    loop.submit(None)
+    loop.run()
 
 
 def test_an_abort_releases_a_running_request_and_answers_once(engine: Engine) -> None:
@@ -88,8 +103,16 @@ def test_a_request_waits_for_pages_instead_of_failing(checkpoint: Path) -> None:
     events = run(small, requests)
     assert sorted(e["id"] for e in events) == [0, 1, 2] and all("tokens" in e for e in events)
     assert [e["id"] for e in events][-1] == 2  # it started when one of the first two finished
-    too_big = run(small, [{"id": "big", "prompt": prompt(600, 1), "max_new_tokens": 100}])
+    too_big = run(small, [{"id": "big", "prompt": prompt(700, 1), "max_new_tokens": 100}])
     assert too_big == [{"id": "big", "error": too_big[0]["error"]}] and "cache holds 640" in too_big[0]["error"]
+
+
+def test_an_answer_that_outgrows_the_whole_cache_ends_there_with_length(checkpoint: Path) -> None:
+    small = Engine.from_pretrained(checkpoint, cache_tokens=640)
+    p = prompt(600, 1)
+    [answer] = run(small, [{"id": "big", "prompt": p, "max_new_tokens": 100}])
+    assert (len(answer["tokens"]), answer["finish_reason"]) == (41, "length")  # positions 600…639 fit, and the 41st
+    assert answer["tokens"] == small.generate([p], 41, reuse=False)[0].tokens
 
 
 def test_bad_requests_are_one_error_line_each(engine: Engine) -> None:

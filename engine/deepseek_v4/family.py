@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kvtier.engine.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
-from kvtier.engine.deepseek_v4.model import DeepseekV4
+from kvtier.engine.deepseek_v4.model import Batch, DeepseekV4
 from kvtier.engine.deepseek_v4.state import DenseEntries, Name, V4State, compressors, state_block_bytes
 from kvtier.engine.deepseek_v4.weights import checkpoint_names, load_tensors
 from kvtier.engine.paged_cache import PagePool
@@ -134,9 +134,12 @@ class DeepseekV4Family:
         state: V4State = seq.state
         assert isinstance(state.store, PagedEntries)
         state.store.table = table
-        prompt = len(seq.prompt) if span[0] < len(seq.prompt) else 0
+        prompt = seq.prefill if span[0] < seq.prefill else 0
         state.begin(span, prompt, write, marks)
         return state
+
+    def batch(self, model: nn.Module, cache: V4Pages, parts: list[Any]) -> Batch:
+        return Batch(parts)
 
     def reference(self, model: nn.Module, total: int) -> Callable[[torch.Tensor], V4State]:
         assert isinstance(model, DeepseekV4)

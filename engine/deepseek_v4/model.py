@@ -69,6 +69,19 @@ class V4KV(Protocol):
         ...
 
 
+class Batch:
+    """Several sequences' :class:`V4KV` in one forward: rows ``lo … hi-1`` of its chunk are ``parts[i]``'s
+    (``segments``), ``positions`` theirs concatenated."""
+
+    def __init__(self, parts: list[V4KV]) -> None:
+        self.positions = torch.cat([p.positions for p in parts])
+        self.segments: list[tuple[V4KV, int, int]] = []
+        row = 0
+        for p in parts:
+            self.segments.append((p, row, row + p.positions.shape[0]))
+            row += p.positions.shape[0]
+
+
 class RMSNorm(nn.Module):
     """V4's RMSNorm: the weight is applied in float32, then cast back (unlike Llama's)."""
 
@@ -127,12 +140,23 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, series * width, dtype=torch.float32))
         self.kv_norm = RMSNorm(width, config.rms_norm_eps)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows a chunk adds (of every sequence in a batch: one matmul each): ``kv`` and ``gate``."""
+        return self.kv_proj(x), self.gate_proj(x)
+
     def forward(
-        self, x: torch.Tensor, kv_state: V4KV, layer: int, name: str, rope: RopeSet, inv_freq: torch.Tensor
+        self,
+        projected: tuple[torch.Tensor, torch.Tensor],
+        kv_state: V4KV,
+        layer: int,
+        name: str,
+        rope: RopeSet,
+        inv_freq: torch.Tensor,
     ) -> torch.Tensor:
-        """Every entry of the sequence so far [N, width], after pooling what this chunk completes."""
+        """Every entry of one sequence so far [N, width], after pooling what its chunk completes (``projected``:
+        :meth:`project`'s rows of that sequence)."""
         rate, width = self.rate, self.width
-        chunk_kv, chunk_gate, first = kv_state.pool(layer, name, self.kv_proj(x), self.gate_proj(x))
+        chunk_kv, chunk_gate, first = kv_state.pool(layer, name, *projected)
         n = chunk_kv.shape[0] // rate
         if n == 0:
             return kv_state.entries(layer, name, chunk_kv.new_zeros((0, width)))
@@ -186,28 +210,35 @@ class Indexer(nn.Module):
             out[lo : lo + step] = torch.bmm(scaled[lo : lo + step], s)[:, 0]  # the heads summed as a matmul
         return out
 
+    def project(
+        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """What a chunk's rows give the indexer (of every sequence in a batch: one matmul each): its compressor's
+        ``kv`` and ``gate`` rows, the queries [T, H, D] and the head weights [T, H]."""
+        t = x.shape[0]
+        q = apply_rope(self.q_b_proj(q_residual).view(t, self.heads, self.head_dim), cos, sin)
+        weights = self.weights_proj(x).float() * self.weights_scaling
+        return *self.compressor.project(x), q, weights
+
     def forward(
         self,
-        x: torch.Tensor,
-        q_residual: torch.Tensor,
+        projected: tuple[torch.Tensor, ...],
         kv_state: V4KV,
         layer: int,
         rope: RopeSet,
         inv_freq: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
     ) -> torch.Tensor:
-        """Per query, the indices [T, k'] of its chosen entries, ``-1`` where it has fewer than k' to choose from."""
-        keys = self.compressor(x, kv_state, layer, INDEXER, rope, inv_freq)
-        t, n = x.shape[0], keys.shape[0]
-        q = apply_rope(self.q_b_proj(q_residual).view(t, self.heads, self.head_dim), cos, sin)
-        weights = self.weights_proj(x).float() * self.weights_scaling  # [T, H]
+        """Per query of one sequence, the indices [T, k'] of its chosen entries, ``-1`` where it has fewer than k'
+        to choose from (``projected``: :meth:`project`'s rows of that sequence)."""
+        kv, gate, q, weights = projected
+        keys = self.compressor((kv, gate), kv_state, layer, INDEXER, rope, inv_freq)
+        t, n = q.shape[0], keys.shape[0]
         row = max(n, kv_state.topk_row(self.rate))
-        scores = torch.full((t, row), float("-inf"), dtype=torch.float32, device=x.device)
+        scores = torch.full((t, row), float("-inf"), dtype=torch.float32, device=q.device)
         if n:
-            scores[:, :n] = self.scores(q, keys, weights, exact=x.device.type == "cpu")
+            scores[:, :n] = self.scores(q, keys, weights, exact=q.device.type == "cpu")
         threshold = (kv_state.positions + 1) // self.rate  # entries w < threshold have a complete window
-        scores.masked_fill_(torch.arange(row, device=x.device)[None, :] >= threshold[:, None], float("-inf"))
+        scores.masked_fill_(torch.arange(row, device=q.device)[None, :] >= threshold[:, None], float("-inf"))
         picked = scores.topk(min(self.topk, row), dim=-1).indices
         return torch.where(picked >= threshold[:, None], torch.full_like(picked, -1), picked)
 
@@ -238,21 +269,31 @@ class Attention(nn.Module):
         elif self.kind == HCA:
             self.compressor = Compressor(config, config.hca_rate, config.head_dim, overlapping=False)
 
-    def forward(self, x: torch.Tensor, rope: RoPEs, kv_state: V4KV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RoPEs, kv_state: V4KV | Batch) -> torch.Tensor:
+        """The attention output of a chunk's rows [T, hidden]: of one sequence, or of every sequence of a
+        :class:`Batch` (projections once over all rows; each sequence's window, compressors, indexer and scores
+        with its own state, rows and prompt as alone)."""
         t, eps = x.shape[0], self.config.rms_norm_eps
         rope_set, inv_freq, cos, sin = rope.for_layer(self.kind)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms(self.q_b_proj(q_residual).view(t, self.heads, self.head_dim), eps)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]: the one K = V head
-        keys, first = kv_state.window(self.layer, kv)
-        entries = chosen = None
-        if self.compressor is not None:
-            entries = self.compressor(x, kv_state, self.layer, COMPRESSOR, rope_set, inv_freq)
-            if self.indexer is not None:
-                chosen = self.indexer(x, q_residual, kv_state, self.layer, rope_set, inv_freq, cos, sin)
-        args = (q, keys, first, kv_state.positions, entries, chosen)
-        out = self._attend_rows(*args, kv_state.prompt_tokens) if q.device.type == "cpu" else self._attend(*args)
+        compressed = self.compressor.project(x) if self.compressor is not None else ()
+        indexed = self.indexer.project(x, q_residual, cos, sin) if self.indexer is not None else ()
+        outs = []
+        for state, lo, hi in kv_state.segments if isinstance(kv_state, Batch) else [(kv_state, 0, t)]:
+            keys, first = state.window(self.layer, kv[lo:hi])
+            entries = chosen = None
+            if self.compressor is not None:
+                part = tuple(p[lo:hi] for p in compressed)
+                entries = self.compressor(part, state, self.layer, COMPRESSOR, rope_set, inv_freq)
+                if self.indexer is not None:
+                    part = tuple(p[lo:hi] for p in indexed)
+                    chosen = self.indexer(part, state, self.layer, rope_set, inv_freq)
+            args = (q[lo:hi], keys, first, state.positions, entries, chosen)
+            outs.append(self._attend_rows(*args, state.prompt_tokens) if q.is_cpu else self._attend(*args))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = apply_rope(out, cos, -sin)  # K = V carried RoPE into the output: rotate it back (§2.3.1)
         grouped = out.reshape(t, self.config.o_groups, -1)
         w = self.o_a_proj.weight.view(self.config.o_groups, -1, grouped.shape[-1])
@@ -538,7 +579,7 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
-    def forward(self, streams: torch.Tensor, tokens: torch.Tensor, rope: RoPEs, kv_state: V4KV) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, tokens: torch.Tensor, rope: RoPEs, kv_state: V4KV | Batch) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)
         streams = _mix(post, comb, self.self_attn(self.input_layernorm(x), rope, kv_state), streams)
         post, comb, x = self.ffn_hc(streams)
@@ -578,7 +619,8 @@ class Decoder(nn.Module):
 
 
 class DeepseekV4(nn.Module):
-    """The whole model. ``forward`` runs one chunk of one sequence; ``kv_state`` holds everything before it."""
+    """The whole model. ``forward`` runs one chunk of one sequence (``kv_state`` holds everything before it), or of
+    several (a :class:`Batch`: their rows concatenated)."""
 
     def __init__(self, config: V4Config) -> None:
         super().__init__()
@@ -595,7 +637,7 @@ class DeepseekV4(nn.Module):
         self.main_inv_freq = self.config.rope_main.tensor()
         self.compress_inv_freq = self.config.rope_compress.tensor()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_state: V4KV) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_state: V4KV | Batch) -> torch.Tensor:
         """Final hidden states [T, hidden] of ``tokens`` at absolute ``positions`` (both [T])."""
         x = self.model.embed_tokens(tokens)
         rope = RoPEs(self, positions, x.dtype)

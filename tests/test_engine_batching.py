@@ -1,0 +1,186 @@
+"""Continuous batching: many sequences in one forward give each the logits it gets alone (fp32, within 1e-5),
+the same greedy and seeded tokens, the same reuse and P/D answers; pages are taken as tokens are computed, and
+when they run out requests are preempted and resumed (by refetch or recompute), never failed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.engine.checkpoint import make_checkpoint
+from kvtier.engine.engine import Engine, Generation
+from kvtier.engine.sampling import Sampling
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.stateblocks import LocalStateBlocks
+from kvtier.engine.worker import WorkerLoop
+
+BATCHED_TOLERANCE = 1e-5
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(engine: Engine, requests: list[dict[str, Any]], role: str = "both", **kw: Any) -> dict[Any, dict[str, Any]]:
+    """Every request through one worker loop at once; the answer of each, by id."""
+    events: list[dict[str, Any]] = []
+    loop = WorkerLoop(engine, role, events.append, **kw)
+    for r in requests:
+        loop.submit(r)
+    loop.submit(None)
+    loop.run()
+    return {e["id"]: e for e in events if "token" not in e}
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("v4") / "tiny", "v4-tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def cluster_file(make_cluster) -> Path:
+    return make_cluster(capacity_bytes=64 << 20).config_path
+
+
+# -- one forward for many sequences -------------------------------------------------------------------------------
+
+
+def lockstep(engine: Engine, prompts: list[list[int]], joins: dict[int, list[int]], steps: int) -> None:
+    """Run ``prompts`` batched (plus ``joins[i]`` arriving at step ``i``, prefilled beside the others' decode
+    tokens) and each of them alone on the same engine, step by step: every step's logits of a sequence in the
+    batch within 1e-5 of its own alone, and the same tokens."""
+    batched: list[Generation] = []
+    alone: list[Generation] = []
+    try:
+        for i in range(steps):
+            for p in ([*prompts] if i == 0 else []) + ([joins[i]] if i in joins else []):
+                batched.append(engine.start(p, steps))
+                alone.append(engine.start(p, steps))
+            live = [j for j, g in enumerate(batched) if not g.finish_reason]
+            works = [batched[j].work() for j in live]
+            rows = engine.runner.forward(works)
+            for j, row in zip(live, rows, strict=True):
+                expected = engine.runner.forward([alone[j].work()])[0]
+                assert (row - expected).abs().max().item() <= BATCHED_TOLERANCE, f"sequence {j}, step {i}"
+                assert batched[j].take(row) == alone[j].take(expected)
+    finally:
+        for g in batched + alone:
+            g.close()
+
+
+def test_each_dense_sequence_in_a_batched_step_gets_the_logits_it_gets_alone(checkpoint: Path) -> None:
+    """Decode tokens of sequences of different lengths (pages gathered into one padded batch), a prompt of two
+    chunks joining them (its second chunk a forward of its own), sliding and global layers."""
+    engine = Engine.from_pretrained(checkpoint, cache_tokens=16384)
+    lockstep(engine, [prompt(300, 1), prompt(700, 2), prompt(40, 3)], {3: prompt(900, 4), 5: prompt(64, 5)}, 9)
+
+
+def test_each_v4_sequence_in_a_batched_step_gets_the_logits_it_gets_alone(v4: Path) -> None:
+    """DeepSeek-V4: projections, hyper-connections and experts once over the batch; each sequence's window,
+    compressors, indexer and score rows with its own state, as alone."""
+    engine = Engine.from_pretrained(v4, cache_tokens=16384, chunk_tokens=256)
+    lockstep(engine, [prompt(300, 1), prompt(700, 2), prompt(40, 3)], {3: prompt(600, 4)}, 7)
+
+
+# -- the same answers in a worker -----------------------------------------------------------------------------------
+
+
+SEEDED = {"temperature": 0.9, "seed": 7, "top_k": 50, "repetition_penalty": 1.1}
+
+
+def test_seeded_sampling_in_a_batch_equals_each_request_alone(checkpoint: Path) -> None:
+    engine = Engine.from_pretrained(checkpoint)
+    prompts = {i: prompt(100 + 150 * i, 10 + i) for i in range(4)}
+    answers = run(engine, [{"id": i, "prompt": p, "max_new_tokens": 12, **SEEDED} for i, p in prompts.items()])
+    sampling = Sampling(temperature=0.9, seed=7, top_k=50, repetition_penalty=1.1)
+    for i, p in prompts.items():
+        assert answers[i]["tokens"] == engine.generate([p], 12, reuse=False, sampling=sampling)[0].tokens
+
+
+def test_v4_requests_batched_in_a_worker_answer_as_alone_and_as_transformers(v4: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    engine = Engine.from_pretrained(v4, chunk_tokens=256)
+    prompts = {i: prompt(n, 20 + i) for i, n in enumerate((700, 90, 400))}
+    answers = run(engine, [{"id": i, "prompt": p, "max_new_tokens": 8, "logprobs": 1} for i, p in prompts.items()])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(v4, dtype=torch.float32, attn_implementation="eager")
+    for i, p in prompts.items():
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
+        assert answers[i]["tokens"] == engine.generate([p], 8)[0].tokens
+        assert answers[i]["tokens"][: len(expected)] == expected  # (transformers stops at the checkpoint's EOS)
+
+
+# -- pages on demand, preemption ------------------------------------------------------------------------------------
+
+
+def with_context(checkpoint: Path, out: Path, context: int) -> Path:
+    """``checkpoint`` with a context of ``context`` tokens (its weights linked, not copied)."""
+    out.mkdir()
+    raw = json.loads((checkpoint / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": context}))
+    for f in checkpoint.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    return out
+
+
+def burst(engine: Engine, prompts: list[list[int]], **kw: Any) -> tuple[dict[Any, dict[str, Any]], Scheduler]:
+    """Chats without max_tokens (the server asks for the rest of the context) all at once through one worker."""
+    events: list[dict[str, Any]] = []
+    loop = WorkerLoop(engine, "both", events.append, **kw)
+    for i, p in enumerate(prompts):
+        loop.submit({"id": i, "prompt": p, "max_new_tokens": engine.config.max_position_embeddings - len(p)})
+    loop.submit(None)
+    loop.run()
+    return {e["id"]: e for e in events}, loop.scheduler
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def test_a_burst_of_chats_longer_than_the_cache_is_served_by_preempting_never_failing(
+    checkpoint: Path, tmp_path: Path, engines: list[Engine]
+) -> None:
+    """A context of 1,536 tokens and a cache of 1,024: each chat could fill the cache alone. Every one is
+    answered (none fails for lack of pages: each was refused before); requests that came later are preempted while
+    earlier ones grow and resume by recomputing (no store), their tokens those of the request alone."""
+    engines.append(Engine.from_pretrained(with_context(checkpoint, tmp_path / "ck", 1536), cache_tokens=1024))
+    prompts = [prompt(150 + 50 * i, 30 + i) for i in range(4)]
+    answers, scheduler = burst(engines[0], prompts)
+    assert all("tokens" in answers[i] for i in range(4)), answers
+    assert scheduler.preemptions > 0 and scheduler.refetches == 0
+    for i, p in enumerate(prompts):
+        tokens = answers[i]["tokens"]
+        assert len(p) + len(tokens) <= 1025 and answers[i]["finish_reason"] in ("length", "stop")
+        assert tokens == engines[0].generate([p], len(tokens), reuse=False)[0].tokens
+    assert engines[0].cache.free_pages == engines[0].cache.num_pages
+
+
+@pytest.mark.parametrize("family", ["dense", "v4"])
+def test_a_preempted_request_resumes_from_the_stores_blocks_exactly(
+    family: str, checkpoint: Path, v4: Path, cluster_file: Path, tmp_path: Path, engines: list[Engine]
+) -> None:
+    """With a store, a preempted request publishes what it computed and resumes by fetching it (no cost model:
+    always), StateBlock and all: the same tokens as alone."""
+    source, context, cache, n = (checkpoint, 1536, 1024, 3) if family == "dense" else (v4, 1024, 768, 3)
+    ck = with_context(source, tmp_path / "ck", context)
+    states = LocalStateBlocks()
+    engines.append(Engine.from_pretrained(ck, store=cluster_file, state_blocks=states, cache_tokens=cache))
+    prompts = [prompt(200 + 40 * i, 40 + i) for i in range(n)]
+    answers, scheduler = burst(engines[0], prompts)
+    assert scheduler.refetches > 0
+    alone = Engine.from_pretrained(ck, cache_tokens=context)
+    for i, p in enumerate(prompts):
+        tokens = answers[i]["tokens"]
+        assert tokens == alone.generate([p], len(tokens), reuse=False)[0].tokens
