@@ -53,10 +53,11 @@ class PagedContext:
 
 class BatchContext:
     """The :class:`~kvtier.engine.model.KVContext` of several sequences' chunks in one forward (rows in the order of
-    ``parts``, each a :class:`PagedContext`). Global layers write every part's keys and values with one scatter;
-    the parts of one query (decode steps) attend together, their pages gathered into one padded batch (keys past a
-    sequence's length masked); longer chunks attend one by one. Sliding layers go part by part (each extends its
-    own window state)."""
+    ``parts``, each a :class:`PagedContext`). The parts of one query (decode steps) attend together: a global layer
+    gathers their pages whole (one copy of each page's slice of the layer) into one padded batch, a sliding layer
+    pads their windows (each extended in its own state) into one; keys past a sequence's length, or outside its
+    window, are masked. Longer chunks attend one by one. Every part's new keys and values go to the pages with one
+    scatter."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, parts: list[PagedContext]) -> None:
         assert all(p.write_global for p in parts), "bounded replay runs alone"
@@ -71,33 +72,49 @@ class BatchContext:
         self.write_page = torch.cat([p.table[p.positions // block] for p in parts])
         self.write_offset = self.positions % block
         self.single = [i for i, (lo, hi) in enumerate(self.rows) if hi - lo == 1]
+        self.rest = [i for i, (lo, hi) in enumerate(self.rows) if hi - lo > 1]
         self.decode_rows = torch.tensor([self.rows[i][0] for i in self.single], dtype=torch.long, device=device)
         if self.single:
+            tables = [parts[i].table[: -(-parts[i].end // block)] for i in self.single]
+            self.gather_pages = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # [B, P] (0: padding)
             ends = torch.tensor([parts[i].end for i in self.single], device=device)
-            at = torch.arange(int(max(parts[i].end for i in self.single)), device=device)[None, :]
-            tables = torch.nn.utils.rnn.pad_sequence([parts[i].table for i in self.single], batch_first=True)
-            self.gather_page = tables.gather(1, (at // block).expand(len(self.single), -1))
-            self.gather_offset = (at % block).expand(len(self.single), -1)
-            self.visible = at < ends[:, None]  # [B, S]
+            self.visible = torch.arange(self.gather_pages.shape[1] * block, device=device)[None, :] < ends[:, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.windows[layer] is not None:
-            parts = zip(self.parts, self.rows, strict=True)
-            return torch.cat([p.attend(layer, q[a:b], k[a:b], v[a:b]) for p, (a, b) in parts])
+        out = torch.empty_like(q)
+        window = self.windows[layer]
+        if window is not None:
+            if self.single:
+                out[self.decode_rows] = self._windows(layer, q, k, v, window)
+            for i in self.rest:
+                a, b = self.rows[i]
+                out[a:b] = self.parts[i].attend(layer, q[a:b], k[a:b], v[a:b])
+            return out
         g = self.cache.slot[layer]
         self.cache.pages[self.write_page, g, 0, self.write_offset] = k
         self.cache.pages[self.write_page, g, 1, self.write_offset] = v
-        out = torch.empty_like(q)
         if self.single:
-            kv = self.cache.pages[self.gather_page, g, :, self.gather_offset]  # [B, S, 2, kvh, d]: one gather
-            keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+            b, p = self.gather_pages.shape
+            kv = self.cache.pages[self.gather_pages.view(-1), g].view(b, p, *self.cache.pages.shape[2:])
+            keys, values = (kv[:, :, i].flatten(1, 2).transpose(1, 2) for i in (0, 1))  # [B, kvh, P·T, d]
             out[self.decode_rows] = padded_attention(q[self.decode_rows], keys, values, self.visible)
-        singles = set(self.single)
-        for i, (p, (a, b)) in enumerate(zip(self.parts, self.rows, strict=True)):
-            if i not in singles:
-                keys, values = self.cache.read(layer, p.table, p.end)
-                out[a:b] = causal_attention(q[a:b], keys, values)
+        for i in self.rest:
+            a, b = self.rows[i]
+            keys, values = self.cache.read(layer, self.parts[i].table, self.parts[i].end)
+            out[a:b] = causal_attention(q[a:b], keys, values)
         return out
+
+    def _windows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+        """The decode parts' attention in sliding ``layer``: each window extended in its own state, then padded
+        into one batch."""
+        held = [self.parts[i].state.extend(layer, k[a:b], v[a:b]) for i in self.single for a, b in [self.rows[i]]]
+        pad = torch.nn.utils.rnn.pad_sequence
+        keys = pad([h[0] for h in held], batch_first=True).transpose(1, 2)
+        values = pad([h[1] for h in held], batch_first=True).transpose(1, 2)
+        k_pos = pad([h[2] for h in held], batch_first=True, padding_value=-(1 << 62))
+        q_pos = self.positions[self.decode_rows][:, None]
+        visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        return padded_attention(q[self.decode_rows], keys, values, visible)
 
 
 class DenseKV:

@@ -152,35 +152,43 @@ def engines() -> Iterator[list[Engine]]:
 def test_a_burst_of_chats_longer_than_the_cache_is_served_by_preempting_never_failing(
     checkpoint: Path, tmp_path: Path, engines: list[Engine]
 ) -> None:
-    """A context of 1,536 tokens and a cache of 1,024: each chat could fill the cache alone. Every one is
-    answered (none fails for lack of pages: each was refused before); requests that came later are preempted while
-    earlier ones grow and resume by recomputing (no store), their tokens those of the request alone."""
-    engines.append(Engine.from_pretrained(with_context(checkpoint, tmp_path / "ck", 1536), cache_tokens=1024))
-    prompts = [prompt(150 + 50 * i, 30 + i) for i in range(4)]
+    """A context of 768 tokens and a cache of 512: each chat could fill the cache alone. Every one is answered
+    (none fails for lack of pages: each was refused before); requests admitted later are preempted while earlier
+    ones grow and resume by recomputing (no store), their tokens those of the request alone."""
+    engines.append(Engine.from_pretrained(with_context(checkpoint, tmp_path / "ck", 768), cache_tokens=512))
+    prompts = [prompt(100 + 50 * i, 30 + i) for i in range(4)]
     answers, scheduler = burst(engines[0], prompts)
     assert all("tokens" in answers[i] for i in range(4)), answers
     assert scheduler.preemptions > 0 and scheduler.refetches == 0
     for i, p in enumerate(prompts):
         tokens = answers[i]["tokens"]
-        assert len(p) + len(tokens) <= 1025 and answers[i]["finish_reason"] in ("length", "stop")
+        assert len(p) + len(tokens) <= 513 and answers[i]["finish_reason"] in ("length", "stop")
         assert tokens == engines[0].generate([p], len(tokens), reuse=False)[0].tokens
     assert engines[0].cache.free_pages == engines[0].cache.num_pages
 
 
-@pytest.mark.parametrize("family", ["dense", "v4"])
+@pytest.mark.parametrize(("family", "store_thread"), [("dense", False), ("dense", True), ("v4", False)])
 def test_a_preempted_request_resumes_from_the_stores_blocks_exactly(
-    family: str, checkpoint: Path, v4: Path, cluster_file: Path, tmp_path: Path, engines: list[Engine]
+    family: str,
+    store_thread: bool,
+    checkpoint: Path,
+    v4: Path,
+    cluster_file: Path,
+    tmp_path: Path,
+    engines: list[Engine],
 ) -> None:
     """With a store, a preempted request publishes what it computed and resumes by fetching it (no cost model:
-    always), StateBlock and all: the same tokens as alone."""
-    source, context, cache, n = (checkpoint, 1536, 1024, 3) if family == "dense" else (v4, 1024, 768, 3)
+    always), StateBlock and all: the same tokens as alone; with the store's calls on their thread too (the
+    publish and the resume's fetch run there, the pages come back when the publish has read them)."""
+    source, context, n = (checkpoint, 768, 3) if family == "dense" else (v4, 640, 2)
     ck = with_context(source, tmp_path / "ck", context)
     states = LocalStateBlocks()
-    engines.append(Engine.from_pretrained(ck, store=cluster_file, state_blocks=states, cache_tokens=cache))
-    prompts = [prompt(200 + 40 * i, 40 + i) for i in range(n)]
-    answers, scheduler = burst(engines[0], prompts)
+    engines.append(Engine.from_pretrained(ck, store=cluster_file, state_blocks=states, cache_tokens=512))
+    prompts = [prompt(150 + 40 * i, 40 + i + 10 * store_thread) for i in range(n)]
+    answers, scheduler = burst(engines[0], prompts, store_timeout_s=30.0 if store_thread else None)
     assert scheduler.refetches > 0
     alone = Engine.from_pretrained(ck, cache_tokens=context)
     for i, p in enumerate(prompts):
         tokens = answers[i]["tokens"]
         assert tokens == alone.generate([p], len(tokens), reuse=False)[0].tokens
+    assert engines[0].cache.free_pages == engines[0].cache.num_pages

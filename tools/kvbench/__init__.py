@@ -9,6 +9,7 @@ same bytes measured in the same run; and ``replay`` of request traces.
     kvbench adapter [--engines sglang,vllm,lmcache]  (pages through each engine adapter vs the raw client)
     kvbench route TRACE --prefill N --decode M     (routing over prefill/decode pools, simulated)
     kvbench fit-cost [--out cost.json]             (the step cost model t(q, c) the balancers use)
+    kvbench decode [--concurrency 1,8,32,64]       (batched decode: tokens/s, ITL, the step's memory roofline)
     kvbench kv-bytes [--models 8b,v4-flash]        (block and StateBlock bytes per token of model shapes)
 
 One module per subcommand (``tools/kvbench/putget.py``, ``replay.py``, ...), each with ``register``
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from kvtier.tools.cliutil import Parser, Subcommands, report_errors
 from kvtier.tools.kvbench import (
     adapter,
+    decode,
     fetch,
     fitcost,
     kvbytes,
@@ -41,7 +43,7 @@ from kvtier.tools.kvbench import (
 from kvtier.tools.kvbench.common import PROG, BenchError, UsageError, VerifyError
 
 # a new subcommand: its module, plus one entry here
-SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin, adapter, fitcost, route, kvbytes)
+SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin, adapter, fitcost, route, kvbytes, decode)
 
 
 def build_parser() -> argparse.ArgumentParser:
