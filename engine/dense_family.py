@@ -13,8 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvtier.engine import paged_attention
 from kvtier.engine.config import FAMILIES, ModelConfig
 from kvtier.engine.model import CausalLM, attention, causal_attention, padded_attention
+from kvtier.engine.paged_attention import paged_decode
 from kvtier.engine.paged_cache import PagedKVCache, block_layout
 from kvtier.engine.sliding import SPECULATIVE_POSITIONS, SlidingState, state_block_bytes
 
@@ -54,10 +56,10 @@ class PagedContext:
 class BatchContext:
     """The :class:`~kvtier.engine.model.KVContext` of several sequences' chunks in one forward (rows in the order of
     ``parts``, each a :class:`PagedContext`). The parts of one query (decode steps) attend together: a global layer
-    gathers their pages whole (one copy of each page's slice of the layer) into one padded batch, a sliding layer
-    pads their windows (each extended in its own state) into one; keys past a sequence's length, or outside its
-    window, are masked. Longer chunks attend one by one. Every part's new keys and values go to the pages with one
-    scatter."""
+    reads their pages in place on a GPU (``paged_attention``), elsewhere gathers them whole (one copy of each page's
+    slice of the layer) into one padded batch; a sliding layer pads their windows (each extended in its own state)
+    into one; keys past a sequence's length, or outside its window, are masked. Longer chunks attend one by one.
+    Every part's new keys and values go to the pages with one scatter."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, parts: list[PagedContext]) -> None:
         assert all(p.write_global for p in parts), "bounded replay runs alone"
@@ -77,7 +79,7 @@ class BatchContext:
         if self.single:
             tables = [parts[i].table[: -(-parts[i].end // block)] for i in self.single]
             self.gather_pages = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # [B, P] (0: padding)
-            ends = torch.tensor([parts[i].end for i in self.single], device=device)
+            ends = self.lengths = torch.tensor([parts[i].end for i in self.single], device=device)
             self.visible = torch.arange(self.gather_pages.shape[1] * block, device=device)[None, :] < ends[:, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -93,7 +95,11 @@ class BatchContext:
         g = self.cache.slot[layer]
         self.cache.pages[self.write_page, g, 0, self.write_offset] = k
         self.cache.pages[self.write_page, g, 1, self.write_offset] = v
-        if self.single:
+        if self.single and q.is_cuda and paged_attention.available:  # read in place
+            layer_kv = self.cache.pages[:, g]
+            out[self.decode_rows] = paged_decode(q[self.decode_rows], layer_kv[:, 0], layer_kv[:, 1],
+                                                 self.gather_pages, self.lengths)  # fmt: skip
+        elif self.single:
             b, p = self.gather_pages.shape
             kv = self.cache.pages[self.gather_pages.view(-1), g].view(b, p, *self.cache.pages.shape[2:])
             keys, values = (kv[:, :, i].flatten(1, 2).transpose(1, 2) for i in (0, 1))  # [B, kvh, P·T, d]

@@ -5,6 +5,9 @@ when they run out requests are preempted and resumed (by refetch or recompute), 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import torch
 
 from kvtier.engine.checkpoint import make_checkpoint
 from kvtier.engine.engine import Engine, Generation
+from kvtier.engine.model import attention
 from kvtier.engine.sampling import Sampling
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.stateblocks import LocalStateBlocks
@@ -51,10 +55,16 @@ def cluster_file(make_cluster) -> Path:
 # -- one forward for many sequences -------------------------------------------------------------------------------
 
 
-def lockstep(engine: Engine, prompts: list[list[int]], joins: dict[int, list[int]], steps: int) -> None:
+def lockstep(
+    engine: Engine,
+    prompts: list[list[int]],
+    joins: dict[int, list[int]],
+    steps: int,
+    tolerance: float = BATCHED_TOLERANCE,
+) -> None:
     """Run ``prompts`` batched (plus ``joins[i]`` arriving at step ``i``, prefilled beside the others' decode
     tokens) and each of them alone on the same engine, step by step: every step's logits of a sequence in the
-    batch within 1e-5 of its own alone, and the same tokens."""
+    batch within ``tolerance`` of its own alone, and the same tokens."""
     batched: list[Generation] = []
     alone: list[Generation] = []
     try:
@@ -67,7 +77,7 @@ def lockstep(engine: Engine, prompts: list[list[int]], joins: dict[int, list[int
             rows = engine.runner.forward(works)
             for j, row in zip(live, rows, strict=True):
                 expected = engine.runner.forward([alone[j].work()])[0]
-                assert (row - expected).abs().max().item() <= BATCHED_TOLERANCE, f"sequence {j}, step {i}"
+                assert (row - expected).abs().max().item() <= tolerance, f"sequence {j}, step {i}"
                 assert batched[j].take(row) == alone[j].take(expected)
     finally:
         for g in batched + alone:
@@ -192,3 +202,39 @@ def test_a_preempted_request_resumes_from_the_stores_blocks_exactly(
         tokens = answers[i]["tokens"]
         assert tokens == alone.generate([p], len(tokens), reuse=False)[0].tokens
     assert engines[0].cache.free_pages == engines[0].cache.num_pages
+
+
+# -- the GPU's decode kernel, interpreted on the CPU -----------------------------------------------------------------
+
+
+def test_the_gpu_decode_kernel_reads_each_sequences_pages_in_place_as_the_gathered_attention_does() -> None:
+    """The Triton kernel run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` is read when Triton is
+    imported: a process of its own), against :func:`attention` over each sequence's keys gathered."""
+    pytest.importorskip("triton")
+    run = "from tests.test_engine_batching import decode_kernel_error; print(decode_kernel_error())"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", run], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) <= BATCHED_TOLERANCE
+
+
+def decode_kernel_error() -> float:
+    """Three sequences of 1, 130 and 300 positions whose pages lie anywhere in the cache, one global layer of
+    several (its K and V strided views of the pages), four query heads per kv head: the kernel's largest
+    difference from the gathered attention."""
+    from kvtier.engine.paged_attention import paged_decode
+
+    gen = torch.Generator().manual_seed(0)
+    pages = torch.randn(12, 2, 2, 64, 2, 16, generator=gen)  # [page][global layer][K|V][token][kv head][dim]
+    tables = [torch.tensor([7]), torch.tensor([3, 11, 0]), torch.tensor([5, 1, 9, 2, 10])]
+    lengths = torch.tensor([1, 130, 300])
+    q = torch.randn(3, 8, 16, generator=gen)
+    padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+    out = paged_decode(q, pages[:, 1, 0], pages[:, 1, 1], padded, lengths)
+    worst = 0.0
+    for b, (table, n) in enumerate(zip(tables, lengths.tolist(), strict=True)):
+        k, v = (pages[table, 1, i].flatten(0, 1)[:n] for i in (0, 1))  # [n, kv heads, dim]
+        expected = attention(q[b : b + 1], k, v, torch.tensor([n - 1]), torch.arange(n), None)[0]
+        worst = max(worst, (out[b] - expected).abs().max().item())
+    return worst

@@ -78,3 +78,14 @@ def test_deepseek_v4_on_the_gpu_reuses_exactly_and_agrees_with_the_cpu(tmp_path:
     assert warm.tokens == cold.tokens == ref.tokens
     assert (warm.first_logits - cold.first_logits).abs().max().item() <= 1e-3
     assert (warm.first_logits.cpu() - ref.first_logits).abs().max().item() <= 1e-3
+
+
+def test_batched_decode_on_the_gpu_reads_the_pages_in_place_and_gives_each_sequence_its_logits_alone(
+    tmp_path: Path,
+) -> None:
+    from kvtier.engine import paged_attention
+    from tests.test_engine_batching import lockstep, prompt
+
+    assert paged_attention.available  # Triton ships with CUDA builds of torch
+    engine = Engine.from_pretrained(make_checkpoint(tmp_path / "tiny", "tiny", seed=0), device="cuda")
+    lockstep(engine, [prompt(300, 1), prompt(700, 2), prompt(40, 3)], {3: prompt(900, 4)}, 7, tolerance=1e-4)

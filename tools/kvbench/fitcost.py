@@ -5,8 +5,9 @@
 
 Prefill: for every ``(c, q)`` a prompt of ``c + q`` tokens is computed up to ``c`` in one step, then the step
 that computes the other ``q`` tokens is timed (the engine's own clock; medians of ``--repeats``). Decode: one
-token's step of ``n`` requests holding ``kv`` tokens each. ``t(q, c)`` and ``d(n, kv)`` are fitted by least
-squares (``kvtier.serving.cost.fit``) and the fit's relative error is reported (RMS and max over the steps).
+token's step of ``n`` requests holding ``kv`` tokens each, one batched forward (as a worker's scheduler runs it).
+``t(q, c)`` and ``d(n, kv)`` are fitted by least squares (``kvtier.serving.cost.fit``) and the fit's relative
+error is reported (RMS and max over the steps).
 No store is used: this is compute only.
 """
 
@@ -88,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
                 times = []
                 for _ in range(args.repeats):
                     start = engine._clock()
-                    for g in gens:
-                        g.step()
+                    works = [g.work() for g in gens]  # one forward for all: a worker's batched step
+                    for g, row in zip(gens, engine.runner.forward(works), strict=True):
+                        g.take(row)
                     times.append(engine._clock() - start)
                 for g in gens:
                     g.close()
