@@ -238,3 +238,18 @@ def decode_kernel_error() -> float:
         expected = attention(q[b : b + 1], k, v, torch.tensor([n - 1]), torch.arange(n), None)[0]
         worst = max(worst, (out[b] - expected).abs().max().item())
     return worst
+
+
+def test_kvbench_decode_reports_each_concurrencys_tokens_itl_and_roofline_and_prefill_beside_decode(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvtier.tools.kvbench import main as kvbench
+
+    argv = ["decode", "--context", "100", "--concurrency", "1,3", "--steps", "2", "--mixed", "2", "--json"]
+    assert kvbench(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [p["concurrency"] for p in result["points"]] == [1, 3] and result["copy_bandwidth_gb_s"] > 0
+    for p in result["points"]:
+        assert p["tokens_s"] > 0 and p["itl_s"] > 0 and 0 < p["roofline_fraction"] < 1
+    assert result["points"][1]["kv_read_bytes"] > 2 * result["points"][0]["kv_read_bytes"]
+    assert result["mixed"]["prefill_tokens_s"] > 0 and result["mixed"]["decoding"] == 2

@@ -10,7 +10,7 @@ are timed, each one forward for a token of every request (the engine's scheduler
 each step's end): **ITL** is the median step, **tokens/s** ``n`` over the mean step. A step's **memory roofline**
 is the bytes it must read, every weight once plus each request's KV (its global layers' cached positions, its
 sliding layers' window), over the device's memory bandwidth as a copy kernel measures it in the same run
-(``dst.copy_(src)`` of a buffer larger than any cache, 2 × its bytes moved); the roofline fraction is that time
+(``dst.copy_(src)`` of up to 4 GiB, 2 × its bytes moved); the roofline fraction is that time
 over the measured step. With ``--mixed n``: ``n`` requests decode while new prompts are prefilled beside them, one
 ``--prefill-chunk`` a step: prefill tokens/s and the ITL the decoding requests see. Dense checkpoints only for the
 roofline (DeepSeek-V4's reads depend on what its indexer picks: the fraction is left out).
@@ -91,11 +91,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def copy_bandwidth(device: Any, cache_bytes: int) -> float:
-    """Bytes per second a device-to-device copy moves (read + write), of a buffer larger than the cache (at least
-    256 MiB; 1 GiB at most on a CPU), the median of 5 copies."""
+    """Bytes per second a device-to-device copy moves (read + write): a buffer of the cache's size, at least
+    256 MiB (far past any cache level) and at most 4 GiB (1 GiB on a CPU: the copy's source and destination must fit
+    beside the model), the median of 5 copies."""
     import torch
 
-    size = max(256 << 20, cache_bytes) if device.type != "cpu" else min(max(256 << 20, cache_bytes), 1 << 30)
+    size = min(max(256 << 20, cache_bytes), (4 << 30) if device.type != "cpu" else (1 << 30))
     src = torch.ones(size // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     times = []
@@ -103,6 +104,7 @@ def copy_bandwidth(device: Any, cache_bytes: int) -> float:
         start = _clock(device)
         dst.copy_(src)
         times.append(_clock(device) - start)
+    del src, dst
     return 2 * size / statistics.median(times[1:])
 
 
