@@ -22,6 +22,7 @@ from kvtier.engine.sampling import Sampling
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.stateblocks import LocalStateBlocks
 from kvtier.engine.worker import WorkerLoop
+from kvtier.serving.cost import CostModel
 
 BATCHED_TOLERANCE = 1e-5
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -253,3 +254,24 @@ def test_kvbench_decode_reports_each_concurrencys_tokens_itl_and_roofline_and_pr
         assert p["tokens_s"] > 0 and p["itl_s"] > 0 and 0 < p["roofline_fraction"] < 1
     assert result["points"][1]["kv_read_bytes"] > 2 * result["points"][0]["kv_read_bytes"]
     assert result["mixed"]["prefill_tokens_s"] > 0 and result["mixed"]["decoding"] == 2
+
+
+def test_a_preempted_request_refetches_when_the_cost_model_says_computing_costs_more_than_fetching(
+    checkpoint: Path, cluster_file: Path, engines: list[Engine]
+) -> None:
+    """The refetch-or-recompute rule: ``fetch(bytes) + t(n − h, h) < t(n, 0)``, the fetch at the rate this
+    engine's own fetches ran (one measured here)."""
+    engines.append(Engine.from_pretrained(checkpoint, store=cluster_file))
+    engine = engines[0]
+    p = prompt(700, 60)
+    engine.generate([p], 1)
+    engine.generate([p], 1)  # a reuse: its fetch measured
+    assert engine.fetch_s > 0 and engine.fetched_bytes > 0
+    g = engine.start(prompt(700, 61), 100)
+    for _ in range(3):
+        g.step()
+    assert g.restorable_blocks == 10  # 702 positions computed, 10 full blocks published at a preemption
+    cheap, dear = CostModel(0.0, 1e-12, 0.0), CostModel(0.0, 1.0, 0.0)  # a token's compute: ~free, or a second
+    assert not Scheduler(engine, cheap).refetch_pays(g) and Scheduler(engine, dear).refetch_pays(g)
+    assert Scheduler(engine).refetch_pays(g)  # no cost model: the store's copy
+    g.close()
