@@ -1,7 +1,7 @@
 """``kvbench decode``: continuous batching measured: decode throughput and time between tokens at each concurrency,
 against the memory roofline of a step on the same device, and prefill throughput beside decode traffic.
 
-    kvbench decode [--checkpoint DIR | --preset tiny] [--layer-types sliding,full] [--device cpu]
+    kvbench decode [--checkpoint DIR | --preset tiny|v4-tiny|...] [--layer-types sliding,full] [--device cpu]
                    [--dtype float32] [--context 2048] [--concurrency 1,8,32,64] [--steps 16]
                    [--mixed 32] [--prefill-chunk 512] [--json]
 
@@ -30,11 +30,14 @@ from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import UsageError
 from kvtier.tools.kvbench.enginebench import PRESETS, describe
 
+V4_PRESETS = ("v4-tiny", "v4-h200")
+
 
 def register(commands: Subcommands) -> None:
     p = commands.add("decode", "decode throughput and ITL per concurrency against the step's memory roofline", run)
     p.add_argument("--checkpoint", type=Path, help="a Hugging Face model directory (default: a seeded preset)")
-    p.add_argument("--preset", choices=PRESETS, default="tiny", help="seeded checkpoint to build (tiny)")
+    presets = [*PRESETS, *V4_PRESETS]
+    p.add_argument("--preset", choices=presets, default="tiny", help="seeded checkpoint to build (tiny)")
     p.add_argument("--layer-types", default="sliding,full", help="the preset's layer mix (make-checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device (cuda: the preset's weights are drawn there)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -152,7 +155,8 @@ class DecodeBench:
         try:
             for _ in range(2):  # warm-up
                 self._decode_step(gens)
-            kv = sum(self.kv_read_bytes(g.cached) for g in gens)
+            reads = [self.kv_read_bytes(g.cached) for g in gens]
+            kv = None if None in reads else sum(reads)
             times = [self._decode_step(gens) for _ in range(self.steps)]
         finally:
             for g in gens:
