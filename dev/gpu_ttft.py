@@ -130,9 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     if not preset.startswith("v4"):  # the dense GPU layout: three sliding layers to one global
         make += ["--layer-types", "sliding,sliding,sliding,full"]
     if step("checkpoint", make, out, env, 150):
-        if args.profile:
-            profile = [py, "dev/profile_prefill.py", str(checkpoint), "--tokens", str(args.profile)]
-            ok &= step("profile", profile, out, env, 120)
         for through in args.through.split(","):
             name = "ttft" if through == "client" else f"ttft-{through}"
             ttft = [py, "-m", "kvtier.tools.kvbench", "ttft", "--checkpoint", str(checkpoint), "--device", device,
@@ -141,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                     "--pool", args.pool, "--check-tokens", str(args.check_tokens),
                     "--json-out", str(out / f"{name}.json")]  # fmt: skip
             ok &= step(name, ttft, out, env, args.ttft_limit)
+        if args.profile:
+            profile = [py, "dev/profile_prefill.py", str(checkpoint), "--tokens", str(args.profile)]
+            ok &= step("profile", profile, out, env, 120)
     else:
         ok = False
     shutil.rmtree(checkpoint.parent, ignore_errors=True)
