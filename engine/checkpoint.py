@@ -9,6 +9,7 @@ end-of-sequence tokens (``tokenizer_files``), so a server can take text.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterator
@@ -75,10 +76,10 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         model = family.build(config)
     expected = model.state_dict()
     where = str(torch.device(device)) if torch.device(device).type == "cuda" else "cpu"  # straight onto a GPU
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device=where) as f:
-            state.update(family.load_weights(config, list(f.keys()), f.get_tensor, str(path)))
+    with contextlib.ExitStack() as stack:  # every shard open at once: a tensor may need others' (stacked experts)
+        opened = [stack.enter_context(safe_open(str(file), framework="pt", device=where)) for file in files]
+        owner = {name: f for f in opened for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+        state = family.load_weights(config, list(owner), lambda name: owner[name].get_tensor(name), str(path))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     wanted = {n for n in expected if not (config.tie_word_embeddings and n == "lm_head.weight")}
