@@ -100,9 +100,10 @@ class BatchContext:
             out[self.decode_rows] = paged_decode(q[self.decode_rows], layer_kv[:, 0], layer_kv[:, 1],
                                                  self.gather_pages, self.lengths)  # fmt: skip
         elif self.single:
-            b, p = self.gather_pages.shape
-            kv = self.cache.pages[self.gather_pages.view(-1), g].view(b, p, *self.cache.pages.shape[2:])
-            keys, values = (kv[:, :, i].flatten(1, 2).transpose(1, 2) for i in (0, 1))  # [B, kvh, P·T, d]
+            b, pages = self.gather_pages.shape[0], self.gather_pages.view(-1)
+            # K and V gathered apart: each page's slice lands contiguous, so [B, P·T, kvh, d] is a view
+            gathered = (self.cache.pages[pages, g, i].view(b, -1, *k.shape[1:]) for i in (0, 1))
+            keys, values = (x.transpose(1, 2) for x in gathered)
             out[self.decode_rows] = padded_attention(q[self.decode_rows], keys, values, self.visible)
         for i in self.rest:
             a, b = self.rows[i]
