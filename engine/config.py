@@ -14,10 +14,8 @@ RoPE: ``rope_theta`` at the top level (transformers 4.x) or inside ``rope_parame
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,19 +127,6 @@ class ModelConfig(Shape):
             )
         except KeyError as missing:
             raise UnsupportedModelError(f"{where}: required field {missing} is missing") from None
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        file = Path(path) / "config.json"
-        try:
-            raw = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise UnsupportedModelError(f"{path}: no config.json (expected a Hugging Face model directory)") from None
-        except json.JSONDecodeError as e:
-            raise UnsupportedModelError(f"{file}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if not isinstance(raw, dict):
-            raise UnsupportedModelError(f"{file}: expected a JSON object")
-        return cls.from_dict(raw, str(file))
 
 
 def _attention_layout(family: str, raw: dict[str, Any], layers: int, where: str) -> tuple[tuple[str, ...], int | None]:

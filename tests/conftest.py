@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,6 +172,23 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def engine() -> Iterator[Callable[..., Any]]:
+    """Makes engines (``engine(checkpoint, store, states=None, **from_pretrained_options)``: a store, a StateBlock
+    pool, a fetcher as given; a cache of 8,192 tokens) and closes every one it made when the test ends."""
+    from kvtier.engine.engine import Engine
+
+    made: list[Engine] = []
+
+    def make(checkpoint: Path, store: Path | None, states: Any = None, **kw: Any) -> Engine:
+        made.append(Engine.from_pretrained(checkpoint, store=store, state_blocks=states, cache_tokens=8192, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
 
 
 @pytest.fixture(scope="module")

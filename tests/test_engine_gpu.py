@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.engine.checkpoint import make_checkpoint
-from kvtier.engine.engine import Engine
+from kvtier.engine.engine import Engine, Result
 from kvtier.engine.model import attention, causal_attention
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
@@ -50,34 +50,31 @@ def cluster_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield local.config_path
 
 
-def test_reuse_on_the_gpu_is_exact_and_agrees_with_the_cpu(tmp_path: Path, cluster_file: Path) -> None:
-    checkpoint = make_checkpoint(tmp_path / "tiny", "tiny", seed=0)
-    prompt = torch.randint(0, 512, (1500,), generator=torch.Generator().manual_seed(3)).tolist()
+def warm_cold_and_cpu(checkpoint: Path, cluster_file: Path, seed: int) -> tuple[Result, Result, Result]:
+    """A 1,500-token prompt on the GPU reusing its first 1,024 tokens (warm) and computed whole (cold), and on the
+    CPU; 8 greedy tokens each."""
+    prompt = torch.randint(0, 512, (1500,), generator=torch.Generator().manual_seed(seed)).tolist()
     gpu = Engine.from_pretrained(checkpoint, device="cuda", store=cluster_file, cache_tokens=8192)
     cpu = Engine.from_pretrained(checkpoint, cache_tokens=8192)
     gpu.generate([prompt[:1024]], 1)
     warm, cold = gpu.generate([prompt], 8)[0], gpu.generate([prompt], 8, reuse=False)[0]
     ref = cpu.generate([prompt], 8)[0]
     assert (warm.hit_tokens, warm.replayed) == (1024, False)
-    assert warm.tokens == cold.tokens == ref.tokens
     assert (warm.first_logits - cold.first_logits).abs().max().item() <= 1e-3
     assert (warm.first_logits.cpu() - ref.first_logits).abs().max().item() <= 1e-3
+    return warm, cold, ref
+
+
+def test_reuse_on_the_gpu_is_exact_and_agrees_with_the_cpu(tmp_path: Path, cluster_file: Path) -> None:
+    warm, cold, ref = warm_cold_and_cpu(make_checkpoint(tmp_path / "tiny", "tiny", seed=0), cluster_file, 3)
+    assert warm.tokens == cold.tokens == ref.tokens
 
 
 def test_deepseek_v4_on_the_gpu_reuses_exactly_and_agrees_with_the_cpu(tmp_path: Path, cluster_file: Path) -> None:
     """The GPU's V4 attention (windows gathered, index scores a slice of queries at a time) against the CPU's,
     which is transformers' to the bit; reuse through the store exact on the GPU."""
-    checkpoint = make_checkpoint(tmp_path / "v4", "v4-tiny", seed=0)
-    prompt = torch.randint(0, 512, (1500,), generator=torch.Generator().manual_seed(4)).tolist()
-    gpu = Engine.from_pretrained(checkpoint, device="cuda", store=cluster_file, cache_tokens=8192)
-    cpu = Engine.from_pretrained(checkpoint, cache_tokens=8192)
-    gpu.generate([prompt[:1024]], 1)
-    warm, cold = gpu.generate([prompt], 8)[0], gpu.generate([prompt], 8, reuse=False)[0]
-    ref = cpu.generate([prompt], 8)[0]
-    assert (warm.hit_tokens, warm.replayed) == (1024, False)
+    warm, cold, _ = warm_cold_and_cpu(make_checkpoint(tmp_path / "v4", "v4-tiny", seed=0), cluster_file, 4)
     assert warm.tokens == cold.tokens  # (the CPU's may part from them at a near tie: seen at the 5th token)
-    assert (warm.first_logits - cold.first_logits).abs().max().item() <= 1e-3
-    assert (warm.first_logits.cpu() - ref.first_logits).abs().max().item() <= 1e-3
 
 
 def test_batched_decode_on_the_gpu_reads_the_pages_in_place_and_gives_each_sequence_its_logits_alone(

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -31,20 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def cluster_file(make_cluster) -> Path:
     return make_cluster(capacity_bytes=64 << 20).config_path
-
-
-@pytest.fixture
-def engine() -> Iterator[MakeEngine]:
-    """Makes engines (store, StateBlocks, fetcher as given) and closes every one it made when the test ends."""
-    made: list[Engine] = []
-
-    def make(checkpoint: Path, store: Path | None, states: LocalStateBlocks | None = None, **kw: Any) -> Engine:
-        made.append(Engine.from_pretrained(checkpoint, store=store, state_blocks=states, cache_tokens=8192, **kw))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,19 +246,6 @@ def test_the_hit_leaves_only_the_last_token_and_falls_on_block_boundaries() -> N
 @pytest.fixture(scope="module")
 def cluster_file(make_cluster) -> Path:
     return make_cluster(capacity_bytes=64 << 20).config_path
-
-
-@pytest.fixture
-def engine() -> Iterator[Callable[..., Engine]]:
-    made: list[Engine] = []
-
-    def make(checkpoint: Path, store: Path | None, states: LocalStateBlocks | None = None, **kw: Any) -> Engine:
-        made.append(Engine.from_pretrained(checkpoint, store=store, state_blocks=states, cache_tokens=8192, **kw))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def test_a_warm_run_reuses_the_compressed_blocks_and_the_state_block_exactly(

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine.deepseek_v4.config import CSA, HASH_MOE, HCA, SLIDING, RopeSet, V4Config
+from kvtier.engine.model import RMSNorm as LlamaRMSNorm
 
 COMPRESSOR, INDEXER = "compressor", "indexer"
 
@@ -82,18 +83,11 @@ class Batch:
             row += p.positions.shape[0]
 
 
-class RMSNorm(nn.Module):
-    """V4's RMSNorm: the weight is applied in float32, then cast back (unlike Llama's)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+class RMSNorm(LlamaRMSNorm):
+    """V4's RMSNorm: the weight is applied in float32, then cast back (Llama's casts first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        return (self.weight * self.normalized(x)).to(x.dtype)
 
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
