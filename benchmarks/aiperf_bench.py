@@ -28,30 +28,16 @@ import httpx
 from kvtier.engine.checkpoint import make_checkpoint
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
-from kvtier.tools.benchutil import free_port
+from kvtier.tools.benchutil import start_serve
 from kvtier.tools.kvbench.common import stop_process
 
 KEY = "sk-aiperf-bench-0123456789"
 
 
 def start_server(checkpoint: Path, store: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(checkpoint), "--store",
-            str(store), "--port", str(port), "--served-model-name", "tiny", "--api-key", KEY, "--prefill",
-            str(args.prefill), "--decode", str(args.decode), "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"aiperf_bench: the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("aiperf_bench: the server did not become healthy in 600 s")
+    options = ["--checkpoint", str(checkpoint), "--store", str(store), "--served-model-name", "tiny", "--api-key", KEY,
+               "--prefill", str(args.prefill), "--decode", str(args.decode), "--disable-access-log"]  # fmt: skip
+    return start_serve(options, "aiperf_bench", stdout=sys.stderr)
 
 
 def aiperf(args: argparse.Namespace, url: str, checkpoint: Path, out: Path) -> tuple[dict[str, Any], float]:

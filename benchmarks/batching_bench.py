@@ -17,37 +17,20 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from kvtier.engine.checkpoint import make_checkpoint
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
-from kvtier.tools.benchutil import free_port
+from kvtier.tools.benchutil import start_serve
 from kvtier.tools.kvbench.common import stop_process
 
 
 def start_server(checkpoint: Path, store: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(checkpoint), "--store",
-            str(store), "--port", str(port), "--served-model-name", "tiny", "--threads", str(threads),
-            "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(argv)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"batching_bench: the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("batching_bench: the server did not become healthy in 600 s")
+    options = ["--checkpoint", str(checkpoint), "--store", str(store), "--served-model-name", "tiny", "--threads",
+               str(threads), "--disable-access-log"]  # fmt: skip
+    return start_serve(options, "batching_bench")
 
 
 def profile(args: argparse.Namespace, url: str, checkpoint: Path, concurrency: int, out: Path) -> dict[str, Any]:

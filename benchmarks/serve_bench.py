@@ -24,10 +24,8 @@ import itertools
 import json
 import random
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,7 @@ from kvtier.engine.engine import Engine
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
 from kvtier.serving.text import TextCodec
-from kvtier.tools.benchutil import free_port
+from kvtier.tools.benchutil import start_serve
 from kvtier.tools.kvbench.common import stop_process
 
 
@@ -54,24 +52,10 @@ def prompts(vocab: int, n: int = 24, seed: int = 0) -> list[list[int]]:
 
 
 def start_server(checkpoint: Path, cluster: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(checkpoint), "--store",
-            str(cluster), "--port", str(port), "--model", "tiny", "--prefill", str(args.prefill), "--decode",
-            str(args.decode), "--max-queued-requests", str(args.max_queued_requests)]  # fmt: skip
-    proc = subprocess.Popen(argv)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"serve_bench: the server exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("serve_bench: the server did not become healthy in 300 s")
+    options = ["--checkpoint", str(checkpoint), "--store", str(cluster), "--model", "tiny", "--prefill",
+               str(args.prefill), "--decode", str(args.decode), "--max-queued-requests",
+               str(args.max_queued_requests)]  # fmt: skip
+    return start_serve(options, "serve_bench", timeout_s=300)
 
 
 async def one(client: openai.AsyncOpenAI, prompt: list[int], expected: str, n: int) -> dict[str, Any]:

@@ -43,30 +43,15 @@ from kvtier.engine.engine import Engine
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
 from kvtier.kvstore.units import parse_size
-from kvtier.tools.benchutil import free_port
+from kvtier.tools.benchutil import start_serve
 from kvtier.tools.kvbench.common import stop_process
 
 
 def start_server(checkpoint: Path, store: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(checkpoint), "--store",
-            str(store), "--port", str(port), "--served-model-name", "m", "--device", args.device, "--dtype",
-            args.dtype, "--chunk-tokens", str(args.chunk_tokens), "--cache-tokens", str(args.cache_tokens),
-            "--threads", str(args.threads), "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"serve_ttft_bench: the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("serve_ttft_bench: the server did not become healthy in 900 s")
+    options = ["--checkpoint", str(checkpoint), "--store", str(store), "--served-model-name", "m", "--device",
+               args.device, "--dtype", args.dtype, "--chunk-tokens", str(args.chunk_tokens), "--cache-tokens",
+               str(args.cache_tokens), "--threads", str(args.threads), "--disable-access-log"]  # fmt: skip
+    return start_serve(options, "serve_ttft_bench", timeout_s=900, stdout=sys.stderr)
 
 
 def through_serve(http: httpx.Client, url: str, prompt: list[int]) -> float:

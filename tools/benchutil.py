@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
@@ -197,6 +197,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def start_serve(
+    options: Sequence[str], prog: str, timeout_s: float = 600, stdout: Any = None
+) -> tuple[subprocess.Popen, str]:
+    """``kvtier-engine serve`` on a free port with ``options``, once its ``/health`` answers 200: (process, base
+    URL). SystemExit naming ``prog`` if it exits or is not healthy within ``timeout_s`` (it is then stopped)."""
+    import urllib.request
+
+    port = free_port()
+    argv = [sys.executable, "-m", "kvtier.serving.cli", "serve", "--port", str(port), *options]
+    proc = subprocess.Popen(argv, stdout=stdout)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{prog}: the server exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit(f"{prog}: the server did not become healthy in {timeout_s:.0f} s")
 
 
 def memory_free_bytes() -> int:
