@@ -15,6 +15,7 @@ from torch import nn
 
 from kvtier.engine import paged_attention
 from kvtier.engine.config import FAMILIES, ModelConfig
+from kvtier.engine.formats import Part
 from kvtier.engine.model import CausalLM, attention, causal_attention, padded_attention
 from kvtier.engine.paged_attention import paged_decode
 from kvtier.engine.paged_cache import PagedKVCache, block_layout
@@ -177,6 +178,15 @@ class DenseFamily:
 
     def state_bytes(self, config: ModelConfig, dtype: torch.dtype) -> int:
         return state_block_bytes(config, torch.empty(0, dtype=dtype).element_size())
+
+    def kv_parts(self, config: ModelConfig, block_tokens: int, dtype: torch.dtype) -> tuple[list[Part], list[Part]]:
+        """A block: the global layers' K and V, ``main``; a StateBlock: the sliding layers' K and V, ``window``; rows
+        of ``kv_heads × head_dim`` values (RoPE covers every channel of K: no channel is apart)."""
+        itemsize, width = torch.empty(0, dtype=dtype).element_size(), config.num_kv_heads * config.head_dim
+        block = [Part("main", len(config.global_layers) * 2 * block_tokens, width, itemsize)]
+        keep = (config.sliding_window or 0) + SPECULATIVE_POSITIONS
+        windows = len(config.sliding_layers) * 2 * keep
+        return block, [Part("window", windows, width, itemsize)] if windows else []
 
     def new_state(self, config: ModelConfig, cache: PagedKVCache, seq: Any, start: int) -> SlidingState:
         return SlidingState(config, start, cache.pages.dtype, cache.pages.device)

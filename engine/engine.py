@@ -38,6 +38,7 @@ from kvtier.engine.checkpoint import load, model_id
 from kvtier.engine.dense import forward_logits
 from kvtier.engine.family import FAMILIES
 from kvtier.engine.fetch import FetcherPages, PageTransfer, StorePages
+from kvtier.engine.formats import KVFormat
 from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.runner import Runner, Work
 from kvtier.engine.sampling import GREEDY, Sampling, sample, token_logprobs
@@ -86,7 +87,9 @@ class Engine:
 
     What a page and a StateBlock hold is the model family's (``family.py``); ``block_tokens`` None takes the
     family's default (64 for the dense families, ``lcm(128, compress rates)`` for DeepSeek-V4), and a size the
-    family cannot take is a ValueError (one line)."""
+    family cannot take is a ValueError (one line). ``kv_format``: the form blocks and StateBlocks take outside the
+    device (``formats.py``; default ``exact``, the compute dtype's bytes); one this model cannot take is a
+    ``formats.FormatError`` (one line)."""
 
     def __init__(
         self,
@@ -97,6 +100,7 @@ class Engine:
         block_tokens: int | None = None,
         cache_tokens: int = 1 << 16,
         chunk_tokens: int = 512,
+        kv_format: str | KVFormat = "exact",
     ) -> None:
         self.model = model
         self.config = model.config
@@ -105,10 +109,15 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         self.block_tokens = block_tokens = self.family.block_tokens(self.config, block_tokens)
         layout = self.family.block_layout(self.config, block_tokens)
-        self.namespace = Namespace(model_id, str(self.dtype).removeprefix("torch."), block_tokens, layout)
+        self.kv_format = kv_format if isinstance(kv_format, KVFormat) else KVFormat.parse(kv_format)
+        block_parts, state_parts = self.family.kv_parts(self.config, block_tokens, self.dtype)
+        self.block_format = self.kv_format.layout(block_parts, self.dtype, "blocks")
+        self.state_format = self.kv_format.layout(state_parts, self.dtype, "StateBlocks")
+        # the format is part of every key: engines of different formats never read each other's blocks
+        self.namespace = Namespace(model_id, self.block_format.kv_dtype, block_tokens, layout)
         # StateBlock keys: a chain over the prompt at the granularity of both StateBlock positions and blocks
         granule = math.gcd(STATE_INTERVAL, block_tokens)
-        self.state_namespace = Namespace(model_id, self.namespace.kv_dtype, granule, "swa-state")
+        self.state_namespace = Namespace(model_id, self.state_format.kv_dtype, granule, "swa-state")
         self.handoff = False  # also save a StateBlock at the last block boundary (a P/D prefill worker)
         pages = -(-cache_tokens // block_tokens)
         self.cache = self.family.pages(self.config, pages, block_tokens, self.dtype, self.device)
@@ -121,7 +130,7 @@ class Engine:
             self.attach_store(store)
         self.state_blocks = state_blocks if state_blocks is not None else LocalStateBlocks(device=self.device)
         self._state_host: StateBlockHost | None = None
-        self.state_bytes = self.family.state_bytes(self.config, self.dtype)  # 0: no StateBlocks
+        self.state_bytes = self.state_format.encoded_bytes  # a stored StateBlock's; 0: no StateBlocks
         self._state_buf: torch.Tensor | None = None
         self.fetched_bytes, self.fetch_s = 0, 0.0  # every reuse's lookup and fetch: the rate a refetch would get
 
@@ -131,8 +140,10 @@ class Engine:
         if store.namespace != self.namespace:
             raise ValueError("the store's namespace is not this engine's (another model, dtype or layout)")
         self.store = store
+        form = self.block_format
+        through_fetcher = fetcher is not None
         self.transfer = (
-            FetcherPages(fetcher, store, self.cache) if fetcher is not None else StorePages(store, self.cache)
+            FetcherPages(fetcher, store, self.cache, form) if through_fetcher else StorePages(store, self.cache, form)
         )
 
     @classmethod
@@ -152,6 +163,7 @@ class Engine:
         block_tokens: int | None = None,
         cache_tokens: int = 1 << 16,
         chunk_tokens: int = 512,
+        kv_format: str = "exact",
     ) -> Engine:
         """Load the checkpoint at ``path``.
 
@@ -160,10 +172,10 @@ class Engine:
         host's fetcher, to move blocks through its shared-memory pool; ``directory``: ``HOST:PORT`` of the
         StateBlock directory, to share StateBlocks with other processes and hosts (this engine then serves its
         own, as ``host_id``, from a pool of ``state_pool_bytes``); otherwise ``state_blocks``, or a private
-        in-process pool. ``close`` releases what this made.
+        in-process pool; ``kv_format``: see the class. ``close`` releases what this made.
         """
         model = load(path, device, dtype)
-        engine = cls(model, model_id(path), None, state_blocks, block_tokens, cache_tokens, chunk_tokens)
+        engine = cls(model, model_id(path), None, state_blocks, block_tokens, cache_tokens, chunk_tokens, kv_format)
         if store is None:
             if fetcher is not None or directory is not None:
                 raise ValueError("fetcher= and directory= need store= (the cluster file)")
@@ -196,6 +208,11 @@ class Engine:
             self.store.close()
         if isinstance(self.transfer, FetcherPages):
             self.transfer.client.close()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of a stored block (a page's in the ``exact`` format)."""
+        return self.block_format.encoded_bytes
 
     def stats(self) -> dict[str, int]:
         """Counters of the tiers reuse depends on: per tier (``store``, ``fetcher``, ``directory``) whether it answers
@@ -305,12 +322,14 @@ class Engine:
         matched = self.store.match(keys) if keys and fetch else 0
         h, state = self._reuse(seq, keys, matched, resume)
         if state is not None:
-            state = state.clone()  # (the StateBlock buffer is the next lookup's)
+            # decoded from the KV format into a tensor of its own, or (exact) copied: the StateBlock buffer
+            # is the next lookup's
+            state = state.clone() if self.state_format.identity else self.state_format.decode(state[None])[0]
         elif h and exact and self.state_bytes:
             h = 0  # the hit needs a replay: recompute it (over the fetched pages) instead
         seconds = self._clock() - start
         if h:
-            self.fetched_bytes += h // self.block_tokens * self.cache.page_bytes
+            self.fetched_bytes += h // self.block_tokens * self.block_bytes
             self.fetch_s += seconds
         return Lookup(keys, matched, h, state, seconds)
 
@@ -404,6 +423,7 @@ class Engine:
             state_keys = chain(self.state_namespace, np.asarray(tokens, dtype=np.uint32), self.store.hash_algo)
             local = isinstance(self.state_blocks, LocalStateBlocks)  # (takes the tensor as it is, on its device)
             for m, data in states.items():
+                data = self.state_format.encode(data[None])[0]  # (in the KV format, encoded on the device)
                 self.state_blocks.put(self._state_key(state_keys, m), data if local else memoryview(data.cpu().numpy()))
 
     def _state(self, key: bytes) -> torch.Tensor | None:

@@ -9,7 +9,8 @@ A family declares, for a config of its own:
 - a StateBlock: dense, every sliding layer's window (``W + 6`` positions); DeepSeek-V4, every layer's window
   (``W + 6``), the compressors' partial windows and CSA's overlap state;
 - the block size: dense, any (default 64); DeepSeek-V4, a multiple of ``lcm(128, compress rates)`` (default that);
-- the hit margin (hit ≤ ``L − margin``): dense, ``W + 6`` with sliding layers, else 1; DeepSeek-V4, 1.
+- the hit margin (hit ≤ ``L − margin``): dense, ``W + 6`` with sliding layers, else 1; DeepSeek-V4, 1;
+- the kinds of tensor in a block and a StateBlock (``kv_parts``, what KV formats apply to; ``formats.py``).
 
 The hit rule itself (``reuse.plan``) and everything that moves blocks and StateBlocks is the same for every family.
 """
@@ -25,6 +26,7 @@ from torch import nn
 from kvtier.engine.config import UnsupportedModelError
 from kvtier.engine.deepseek_v4.family import DEEPSEEK_V4
 from kvtier.engine.dense_family import DENSE
+from kvtier.engine.formats import Part
 
 
 class SequenceState(Protocol):
@@ -98,6 +100,11 @@ class Family(Protocol):
 
     def state_bytes(self, config: Any, dtype: torch.dtype) -> int:
         """Bytes of a StateBlock (0: this model keeps nothing outside its pages)."""
+        ...
+
+    def kv_parts(self, config: Any, block_tokens: int, dtype: torch.dtype) -> tuple[list[Part], list[Part]]:
+        """What a block and a StateBlock hold, part by part in their byte order (``formats.Part``: what kind of
+        tensor, rows, values a row, trailing RoPE channels): what a KV format applies its codecs to."""
         ...
 
     def new_state(self, config: Any, cache: Pages, seq: Any, start: int) -> SequenceState:

@@ -9,6 +9,11 @@ Two ways, one interface (:class:`PageTransfer`):
   ``kvtier.transfer.swapin`` (an indexed copy on the CPU, the gather kernel on a GPU); new blocks leave the
   same way (swap-out into the tenant's outbox slots, then the fetcher stores them).
 
+With a low-precision KV format (``formats.Layout``, not the identity) blocks are encoded on the way out, on the
+pages' device (a GPU encodes before the bytes cross PCIe), and decoded on the way in: by the swap-in's decoding
+kernel (fetcher slots, or the pinned staging rows, read across PCIe by the GPU), or in torch on a CPU engine. Only
+the encoded bytes are stored, cached and moved; the store and the fetcher never learn what they hold.
+
 Both answer misses and failures as "fewer blocks": a fetch returns how many *leading* pages hold their block,
 a store how many blocks are stored. Nothing here raises because the store or the fetcher is away or broken.
 Through the fetcher, a block counts only if its slot still holds it (generation checked) after the swap-in has
@@ -29,6 +34,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvtier.engine.formats import Layout
 from kvtier.engine.paged_cache import PagedKVCache
 from kvtier.engine.store import BlockStore
 from kvtier.kvstore.keys import TokenInput
@@ -38,7 +44,7 @@ from kvtier.transfer.availability import Availability
 from kvtier.transfer.fetch_client import Blocks, FetchClient, FetcherError
 from kvtier.transfer.fetch_protocol import BlockStatus
 from kvtier.transfer.staging import Region
-from kvtier.transfer.swapin import CudaHostMapping, SwapError, slot_tensor, swap_in, swap_out
+from kvtier.transfer.swapin import CudaHostMapping, SwapError, device_view, slot_tensor, swap_in, swap_out
 
 log = logging.getLogger("kvtier.engine")
 UNAVAILABLE = (FetcherError, AuthError)  # the fetcher is away, or refuses this engine's token
@@ -69,25 +75,31 @@ class StorePages:
     SETTLED_POLL_S = 0.010  # ~150 MB a poll at 15 GB/s: ~3 ms of copy left after the read's last byte (4 ms
     # polls were no faster on the H200: each takes the interpreter from the lanes for ~0.5 ms)
 
-    def __init__(self, store: BlockStore, cache: PagedKVCache, staging_bytes: int = 4 << 30) -> None:
+    def __init__(
+        self, store: BlockStore, cache: PagedKVCache, form: Layout | None = None, staging_bytes: int = 4 << 30
+    ) -> None:
         self.store, self.cache = store, cache
+        self.form = form if form is not None and not form.identity else None  # None: blocks are pages' bytes
+        self.block_bytes = cache.page_bytes if self.form is None else self.form.encoded_bytes
         self.on_host = cache.pages.device.type == "cpu"
         pages = cache.pages.shape[0]
-        self.rows = max(1, min(staging_bytes // cache.page_bytes, -(-pages // 2)))  # blocks the buffer holds
+        self.rows = max(1, min(staging_bytes // self.block_bytes, -(-pages // 2)))  # blocks the buffer holds
         self._buffer: torch.Tensor | None = None
         self._views: list[memoryview] = []  # its rows as the store reads into them (made once: 5 ms at 1,168)
+        self._on_device: torch.Tensor | None = None  # the buffer as the GPU reads it (decoding, see _fetch_group)
 
     @property
     def _staging(self) -> torch.Tensor:
         """The pinned buffer, made at the first use (an engine whose blocks go through the fetcher may never need
         it)."""
         if self._buffer is None:
-            self._buffer = torch.empty((self.rows, self.cache.page_bytes), dtype=torch.uint8, pin_memory=True)
+            pin = not self.on_host
+            self._buffer = torch.empty((self.rows, self.block_bytes), dtype=torch.uint8, pin_memory=pin)
             self._views = [_view(r) for r in self._buffer]
         return self._buffer
 
     def fetch(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
-        if self.on_host:
+        if self.on_host and self.form is None:
             return self.store.get_into(keys, [_view(self.cache.block(p)) for p in pages], tokens)
         landed = 0
         for start in range(0, len(keys), self.rows):
@@ -121,6 +133,9 @@ class StorePages:
             if hi <= start:
                 return
             copied[lo] = hi
+            if self.form is not None:  # decoded on the way: the GPU reads the encoded rows across PCIe
+                self._decode(rows, start, hi, pages[start:hi])
+                return
             for at, first, n in _runs(pages[start:hi]):  # one copy per run of consecutive pages
                 self.cache.block_run(first, n).copy_(rows[start + at : start + at + n], non_blocking=True)
 
@@ -139,19 +154,32 @@ class StorePages:
                 copy(*span)
         finally:
             reader.join()
-            torch.cuda.current_stream().synchronize()
+            if not self.on_host:
+                torch.cuda.current_stream().synchronize()
         return got[0] if got else 0
 
-    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
+    def _decode(self, rows: torch.Tensor, lo: int, hi: int, pages: Sequence[int]) -> None:
+        """Encoded rows ``lo … hi-1`` of the buffer decoded into ``pages``: on a GPU one launch of the decoding
+        swap-in, which reads the pinned rows where they are; on the CPU in torch."""
+        assert self.form is not None
         if self.on_host:
+            pages_bytes = self.cache.pages.view(self.cache.num_pages, -1).view(torch.uint8)
+            pages_bytes.index_copy_(0, torch.tensor(list(pages), dtype=torch.long), self.form.decode(rows[lo:hi]))
+            return
+        if self._on_device is None:
+            self._on_device = device_view(self._staging, self.cache.pages.device)
+        staged = np.arange(lo, hi, dtype=np.int32)
+        swap_in(self._on_device, staged, self.cache.pages, np.asarray(pages, np.int32), decode=self.form.decoder)
+
+    def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
+        if self.on_host and self.form is None:
             return self.store.put(keys, [_view(self.cache.block(p)) for p in pages], tokens)
         stored = 0
         buf = self._staging
         for start in range(0, len(keys), self.rows):
             group = list(pages[start : start + self.rows])
             rows = buf[: len(group)]
-            index = torch.tensor(group).to(self.cache.pages.device, non_blocking=True)
-            rows.copy_(self.cache.pages.index_select(0, index).view(len(group), -1).view(torch.uint8))
+            rows.copy_(_gather(self.cache, group, self.form))
             stored += self.store.put(keys[start : start + len(group)], self._views[: len(group)], tokens)
         return stored
 
@@ -160,9 +188,10 @@ class FetcherPages:
     """Blocks through the host's fetcher (see the module docstring); through ``fallback``, the engine's own store
     client, while the fetcher is away and for blocks it cannot stage."""
 
-    def __init__(self, client: FetchClient, store: BlockStore, cache: PagedKVCache) -> None:
+    def __init__(self, client: FetchClient, store: BlockStore, cache: PagedKVCache, form: Layout | None = None) -> None:
         self.client, self.store, self.cache = client, store, cache
-        self.fallback = StorePages(store, cache)
+        self.fallback = StorePages(store, cache, form)
+        self.form, self.block_bytes = self.fallback.form, self.fallback.block_bytes
         self.availability = Availability(
             f"the fetcher at {client.socket_path}", "blocks go through the store client", log
         )
@@ -178,13 +207,15 @@ class FetcherPages:
         if not keys:
             return 0
         try:
-            blocks = self.client.fetch(keys, self.cache.page_bytes, headers=self.store.headers(keys, tokens))
+            blocks = self.client.fetch(keys, self.block_bytes, headers=self.store.headers(keys, tokens))
             try:
                 n = blocks.leading(blocks.ok())  # the answers as arrays: no Python object per block
                 if n:
                     assert blocks.segment is not None
                     slots = blocks.slots[:n].astype(np.int32)  # int32 ids: what the GPU kernels read, copied as is
-                    swap_in(self._slot_rows(blocks.segment), slots, self.cache.pages, np.asarray(pages[:n], np.int32))
+                    decode = None if self.form is None else self.form.decoder
+                    rows = self._slot_rows(blocks.segment)
+                    swap_in(rows, slots, self.cache.pages, np.asarray(pages[:n], np.int32), decode=decode)
                     if self.cache.pages.device.type != "cpu":
                         torch.cuda.current_stream().synchronize()  # before the pins are released
                 landed = blocks.leading(blocks.valid()[:n])  # a slot reused meanwhile is a miss from there
@@ -213,7 +244,7 @@ class FetcherPages:
         stored = done = 0
         try:
             while done < len(keys):
-                slots = self.client.alloc(len(keys) - done, self.cache.page_bytes)
+                slots = self.client.alloc(len(keys) - done, self.block_bytes)
                 n = slots.leading(slots.ok())
                 if n == 0:
                     self._unstaged(slots, 0)
@@ -221,7 +252,11 @@ class FetcherPages:
                 assert slots.segment is not None
                 ids = slots.slots[:n].astype(np.int32)
                 at = slice(done, done + n)
-                swap_out(self.cache.pages, np.asarray(pages[at], dtype=np.int32), self._slot_rows(slots.segment), ids)
+                if self.form is None:
+                    swap_out(self.cache.pages, np.asarray(pages[at], np.int32), self._slot_rows(slots.segment), ids)
+                else:  # encoded on the device first: only the encoded bytes cross PCIe
+                    encoded = _gather(self.cache, pages[at], self.form)
+                    swap_out(encoded, np.arange(n, dtype=np.int32), self._slot_rows(slots.segment), ids)
                 if self.cache.pages.device.type != "cpu":
                     torch.cuda.current_stream().synchronize()
                 stored += sum(self.client.put(keys[at], slots[:n], headers=self.store.headers(keys[at], tokens)))
@@ -273,6 +308,13 @@ class FetcherPages:
             rows = mapping.tensor
         self._rows[kind] = (segment, rows, mapping)
         return rows
+
+
+def _gather(cache: PagedKVCache, pages: Sequence[int], form: Layout | None) -> torch.Tensor:
+    """``pages`` as one uint8 tensor [n, block bytes] on the cache's device: their bytes, or encoded by ``form``."""
+    index = torch.tensor(list(pages)).to(cache.pages.device, non_blocking=True)
+    rows = cache.pages.index_select(0, index).view(len(pages), -1).view(torch.uint8)
+    return rows if form is None else form.encode(rows)
 
 
 def _view(t: torch.Tensor) -> memoryview:

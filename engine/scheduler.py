@@ -153,7 +153,7 @@ class Scheduler:
         if self.cost is None or not engine.fetch_s:
             return True
         n, hit = g.cached + 1, blocks * engine.block_tokens
-        fetch_s = blocks * engine.cache.page_bytes * engine.fetch_s / engine.fetched_bytes
+        fetch_s = blocks * engine.block_bytes * engine.fetch_s / engine.fetched_bytes
         return fetch_s + self.cost.prefill_s(n - hit, hit) < self.cost.prefill_s(n, 0)
 
     def _forward(self, running: dict[Any, Generation], planned: dict[Any, int | None]) -> list[Advanced]:

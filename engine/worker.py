@@ -104,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, help="requests run at once (default: as many as the cache holds)")
 
+    p.add_argument(
+        "--kv-format",
+        default="exact",
+        help="form of blocks and StateBlocks outside the device: exact (default), bf16, fp8-e4m3, mxfp8, mxfp4, seed "
+        "or KIND=CODEC,... (docs/engine.md, KV formats)",
+    )
 
 def flags(args: argparse.Namespace, *adders: Callable[[argparse.ArgumentParser], None]) -> list[str]:
     """The command-line flags that give a process the options ``adders`` register (default :func:`add_arguments`)
@@ -136,6 +142,7 @@ def open_engine(role: str, args: argparse.Namespace) -> Engine:
         state_pool_bytes=args.state_pool_bytes,
         cache_tokens=args.cache_tokens,
         chunk_tokens=args.chunk_tokens,
+        kv_format=args.kv_format,
     )
     engine.handoff = role == "prefill"
     return engine

@@ -3,7 +3,9 @@ CPU (``target="c"``, where tilelang is installed) and for CUDA (where a GPU is),
 side, a flag holding the launch's stamp moves nothing (one holding another launch's stamp does not stop it); the
 TileLang check (CUDA only) flags exactly the lists its reference refuses and hands every list on to the copy, launch
 after launch with the same claims (CI has neither and skips those). The C host copy: streaming and plain
-paths (long and short rows, aligned and unaligned destinations, tails that are not whole cache lines)."""
+paths (long and short rows, aligned and unaligned destinations, tails that are not whole cache lines). The decoding
+gather (``kernels/dequant.py``, C and CUDA): every kind of segment, random encoded bytes (every code, NaN and the
+scale's range ends among them) decoded bit for bit as ``kvquant`` defines them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import pytest
 import torch
 
 from kvtier.kernels import _hostcopy
+from kvtier.kernels.dequant import DecodeRows
+from kvtier.kernels.kvquant import Segment
 from kvtier.kernels.rowcopy import RowCheckKernel, RowCopyKernel, copy_rows_reference, rows_ok_reference
 
 needs_tilelang = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="needs tilelang")
@@ -154,3 +158,75 @@ def test_narrow_ids_refuses_other_types_and_overflow() -> None:
         _hostcopy.narrow_ids(np.zeros(8, dtype=np.int64), 0, np.arange(4))
     with pytest.raises(ValueError, match="do not fit"):
         _hostcopy.narrow_ids(dst, 5, np.arange(4))
+
+
+# --- the decoding gather (kernels/dequant.py) --------------------------------------------------------------------
+
+
+def decoding_layout(dtype: torch.dtype) -> DecodeRows:
+    """Every kind the kernel decodes, at offsets and strides a block has: 5 rows of 64 values as fp8-e4m3 (48) +
+    bf16 (16, the RoPE channels) and exact rows, 3 rows each of mxfp8 and mxfp4 (rows past a segment's end: a
+    segment's last tile is partial)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    segments, src, dst = [], 0, 0
+    for codec, rows, width, first, row_width in (
+        ("fp8-e4m3", 5, 48, 0, 64),
+        ("bf16", 5, 16, 48, 64),
+        ("mxfp8", 3, 64, 0, 64),
+        ("mxfp4", 3, 64, 0, 64),
+        ("exact", 7, 40, 0, 40),
+        ("mxfp8", 1200, 32, 0, 32),  # more than one tile
+    ):
+        if first == 0 and segments:
+            dst += segments[-1].rows * segments[-1].dst_row_stride
+        s = Segment(codec, rows, width, itemsize, src, dst + first * itemsize, row_width * itemsize)
+        segments.append(s)
+        src += s.encoded_bytes
+    return DecodeRows(tuple(segments), dtype)
+
+
+def decoding_case(dtype: torch.dtype, device: str) -> tuple[DecodeRows, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random encoded rows (every element and scale code, NaN and the range ends included), a poisoned destination
+    and 9 rows of each, in random order."""
+    layout = decoding_layout(dtype)
+    src_stride = -(-layout.src_bytes // 64) * 64 + 64
+    src = torch.randint(0, 256, (12, src_stride), dtype=torch.uint8, device=device)
+    dst = torch.randint(0, 256, (16, layout.dst_bytes + 256), dtype=torch.uint8, device=device)
+    rows = torch.stack([torch.randperm(12, device=device)[:9], torch.randperm(16, device=device)[:9]])
+    return layout, src, dst, rows.to(torch.int32)
+
+
+@needs_tilelang
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decoding_kernel_equals_reference(target: str, dtype: torch.dtype) -> None:
+    device = "cpu" if target == "c" else "cuda"
+    layout, src, dst, rows = decoding_case(dtype, device)
+    want = dst.clone()
+    want[rows[1].long(), : layout.dst_bytes] = layout.reference(src[rows[0].long()])
+    kernel = layout.kernel(src.shape[1] // 4, dst.shape[1] // 4, target=target)
+    kernel(src.view(torch.int32), rows, dst.view(torch.int32), torch.full((1,), 3, dtype=torch.int32, device=device), 4)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst, want)
+
+
+@needs_tilelang
+@pytest.mark.parametrize("target", TARGETS)
+def test_decoding_kernel_with_the_flag_set_moves_nothing(target: str) -> None:
+    device = "cpu" if target == "c" else "cuda"
+    layout, src, dst, rows = decoding_case(torch.bfloat16, device)
+    before = dst.clone()
+    kernel = layout.kernel(src.shape[1] // 4, dst.shape[1] // 4, target=target)
+    kernel(src.view(torch.int32), rows, dst.view(torch.int32), torch.full((1,), 7, dtype=torch.int32, device=device), 7)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst, before)
+
+
+def test_a_decoding_layout_the_kernel_cannot_take_is_refused() -> None:
+    odd = Segment("fp8-e4m3", 2, 16, 2, 0, 2, 34)  # rows that start mid-word
+    with pytest.raises(ValueError, match="rows in whole words"):
+        DecodeRows((odd,), torch.bfloat16).table()
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        DecodeRows((odd,), torch.float16)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.kernels.dequant import DecodeRows
+from kvtier.kernels.kvquant import Segment
 from kvtier.kernels.rowcopy import copy_rows_reference
 from kvtier.transfer import staging
 from kvtier.transfer.swapin import CudaHostMapping, SwapError, slot_tensor, swap_in, swap_out
@@ -65,6 +67,19 @@ def expected_swap_in(slots: torch.Tensor, slot_ids: list[int], cache: torch.Tens
     return out
 
 
+def decoder() -> DecodeRows:
+    """A page (bf16, rows of 32 values) kept as fp8-e4m3, the last 16 channels of each row as bf16: 3,136 bytes."""
+    rows = page_bytes() // 64
+    nope = Segment("fp8-e4m3", rows, 16, 2, 0, 0, 64)
+    return DecodeRows((nope, Segment("bf16", rows, 16, 2, nope.encoded_bytes, 32, 64)), torch.bfloat16)
+
+
+def expected_decoded(slots: torch.Tensor, slot_ids: list[int], cache: torch.Tensor, pages: list[int]) -> torch.Tensor:
+    out = cache.cpu().clone()
+    out.view(PAGES, -1).view(torch.uint8)[pages] = decoder().reference(slots.cpu()[slot_ids])
+    return out
+
+
 def test_slot_tensor_views_the_segment_without_copying(segment: shared_memory.SharedMemory) -> None:
     view = slot_tensor(segment.buf, stride=STRIDE, slots=SLOTS, offset=OFFSET)
     view[3, 7] = 201
@@ -112,6 +127,22 @@ def test_swap_out_then_in_round_trips_and_keeps_the_slot_tails(slots: torch.Tens
     back = random_cache()
     swap_in(slots, [10, 2, 6], back, [4, 7, 1])
     assert torch.equal(back[[4, 7, 1]].view(torch.int16), cache[[4, 7, 1]].view(torch.int16))
+
+
+def test_swap_in_with_a_decoder_puts_each_slot_decoded_into_its_page(slots: torch.Tensor) -> None:
+    cache = random_cache()
+    slot_ids, page_ids = [5, 0, 11, 3], [9, 2, 15, 0]
+    want = expected_decoded(slots, slot_ids, cache, page_ids)
+    swap_in(slots, slot_ids, cache, page_ids, decode=decoder())
+    assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_decoder_of_other_pages_or_larger_blocks_is_refused(slots: torch.Tensor) -> None:
+    small = random_cache()[:, :1].contiguous()  # pages of 2 KiB
+    with pytest.raises(SwapError, match="the decoder makes 4096-byte pages, the cache's are 2048 bytes"):
+        swap_in(slots, [1], small, [0], decode=decoder())
+    with pytest.raises(SwapError, match="a block is 3136 bytes, more than a slot's 1024"):
+        swap_in(slots[:, :1024].contiguous(), [1], random_cache(), [0], decode=decoder())
 
 
 def test_no_ids_is_a_no_op(slots: torch.Tensor) -> None:
@@ -172,6 +203,17 @@ def test_gpu_swap_in_reads_the_registered_segment_directly(slots: torch.Tensor) 
         assert mapped.tensor.is_cuda
         assert mapped.tensor.data_ptr() == slots.data_ptr()  # an alias of host memory, not a device copy
         swap_in(mapped.tensor, slot_ids, cache, page_ids)
+        torch.cuda.synchronize()
+    assert torch.equal(cache.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_gpu_swap_in_with_a_decoder_decodes_the_registered_segment_bit_for_bit(slots: torch.Tensor) -> None:
+    cache = random_cache("cuda")
+    slot_ids, page_ids = [5, 0, 11, 3, 7], [9, 2, 15, 0, 4]
+    want = expected_decoded(slots, slot_ids, cache, page_ids)
+    with CudaHostMapping(slots) as mapped:
+        swap_in(mapped.tensor, slot_ids, cache, page_ids, decode=decoder())
         torch.cuda.synchronize()
     assert torch.equal(cache.cpu().view(torch.int16), want.view(torch.int16))
 

@@ -24,6 +24,11 @@ slots, leaving the rest of each slot untouched.
   the kernel alone 0.92-0.93x; the rest, about 0.3 ms a call, is host work before the copy is launched, half of it
   writing the ids), against 0.05-0.06/0.20-0.27x for a ``cudaMemcpyAsync`` per block (docs/swapin.md).
 
+**Decoding on the way** (``swap_in(..., decode=)``, low-precision KV formats): the slots hold encoded blocks and each
+page receives its block decoded. On the GPU one launch of ``kernels/dequant.py``'s kernel in place of the row copy
+(same ids, same check, same flag): only the encoded bytes cross PCIe. On the CPU the decoder's torch definition. What
+the bytes mean is the decoder's business: this module sees sizes and a kernel.
+
 Both functions check their arguments and raise :class:`SwapError` (one line: what is wrong) having moved no byte:
 ids must be integers in range, as many slot ids as page ids, destination ids distinct, page size within the slot
 stride, a multiple of 4 bytes on the GPU, and the tensors on matching devices. On the GPU they return once the
@@ -38,7 +43,7 @@ from __future__ import annotations
 import mmap
 import threading
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -84,6 +89,13 @@ class _CudaArrayInterface:
         }
 
 
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor on ``device`` aliasing ``host``, a contiguous CPU ``uint8`` tensor in memory the device can reach
+    (torch's ``pin_memory``, which unified addressing maps for every device, or a :class:`CudaHostMapping`'s):
+    kernels read it across PCIe where it is."""
+    return torch.as_tensor(_CudaArrayInterface(host), device=device)
+
+
 class CudaHostMapping:
     """A contiguous CPU ``uint8`` tensor (normally from :func:`slot_tensor`) page-locked and mapped into a CUDA
     device's address space. ``tensor`` is a CUDA tensor of the same shape aliasing the same bytes: kernels read and
@@ -108,7 +120,7 @@ class CudaHostMapping:
             err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, host.numel(), flags))
             if err != 0:
                 raise RuntimeError(f"cudaHostRegister of {host.numel()} bytes failed with CUDA error {err}")
-            self.tensor = torch.as_tensor(_CudaArrayInterface(host), device=self.device)
+            self.tensor = device_view(host, self.device)
 
     def close(self) -> None:
         if self._ptr is None:
@@ -127,12 +139,31 @@ class CudaHostMapping:
         self.close()
 
 
-def swap_in(slots: torch.Tensor, slot_ids: Any, kv_cache: torch.Tensor, page_ids: Any) -> None:
-    """Copy block ``b`` from ``slots[slot_ids[b]]`` into page ``kv_cache[page_ids[b]]``, for every ``b``.
+class RowDecode(Protocol):
+    """A transform of each slot's first ``src_bytes`` into a page of ``dst_bytes`` on the way in (a decoder of
+    ``kvtier.kernels.dequant``; this module knows nothing of what the bytes mean)."""
+
+    src_bytes: int
+    dst_bytes: int
+
+    def reference(self, src: torch.Tensor) -> torch.Tensor:
+        """Rows ``src`` (uint8 [n, ≥ src_bytes]) transformed: uint8 [n, dst_bytes] (the CPU path)."""
+        ...
+
+    def kernel(self, src_stride: int, dst_stride: int) -> Any:
+        """The GPU kernel for rows that many ``int32`` words apart, with the row copy's launch contract."""
+        ...
+
+
+def swap_in(
+    slots: torch.Tensor, slot_ids: Any, kv_cache: torch.Tensor, page_ids: Any, decode: RowDecode | None = None
+) -> None:
+    """Copy block ``b`` from ``slots[slot_ids[b]]`` into page ``kv_cache[page_ids[b]]``, for every ``b``; with
+    ``decode``, each page is ``decode`` of its slot's first ``decode.src_bytes`` (in the same one launch on a GPU).
 
     ``slots``: the CPU view of the slots for a CPU cache, their :class:`CudaHostMapping` tensor for a CUDA cache.
     Ids: 1-D integer sequences, arrays or tensors of equal length; ``page_ids`` distinct."""
-    _swap(slots, slot_ids, kv_cache, page_ids, to_pages=True)
+    _swap(slots, slot_ids, kv_cache, page_ids, to_pages=True, decode=decode)
 
 
 def swap_out(kv_cache: torch.Tensor, page_ids: Any, slots: torch.Tensor, slot_ids: Any) -> None:
@@ -141,12 +172,22 @@ def swap_out(kv_cache: torch.Tensor, page_ids: Any, slots: torch.Tensor, slot_id
     _swap(slots, slot_ids, kv_cache, page_ids, to_pages=False)
 
 
-def _swap(slots: torch.Tensor, slot_ids: Any, kv_cache: torch.Tensor, page_ids: Any, to_pages: bool) -> None:
+def _swap(
+    slots: torch.Tensor,
+    slot_ids: Any,
+    kv_cache: torch.Tensor,
+    page_ids: Any,
+    to_pages: bool,
+    decode: RowDecode | None = None,
+) -> None:
     pages = _page_rows(kv_cache)
     if slots.dim() != 2 or slots.dtype != torch.uint8 or not slots.is_contiguous():
         raise SwapError("slots must be a contiguous uint8 tensor [slots, stride] (see slot_tensor)")
-    if pages.shape[1] > slots.shape[1]:
-        raise SwapError(f"a page is {pages.shape[1]} bytes, more than a slot's {slots.shape[1]}")
+    if decode is not None and decode.dst_bytes != pages.shape[1]:
+        raise SwapError(f"the decoder makes {decode.dst_bytes}-byte pages, the cache's are {pages.shape[1]} bytes")
+    block = pages.shape[1] if decode is None else decode.src_bytes
+    if block > slots.shape[1]:
+        raise SwapError(f"a block is {block} bytes, more than a slot's {slots.shape[1]}")
     if slots.device != kv_cache.device:
         hint = " (map the slots with CudaHostMapping)" if kv_cache.device.type == "cuda" else ""
         raise SwapError(f"slots are on {slots.device}, the KV cache on {kv_cache.device}{hint}")
@@ -158,9 +199,12 @@ def _swap(slots: torch.Tensor, slot_ids: Any, kv_cache: torch.Tensor, page_ids: 
     if kv_cache.device.type == "cpu":
         _check_ids(s, slots.shape[0], "slot", distinct=not to_pages)
         _check_ids(p, pages.shape[0], "page", distinct=to_pages)
-        _host_copy(slots, s, pages, p, to_pages)
+        if decode is None:
+            _host_copy(slots, s, pages, p, to_pages)
+        else:
+            pages.index_copy_(0, torch.from_numpy(p).long(), decode.reference(slots[torch.from_numpy(s).long()]))
     else:
-        _device_copy(slots, s, pages, p, to_pages)
+        _device_copy(slots, s, pages, p, to_pages, decode)
 
 
 def _page_rows(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -198,7 +242,9 @@ def _host_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.nd
     _hostcopy.copy_rows(*dst, *src, pages.shape[1])
 
 
-def _device_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.ndarray, to_pages: bool) -> None:
+def _device_copy(
+    slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.ndarray, to_pages: bool, decode: RowDecode | None
+) -> None:
     nbytes = pages.shape[1]
     if nbytes % WORD_BYTES or slots.shape[1] % WORD_BYTES or slots.data_ptr() % WORD_BYTES:
         raise SwapError(f"on a GPU, page size ({nbytes}) and slot stride ({slots.shape[1]}) must be multiples of 4")
@@ -206,7 +252,10 @@ def _device_copy(slots: torch.Tensor, s: np.ndarray, pages: torch.Tensor, p: np.
         raise SwapError(f"on a GPU, at most {STAMP_LIMIT} slots and pages (ids are int32 there)")
     slot_words, page_words = slots.view(torch.int32), pages.view(torch.int32)
     src, dst = (slot_words, page_words) if to_pages else (page_words, slot_words)
-    kernel = RowCopyKernel(nbytes // WORD_BYTES, src.shape[1], dst.shape[1])
+    if decode is None:
+        kernel = RowCopyKernel(nbytes // WORD_BYTES, src.shape[1], dst.shape[1])
+    else:
+        kernel = decode.kernel(src.shape[1], dst.shape[1])
     launcher = _launcher(pages.device)
     with launcher.lock:
         ok = launcher.copy(kernel, src, (s, p) if to_pages else (p, s), dst)
@@ -257,9 +306,7 @@ class _Launcher:
         self.claims = torch.zeros(0, dtype=torch.int32, device=device)
         self.stamp = 0
 
-    def copy(
-        self, kernel: RowCopyKernel, src: torch.Tensor, ids: tuple[np.ndarray, np.ndarray], dst: torch.Tensor
-    ) -> bool:
+    def copy(self, kernel: Any, src: torch.Tensor, ids: tuple[np.ndarray, np.ndarray], dst: torch.Tensor) -> bool:
         """Copy ``src[ids[0][b]]`` to ``dst[ids[1][b]]`` on the current stream, all or nothing; False if the ids
         were refused (then nothing is or will be copied)."""
         n, at = ids[0].size, self.ALIGN

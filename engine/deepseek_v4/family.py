@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from kvtier.engine.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
-from kvtier.engine.deepseek_v4.model import Batch, DeepseekV4
+from kvtier.engine.deepseek_v4.model import INDEXER, Batch, DeepseekV4
 from kvtier.engine.deepseek_v4.state import DenseEntries, Name, V4State, compressors, state_block_bytes
 from kvtier.engine.deepseek_v4.weights import checkpoint_names, load_tensors
+from kvtier.engine.formats import Part
 from kvtier.engine.paged_cache import PagePool
-from kvtier.engine.sliding import STATE_INTERVAL
+from kvtier.engine.sliding import SPECULATIVE_POSITIONS, STATE_INTERVAL
 
 
 class V4Pages(PagePool):
@@ -114,6 +115,20 @@ class DeepseekV4Family:
 
     def state_bytes(self, config: V4Config, dtype: torch.dtype) -> int:
         return state_block_bytes(config, dtype)
+
+    def kv_parts(self, config: V4Config, block_tokens: int, dtype: torch.dtype) -> tuple[list[Part], list[Part]]:
+        """A block: each compressor's entries (``main``; an indexer's keys ``index``); a StateBlock: every layer's
+        window rows (``window``), then the compressors' partial windows and overlap state (``state``, opaque: gates
+        are float32). Entries, keys and window rows carry RoPE in their last ``rope.dim`` channels."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        rope = config.rope_compress.dim
+        block = [
+            Part("index" if c.name == INDEXER else "main", block_tokens // c.rate, c.width, itemsize, rope)
+            for c in compressors(config)
+        ]
+        rows = config.num_layers * (config.sliding_window + SPECULATIVE_POSITIONS)
+        window = Part("window", rows, config.head_dim, itemsize, config.rope_main.dim)
+        return block, [window, Part("state", 1, state_block_bytes(config, dtype) - window.nbytes, 1)]
 
     def new_state(self, config: V4Config, cache: V4Pages, seq: Any, start: int) -> V4State:
         return V4State(config, PagedEntries(cache), start, cache.pages.dtype, cache.pages.device)
