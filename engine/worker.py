@@ -103,13 +103,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a store lookup taking longer makes its request compute instead of reuse (default 2000)",
     )
     p.add_argument("--max-num-seqs", type=int, help="requests run at once (default: as many as the cache holds)")
-
     p.add_argument(
         "--kv-format",
         default="exact",
         help="form of blocks and StateBlocks outside the device: exact (default), bf16, fp8-e4m3, mxfp8, mxfp4, seed "
         "or KIND=CODEC,... (docs/engine.md, KV formats)",
     )
+
 
 def flags(args: argparse.Namespace, *adders: Callable[[argparse.ArgumentParser], None]) -> list[str]:
     """The command-line flags that give a process the options ``adders`` register (default :func:`add_arguments`)

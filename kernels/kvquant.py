@@ -63,7 +63,8 @@ E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0…7; 8…15 are their negatives
 # |x| at which E2M1 rounding moves up a code (ties go to the even code)
 _E2M1_STEPS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-MIN_NORMAL = 2.0**-126
+_SIGN = -(2**31)  # float32's sign bit, as an int32
+_NAN_BITS = 0x7FC00000  # the canonical quiet NaN
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -121,12 +122,12 @@ def _e4m3_codes(y: torch.Tensor) -> torch.Tensor:
 
 
 def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes as float64 values (exact; NaN for ``0x7F`` / ``0xFF``)."""
-    return codes.view(torch.float8_e4m3fn).to(torch.float64)
+    """E4M3 codes as float32 values (exact; NaN for ``0x7F`` / ``0xFF``)."""
+    return codes.view(torch.float8_e4m3fn).float()
 
 
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64, device=codes.device)
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
     table[8] = -0.0
     return table[codes.long()]
 
@@ -178,7 +179,11 @@ def encode(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode(codec: Codec, elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Values [..., width] in ``dtype`` (bfloat16 or float32) from :func:`encode`'s bytes."""
+    """Values [..., width] in ``dtype`` (bfloat16 or float32) from :func:`encode`'s bytes.
+
+    The rules of the module docstring, computed on float32 bits: an element's bits with the UE8M0 scale's exponent
+    added (clamped: zero below the normal range, infinity past it), or the float32 product of two E4M3 values (exact),
+    then the canonical NaN where either was NaN (torch's casts and products vary NaN payloads)."""
     if codec.element == "raw":
         return elements.contiguous().view(dtype)
     if codec.element == "bf16":
@@ -188,10 +193,21 @@ def decode(codec: Codec, elements: torch.Tensor, scales: torch.Tensor, dtype: to
     else:
         low, high = elements & 0xF, elements >> 4
         values = _e2m1_values(torch.stack((low, high), dim=-1).flatten(-2))
-    scale = _e4m3_values(scales) if codec.scale == "e4m3" else _ue8m0_values(scales)
-    v = values.unflatten(-1, (-1, codec.group)) * scale[..., None]
-    v = torch.where(v.abs() < MIN_NORMAL, torch.copysign(torch.zeros_like(v), v), v).flatten(-2).to(torch.float32)
-    bits = torch.where(torch.isnan(v), 0x7FC00000, v.view(torch.int32))  # one NaN (torch's casts vary the payload)
+    values = values.unflatten(-1, (-1, codec.group))
+    nan = torch.isnan(values)
+    if codec.scale == "e4m3":
+        scale = _e4m3_values(scales)[..., None]
+        bits = (values * scale).view(torch.int32)  # both 4 significant bits: exact, and never below 2**-18
+        nan = nan | torch.isnan(scale)
+    else:
+        bits = values.view(torch.int32)
+        k = scales.to(torch.int32)[..., None]
+        exponent = (((bits >> 23) & 0xFF) + k - 127).clamp(0, 255)
+        exponent = torch.where(bits & 0x7FFFFFFF == 0, 0, exponent)
+        mantissa = torch.where((exponent > 0) & (exponent < 255), bits & 0x7FFFFF, 0)
+        bits = (bits & _SIGN) | (exponent << 23) | mantissa
+        nan = nan | (k == 255)
+    bits = torch.where(nan, _NAN_BITS, bits).flatten(-2)
     return bits.view(torch.float32) if dtype == torch.float32 else (bits >> 16).to(torch.int16).view(torch.bfloat16)
 
 

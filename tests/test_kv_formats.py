@@ -5,6 +5,7 @@ clusters and a real fetcher process; tiny dense and DeepSeek-V4 checkpoints on t
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import subprocess
@@ -21,6 +22,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.formats import FormatError, KVFormat
 from kvtier.engine.stateblocks import LocalStateBlocks
 from kvtier.engine.worker import WorkerProcess
+from kvtier.tools.kvbench import main as kvbench
 from kvtier.transfer.fetcher import LocalFetcher
 
 MakeEngine = Callable[..., Engine]
@@ -253,3 +255,53 @@ def test_a_worker_given_a_format_it_cannot_take_says_so_in_one_line(v4: Path, cl
     )  # fmt: skip
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("kvtier-engine: KV format window=mxfp8,rope=bf16: ")
+
+
+# -- the benchmarks (what they report, not how fast) -----------------------------------------------------------
+
+
+def test_kvbench_kv_format_reports_each_formats_error_agreement_and_bytes(
+    cluster_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--config", str(cluster_file), "kv-format", "--prompts", "2", "--lengths", "700-900", "--new-tokens", "4"]
+    assert kvbench([*args, "--format", "exact", "--format", "mxfp4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    exact, mxfp4 = result["formats"]["exact"], result["formats"]["mxfp4"]
+    assert [r["prompt_tokens"] for r in exact["prompts"]] == [700, 900]
+    assert all(r["hit_tokens"] > 0 for r in exact["prompts"] + mxfp4["prompts"])
+    assert exact["max_abs_dlogit_max"] <= 1e-4 and exact["token_agreement"] == 1  # the reuse path's own floor
+    assert mxfp4["max_abs_dlogit_median"] > 0 and mxfp4["block_bytes"] == exact["block_bytes"] // 4 * 17 // 32
+
+
+def test_kvbench_kv_bytes_gives_each_tier_per_format_and_says_which_a_model_cannot_take(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    formats = ["--kv-format", "exact", "--kv-format", "seed", "--kv-format", "window=mxfp8,rope=bf16"]
+    assert kvbench(["kv-bytes", "--models", "v4-h200,v4-tiny", *formats, "--json"]) == 0
+    rows = {(r["model"], r["kv_format"]): r for r in json.loads(capsys.readouterr().out)["models"]}
+    exact, seed = rows[("v4-h200", "exact")], rows[("v4-h200", "seed")]
+    assert seed["hbm_bytes_per_token"] == exact["hbm_bytes_per_token"] == exact["block_bytes_per_token"]
+    assert seed["block_bytes_per_token"] < exact["block_bytes_per_token"] / 2  # the pool's and the wire's
+    assert (
+        seed["store_bytes_per_token"] < exact["store_bytes_per_token"] / 2
+        and seed["store_blocks"] > 2 * exact["store_blocks"]
+    )
+    assert seed["state_block_bytes"] == 16 * 134 * 528 + 107_520  # MXFP8 window rows: 528 B each at width 512
+    assert "multiple of 32 values, not 48" in rows[("v4-tiny", "window=mxfp8,rope=bf16")]["error"]
+
+
+def test_kvbench_swapin_with_a_format_decodes_a_models_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = ["swapin", "--kv-format", "seed", "--model", "v4-tiny", "--cpu-bytes", "256KiB", "--rounds", "1"]
+    assert kvbench([*bench, "--no-gpu", "--json"]) == 0
+    [cpu] = json.loads(capsys.readouterr().out)["cpu_formats"].values()
+    assert cpu["block_bytes"] == 5_600 and cpu["blocks"] == (256 << 10) // 5_600 and cpu["gbps"]["swap_in"] > 0
+
+
+def test_kvbench_ttft_moves_blocks_in_the_engines_format(
+    cluster_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = ["ttft", "--prompt-tokens", "300", "--hits", "50", "--repeats", "1", "--kv-format", "fp8-e4m3", "--json"]
+    assert kvbench(["--config", str(cluster_file), *bench]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["settings"]["block_bytes"] == 8192 * 17 // 16
+    assert result["points"][0]["hit_bytes"] == 2 * 8192 * 17 // 16  # 128 tokens: two encoded blocks

@@ -11,6 +11,7 @@ same bytes measured in the same run; and ``replay`` of request traces.
     kvbench fit-cost [--out cost.json]             (the step cost model t(q, c) the balancers use)
     kvbench decode [--concurrency 1,8,32,64]       (batched decode: tokens/s, ITL, the step's memory roofline)
     kvbench kv-bytes [--models 8b,v4-flash]        (block and StateBlock bytes per token of model shapes)
+    kvbench kv-format [--format seed]              (accuracy of reuse from low-precision KV formats)
 
 One module per subcommand (``tools/kvbench/putget.py``, ``replay.py``, ...), each with ``register``
 (``tools.cliutil.Subcommands``); this entry point lists them in :data:`SUBCOMMANDS` and maps their errors to
@@ -32,6 +33,7 @@ from kvtier.tools.kvbench import (
     fetch,
     fitcost,
     kvbytes,
+    kvformat,
     putget,
     replay,
     route,
@@ -43,7 +45,9 @@ from kvtier.tools.kvbench import (
 from kvtier.tools.kvbench.common import PROG, BenchError, UsageError, VerifyError
 
 # a new subcommand: its module, plus one entry here
-SUBCOMMANDS = (putget, replay, fetch, stateblock, ttft, swa_replay, swapin, adapter, fitcost, route, kvbytes, decode)
+SUBCOMMANDS = (
+    putget, replay, fetch, stateblock, ttft, swa_replay, swapin, adapter, fitcost, route, kvbytes, kvformat, decode,
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

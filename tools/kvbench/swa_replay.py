@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from typing import Any
 
 import numpy as np
 
 from kvtier.tools.cliutil import Subcommands
+from kvtier.tools.kvbench import agreement
+from kvtier.tools.kvbench.agreement import compare
 from kvtier.tools.kvbench.common import BenchError, UsageError
 from kvtier.tools.kvbench.enginebench import add_model_arguments, checkpoint_and_cluster, describe
 
@@ -46,27 +47,10 @@ def register(commands: Subcommands) -> None:
     add_model_arguments(p)
 
 
-def _lengths(text: str, prompts: int) -> list[int]:
-    low, sep, high = text.partition("-")
-    try:
-        lo, hi = int(low), int(high if sep else low)
-    except ValueError:
-        raise UsageError(f"--lengths {text!r}: use MIN-MAX in tokens, e.g. 700-2500") from None
-    if not 0 < lo <= hi:
-        raise UsageError(f"--lengths {text!r}: need 0 < MIN <= MAX")
-    return np.linspace(lo, hi, prompts).astype(int).tolist()
-
-
-def _margin(logits: Any) -> float:
-    """The gap between the largest and second largest logit."""
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
-
-
 def run(args: argparse.Namespace) -> int:
     if min(args.prompts, args.new_tokens, args.threads) < 1:
         raise UsageError("--prompts, --new-tokens and --threads must be at least 1")
-    lengths = _lengths(args.lengths, args.prompts)
+    lengths = agreement.lengths(args.lengths, args.prompts)
     from kvtier.engine import Engine
     from kvtier.engine.stateblocks import LocalStateBlocks
 
@@ -83,33 +67,13 @@ def run(args: argparse.Namespace) -> int:
             exact = consumer.generate([prompt], args.new_tokens, reuse=False)[0]
             if not replayed.replayed:
                 raise BenchError(f"prompt {i}: expected a replayed hit, got hit {replayed.hit_tokens}")
-            same = [a == b for a, b in zip(replayed.tokens, exact.tokens, strict=True)]
-            common = same.index(False) if False in same else len(same)
-            error = (replayed.first_logits - exact.first_logits).abs().max().item()
-            margin = _margin(exact.first_logits)
-            rows.append(
-                {
-                    "prompt_tokens": length,
-                    "hit_tokens": replayed.hit_tokens,
-                    "max_abs_dlogit": error,
-                    "top2_margin": margin,
-                    "near_tie": margin < 2 * error,
-                    "tokens_equal": sum(same),
-                    "common_prefix": common,
-                    # the exact run's top-2 margin where the two continuations part (None: they never do)
-                    "margin_at_divergence": None
-                    if common == len(same)
-                    else _margin(consumer.logits(prompt + exact.tokens[:common])[-1]),
-                }
-            )
+            rows.append({"prompt_tokens": length, **compare(replayed, exact, consumer.logits, prompt)})
     print(json.dumps(summarize(rows, args), indent=2) if args.json else _text(summarize(rows, args)))
     return 0
 
 
 def summarize(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """The per-prompt rows and their distribution (the JSON ``kvbench swa-replay --json`` prints)."""
-    errors = sorted(r["max_abs_dlogit"] for r in rows)
-    diverged = [r for r in rows if r["margin_at_divergence"] is not None]
     return {
         "command": "swa-replay",
         "settings": {
@@ -120,15 +84,7 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             "new_tokens": args.new_tokens,
         },
         "prompts": rows,
-        "max_abs_dlogit_max": errors[-1],
-        "max_abs_dlogit_median": statistics.median(errors),
-        "max_abs_dlogit_p90": errors[min(len(errors) - 1, int(0.9 * len(errors)))],
-        "top2_margin_min": min(r["top2_margin"] for r in rows),
-        "near_ties": sum(r["near_tie"] for r in rows),
-        "first_token_diverged": sum(r["common_prefix"] == 0 for r in rows),
-        "diverged": len(diverged),
-        "margin_at_divergence_max": max((r["margin_at_divergence"] for r in diverged), default=None),
-        "token_agreement": sum(r["tokens_equal"] for r in rows) / (len(rows) * args.new_tokens),
+        **agreement.summarize(rows, args.new_tokens),
     }
 
 
@@ -138,27 +94,8 @@ def _text(result: dict[str, Any]) -> str:
     lines = [
         f"bounded SWA replay vs exact, {s['checkpoint']}, {s['prompts']} prompts of {s['lengths']} tokens drawn "
         f"from seed {s['seed']}, {n} greedy tokens",
-        f"{'prompt':>7} {'hit':>6} {'max|Δlogit|':>12} {'top-2 margin':>13} {'equal':>7} {'common prefix':>14}",
+        agreement.header(),
+        *(agreement.line(r, n) for r in result["prompts"]),
+        *agreement.summary_lines(result, s["prompts"], n),
     ]
-    for r in result["prompts"]:
-        tie = " near tie" if r["near_tie"] else ""
-        parted = "" if r["margin_at_divergence"] is None else f" (margin there {r['margin_at_divergence']:.4f})"
-        lines.append(
-            f"{r['prompt_tokens']:>7} {r['hit_tokens']:>6} {r['max_abs_dlogit']:>12.4f} {r['top2_margin']:>13.4f} "
-            f"{r['tokens_equal']:>4}/{n:<2} {r['common_prefix']:>14}{parted}{tie}"
-        )
-    lines.append(
-        f"max |Δlogit|: median {result['max_abs_dlogit_median']:.4f}, p90 {result['max_abs_dlogit_p90']:.4f}, "
-        f"max {result['max_abs_dlogit_max']:.4f}; smallest top-2 margin {result['top2_margin_min']:.4f}, "
-        f"below twice the error (near ties) in {result['near_ties']} of {s['prompts']}"
-    )
-    lines.append(
-        f"greedy agreement {result['token_agreement']:.1%}: {result['diverged']} of {s['prompts']} prompts diverged "
-        f"within {n} tokens ({result['first_token_diverged']} at the first token)"
-        + (
-            f", where the exact logits' top two were at most {result['margin_at_divergence_max']:.4f} apart"
-            if result["diverged"]
-            else ""
-        )
-    )
     return "\n".join(lines)

@@ -33,22 +33,18 @@ stops the run (``kvbench: DATA MISMATCH``, exit status 1).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import importlib.util
 import json
-import mmap
-import shutil
-import statistics
-import time
-from collections.abc import Callable, Iterator
-from multiprocessing import shared_memory
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.tools.cliutil import Subcommands
+from kvtier.tools.kvbench import swapin_format
 from kvtier.tools.kvbench.common import UsageError, VerifyError
+from kvtier.tools.kvbench.swapmem import median_times, random_ids, segment
 
 THREAD_VARIANTS = (128, 256, 512)
 GROUP_BYTES = 128 << 20  # the engine swaps a fetch in groups of this size (engine/fetch.py): one call each
@@ -64,6 +60,14 @@ def register(commands: Subcommands) -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per method (default 5)")
     p.add_argument("--no-gpu", action="store_true", help="CPU figures only, even where a GPU is present")
     p.add_argument("--no-cpu", action="store_true", help="GPU figures only")
+    p.add_argument(
+        "--kv-format",
+        action="append",
+        dest="formats",
+        metavar="F",
+        help="instead of the page sizes: a model's blocks in KV format F, decoded by the swap-in (repeatable)",
+    )
+    p.add_argument("--model", default="8b", help="the model whose blocks --kv-format takes (default 8b; v4-h200, ...)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
 
@@ -82,60 +86,49 @@ def run(args: argparse.Namespace) -> int:
 
     result: dict[str, Any] = {"command": "swapin", "settings": {"page_sizes": pages, "rounds": args.rounds}}
     torch.set_num_threads(1)
-    if not args.no_cpu:
-        result["cpu"] = {str(p): _cpu(p, cpu_bytes // p, args.rounds) for p in pages}
-        result["settings"]["cpu_bytes"] = cpu_bytes
-    if not args.no_gpu and torch.cuda.is_available() and importlib.util.find_spec("tilelang") is not None:
-        result["gpu_device"] = torch.cuda.get_device_name()
-        result["settings"]["gpu_bytes"] = gpu_bytes
-        result["gpu"] = {str(p): _gpu(p, gpu_bytes // p, args.rounds) for p in pages}
+    if args.formats:
+        _formats(args, result, cpu_bytes, gpu_bytes)
+    else:
+        _pages(args, result, pages, cpu_bytes, gpu_bytes)
     text = json.dumps(result, indent=2)
     if args.json_out:
         args.json_out.write_text(text + "\n")
-    print(text if args.json else _table(result))
+    print(text if args.json else "\n".join([_table(result), *swapin_format.table(result)]).strip())
     return 0
 
 
-# --- memory ------------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _segment(nbytes: int) -> Iterator[tuple[memoryview, str]]:
-    """A fresh POSIX shared-memory segment of ``nbytes`` (unlinked on exit), and what it is. Where /dev/shm has
-    less room than that (containers often give it 64 MiB), anonymous memory stands in: writing past a full tmpfs
-    would kill the process with SIGBUS."""
-    if shutil.disk_usage("/dev/shm").free < nbytes + (64 << 20):
-        with mmap.mmap(-1, nbytes) as anonymous:
-            view = memoryview(anonymous)
-            yield view, "anonymous mmap (/dev/shm too small)"
-            view.release()
-        return
-    shm = shared_memory.SharedMemory(create=True, size=nbytes)
-    try:
-        yield shm.buf, "POSIX shared memory"
-    finally:
-        with contextlib.suppress(BufferError):  # a view outlived an error: the mapping goes with the process
-            shm.close()
-        shm.unlink()
-
-
-def _ids(n: int, space: int, seed: int) -> Any:
+def _gpu_here() -> bool:
     import torch
 
-    return torch.randperm(space, generator=torch.Generator().manual_seed(seed))[:n]
+    return torch.cuda.is_available() and importlib.util.find_spec("tilelang") is not None
 
 
-def _median_times(methods: dict[str, Callable[[], object]], rounds: int, sync: Callable[[], None]) -> dict[str, float]:
-    """Seconds per call, median of ``rounds``, the methods interleaved so a busy neighbour slows them alike."""
-    samples: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
+def _formats(args: argparse.Namespace, result: dict[str, Any], cpu_bytes: int, gpu_bytes: int) -> None:
+    """``--kv-format``: each format's decoding swap-in of ``--model``'s blocks (``swapin_format.py``)."""
+    result["settings"] |= {"model": args.model, "kv_formats": args.formats}
+    keys = {f: f"{args.model} {f}" for f in args.formats}
+    if not args.no_cpu:
+        result["cpu_formats"] = {k: swapin_format.cpu(args.model, f, cpu_bytes, args.rounds) for f, k in keys.items()}
+    if not args.no_gpu and _gpu_here():
+        import torch
+
+        result["gpu_device"] = torch.cuda.get_device_name()
+        result["gpu_formats"] = {k: swapin_format.gpu(args.model, f, gpu_bytes, args.rounds) for f, k in keys.items()}
+
+
+def _pages(args: argparse.Namespace, result: dict[str, Any], pages: list[int], cpu_bytes: int, gpu_bytes: int) -> None:
+    import torch
+
+    if not args.no_cpu:
+        result["cpu"] = {str(p): _cpu(p, cpu_bytes // p, args.rounds) for p in pages}
+        result["settings"]["cpu_bytes"] = cpu_bytes
+    if not args.no_gpu and _gpu_here():
+        result["gpu_device"] = torch.cuda.get_device_name()
+        result["settings"]["gpu_bytes"] = gpu_bytes
+        result["gpu"] = {str(p): _gpu(p, gpu_bytes // p, args.rounds) for p in pages}
+
+
+# --- memory ------------------------------------------------------------------------------------------------------
 
 
 def _check(what: str, got: Any, want: Any) -> None:
@@ -149,7 +142,7 @@ def _check(what: str, got: Any, want: Any) -> None:
 
 
 def _cpu(page: int, n: int, rounds: int) -> dict[str, Any]:
-    with _segment(n * page) as (buf, memory):
+    with segment(n * page) as (buf, memory):
         times = _cpu_times(buf, page, n, rounds)  # returns holding no view of the segment, so it can close
     gbps = {name: n * page / t / 1e9 for name, t in times.items()}
     baseline = max(gbps["memcpy"], gbps["torch_copy"])
@@ -171,7 +164,7 @@ def _cpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
     slots = slot_tensor(buf, stride=page, slots=n)
     slots.copy_(torch.randint(0, 256, slots.shape, dtype=torch.uint8))
     cache = torch.empty(2 * n, page, dtype=torch.uint8)
-    slot_ids, page_ids = _ids(n, n, 1), _ids(n, 2 * n, 2)
+    slot_ids, page_ids = random_ids(n, n, 1), random_ids(n, 2 * n, 2)
     flat_slots, flat_cache = slots.view(-1), cache.view(-1)[: n * page]
     methods = {
         "memcpy": lambda: ctypes.memmove(cache.data_ptr(), slots.data_ptr(), n * page),
@@ -188,14 +181,14 @@ def _cpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
     slots.fill_(0x5A)
     methods["swap_out"]()
     _check(f"CPU swap_out, {format_size(page)} pages", slots[out_slots], cache[page_ids])
-    return _median_times(methods, rounds, lambda: None)
+    return median_times(methods, rounds, lambda: None)
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
 
 
 def _gpu(page: int, n: int, rounds: int) -> dict[str, Any]:
-    with _segment(n * page) as (buf, memory):
+    with segment(n * page) as (buf, memory):
         times = _gpu_times(buf, page, n, rounds)  # returns holding no view of the segment, so it can close
     gbps = {name: n * page / t / 1e9 for name, t in times.items()}
     return {
@@ -223,7 +216,7 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
         cache = torch.empty(2 * n, page, dtype=torch.uint8, device=device)
         pinned = torch.empty(n * page, dtype=torch.uint8, pin_memory=True)
         contiguous = torch.empty(n * page, dtype=torch.uint8, device=device)
-        slot_ids, page_ids = _ids(n, n, 1), _ids(n, 2 * n, 2)
+        slot_ids, page_ids = random_ids(n, n, 1), random_ids(n, 2 * n, 2)
         s_dev, p_dev = slot_ids.to(device), page_ids.to(device)
         rows, clear = torch.stack([s_dev, p_dev]).int(), torch.zeros(1, dtype=torch.int32, device=device)
         slot_rows, cache_rows = slots.unbind(0), cache.unbind(0)
@@ -264,7 +257,7 @@ def _gpu_times(buf: memoryview, page: int, n: int, rounds: int) -> dict[str, flo
         methods["swap_out"]()
         torch.cuda.synchronize()
         _check(f"GPU swap_out, {format_size(page)} pages", slots[out_slots], cache[page_ids].cpu())
-        return _median_times(methods, rounds, torch.cuda.synchronize)
+        return median_times(methods, rounds, torch.cuda.synchronize)
 
 
 # --- report ------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
     kvbench [--config PATH] ttft [--checkpoint DIR | --preset tiny] [--prompt-tokens 4000[,L2…]] [--hits 0,50,90,96]
                                  [--repeats 3] [--threads 1] [--device cpu] [--dtype float32] [--chunk-tokens 512]
                                  [--through client|fetcher] [--pool 1GiB] [--node-capacity 2GiB]
-                                 [--json] [--json-out FILE]
+                                 [--kv-format exact] [--json] [--json-out FILE]
 
 A real cluster (``--config``, or a temporary local one of 12 node processes of ``--node-capacity`` each) and the
 engine in this process. ``--through fetcher`` starts a ``kvtier-fetcher`` (a pool of ``--pool``, its slots the
@@ -31,6 +31,10 @@ its pool, promoting them, and swap-in moves them to the device) and the next one
 hit's bound is its suffix compute plus the hit bytes at the **link** rate: one contiguous copy from pinned host
 memory to the device (on a CPU engine, one host memcpy) of up to 1 GiB, measured at each point, the best of three.
 Target: warm ``vs_link`` ≤ 1.15.
+
+``--kv-format F`` runs the engine in KV format ``F`` (docs/engine.md): the blocks are stored, read, pooled and swapped
+in encoded (decoded by the swap-in on the way), so every byte figure (hit bytes, the ``get_into`` rate, the link
+bound) is of encoded blocks; without reuse the engine computes in its dtype as in any format.
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ def register(commands: Subcommands) -> None:
         help="move blocks with the store client, or through a fetcher process started for the run (its pool)",
     )
     p.add_argument("--pool", default="1GiB", help="the fetcher's pool with --through fetcher (default 1GiB)")
+    p.add_argument(
+        "--kv-format",
+        default="exact",
+        help="the engine's KV format (docs/engine.md): blocks and StateBlocks stored, moved and swapped in encoded",
+    )
     p.add_argument("--json-out", type=Path, help="also write the JSON object to this file (after every length)")
     p.add_argument(
         "--check-tokens",
@@ -107,11 +116,12 @@ def run(args: argparse.Namespace) -> int:
                 store=config,
                 cache_tokens=2 * max(lengths) + 1024,
                 chunk_tokens=args.chunk_tokens,
+                kv_format=args.kv_format,
             )
             if args.through == "fetcher":  # its slots sized to this model's blocks
                 _hold_states_past_prefixes(engine, lengths, hits)
                 shm = f"kvbench-ttft-{secrets.token_hex(4)}"
-                slots = f"{engine.cache.page_bytes}B"
+                slots = f"{engine.block_bytes}B"
                 fetcher = LocalFetcher(config, shm, scratch / "fetcher.sock", args.pool, slots).start()
                 assert engine.store is not None
                 engine.attach_store(engine.store, FetchClient(fetcher.socket_path, engine.store.client.config.token))
@@ -124,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
                 "dtype": args.dtype,
                 "chunk_tokens": args.chunk_tokens,
                 "block_tokens": engine.block_tokens,
-                "block_bytes": engine.cache.page_bytes,
+                "block_bytes": engine.block_bytes,
+                "kv_format": args.kv_format,
                 "through": args.through,
             }
             for length in lengths:
@@ -198,7 +209,7 @@ def _bench(
             runs["compute"].append(r.timings["compute_s"])
             runs["fetch"].append(r.timings["lookup_fetch_s"])
         rate = _get_rate(engine, prefix)
-        hit_bytes = h // engine.block_tokens * engine.cache.page_bytes
+        hit_bytes = h // engine.block_tokens * engine.block_bytes
         raw = _raw_rate(engine, hit_bytes)
         reuse_s, compute_s = statistics.median(runs["reuse"]), statistics.median(runs["compute"])
         bound = hit_bytes / rate + compute_s if h else compute_s
@@ -310,7 +321,7 @@ def _get_rate(engine: Engine, prefix: list[int]) -> float:
     keys = store.keys(prefix)
     if not keys:
         return float("inf")
-    buffers = np.ones((len(keys), engine.cache.page_bytes), dtype=np.uint8)
+    buffers = np.ones((len(keys), engine.block_bytes), dtype=np.uint8)
     views = [memoryview(row) for row in buffers]
     best = float("inf")
     for _ in range(2):
@@ -319,7 +330,7 @@ def _get_rate(engine: Engine, prefix: list[int]) -> float:
         best = min(best, time.perf_counter() - start)
         if got != len(keys):
             raise BenchError(f"get_into found {got} of {len(keys)} blocks just stored")
-    return len(keys) * engine.cache.page_bytes / best
+    return len(keys) * engine.block_bytes / best
 
 
 def _raw_rate(engine: Engine, hit_bytes: int) -> float:
@@ -336,7 +347,8 @@ def _text(result: dict[str, Any], length: int) -> str:
     s = result["settings"]
     lines = [
         f"TTFT, {s['checkpoint']}, L = {length} tokens, {s['device']} {s['dtype']}, {s['threads']} thread(s), "
-        f"chunks of {s['chunk_tokens']}, blocks of {s['block_tokens']} tokens / {s['block_bytes']} B via the "
+        f"chunks of {s['chunk_tokens']}, blocks of {s['block_tokens']} tokens / {s['block_bytes']} B "
+        f"({s.get('kv_format', 'exact')}) via the "
         f"{s['through']}; medians of {s['repeats']}",
         f"{'hit %':>6} {'hit tok':>8} {'reuse ms':>9} {'fetch ms':>9} {'recompute ms':>13} {'speedup':>8} "
         f"{'get_into GB/s':>14} {'raw GB/s':>9} {'bound ms':>9} {'vs bound':>9}",
