@@ -375,7 +375,7 @@ def test_a_block_size_that_splits_a_compressed_entry_is_one_clear_line(v4: Path)
 def test_kvbench_kv_bytes_prints_block_bytes_per_token_beside_the_dense_8b(capsys: pytest.CaptureFixture[str]) -> None:
     from kvtier.tools.kvbench import main as kvbench
 
-    assert kvbench(["kv-bytes", "--models", "8b,v4-flash", "--json"]) == 0
+    assert kvbench(["kv-bytes", "--models", "8b,v4-flash", "--kv-format", "exact", "--json"]) == 0
     rows = {r["model"]: r for r in json.loads(capsys.readouterr().out)["models"]}
     # V4-Flash in transformers' default mix: 20 CSA layers (32 entries of 512 + 32 indexer keys of 128 per 128
     # tokens) and 23 HCA layers (one entry of 512), bf16; the dense 8 B: 8 global layers of K and V, 8 heads of 128
