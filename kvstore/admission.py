@@ -10,18 +10,28 @@ endpoints) takes connections the same way:
    error used to end it. Out of kernel memory (``ENOBUFS``/``ENOMEM``), or with no reserve left, the caller
    backs off ``pause_s`` before accepting again. A connection that died in the backlog (``ECONNABORTED``) is
    skipped. Each is logged, rate-limited.
-2. **Admit** with :class:`Admission`, by the peer's address: refused with a reason (ERROR(BUSY) and close)
-   when the server holds ``max_connections``; when ``max_pre_auth_connections`` are waiting to authenticate
-   (the rest of the slots are kept for authenticated connections, so a flood of unauthenticated peers never
-   takes the slots clients need); or when that address has ``max_pre_auth_per_peer`` waiting.
+2. **Admit** with :class:`Admission`, by the peer's address (an IP; for a Unix socket the peer's uid). Before
+   HELLO a connection holds one of ``max_pre_auth_connections`` slots, at most ``max_pre_auth_per_peer`` of
+   them per address; the rest of ``max_connections`` is kept for authenticated connections. A new connection
+   finding those full is not refused: it takes the place of the **oldest waiting connection of the address
+   that holds the most** (its own, when its address is at its limit), which is closed with ERROR(BUSY). A
+   client sends HELLO as soon as it connects and leaves the pre-auth slots within a round trip; a flood's
+   connections wait. So however many addresses or processes flood, a new client is closed only if the heaviest
+   flooder opens more connections than the slots hold in the time its HELLO takes to arrive, while each
+   flooder's connections only ever displace each other (a flood of one address: its own). Refused outright
+   only when ``max_connections`` are open and none of them waits for HELLO.
 3. **HELLO** by the ticket's ``deadline``: ``hello_timeout_s`` after the accept for the whole of it, however
    slowly its bytes trickle in, with at most ``max_pre_auth_meta_bytes`` of metadata and no payload
-   (``Limits.pre_auth``). Then :meth:`Admission.authenticated` (the connection leaves the pre-auth count) or
-   :meth:`Admission.failed`, which charges the address: beyond ``max_auth_failures_per_peer`` failures (an
-   allowance refilled over ``auth_failure_window_s``) the refusal is held back until the allowance has
-   refilled by one (at most ``hello_timeout_s``). A guesser's rate is then bounded by its pre-auth connections,
-   while a client with a good token on the same address (another tenant on a shared host) is never refused.
-4. **Close**: :meth:`Admission.release`, once, whatever happened.
+   (``Limits.pre_auth``). Then :meth:`Admission.authenticated` (the connection leaves the pre-auth count for its
+   tenant's slots: at most ``max_connections_per_tenant``, by default an equal share of the authenticated slots
+   among the cluster's tenants, the admin's own connections aside, so that no tenant's connections shut out
+   another's) or :meth:`Admission.failed`, which charges the address: beyond ``max_auth_failures_per_peer``
+   failures (an allowance refilled over ``auth_failure_window_s``) the refusal is held back until the allowance
+   has refilled by one (at most ``hello_timeout_s``). A guesser's rate is then bounded by its pre-auth
+   connections, while a client with a good token on the same address (another tenant on a shared host) is never
+   refused.
+4. **Idle**: an authenticated connection that sends nothing for ``idle_timeout_s`` is closed (by the server).
+5. **Close**: :meth:`Admission.release`, once, whatever happened.
 
 Thread-per-connection servers run steps 1, 2 and 4 with :func:`accept_forever` and step 3 with
 :func:`recv_hello` and :func:`authenticate`; the fetcher (one epoll) calls the same pieces itself.
@@ -155,13 +165,17 @@ class Acceptor:
 
 @dataclass(eq=False)
 class Ticket:
-    """One admitted connection: its peer, when its HELLO must be complete (by ``clock``), its state."""
+    """One admitted connection: its peer, when its HELLO must be complete (by ``clock``), its state, and how to close
+    it should a newer connection take its place before it authenticates (``evict(reason)``)."""
 
     peer: str
     deadline: float
     clock: Callable[[], float] = time.monotonic
+    evict: Callable[[str], None] | None = None
     authenticated: bool = False
     released: bool = False
+    evicted: bool = False
+    tenant: str = ""
 
     def remaining_s(self) -> float:
         """Seconds left to complete HELLO (0 once past the deadline)."""
@@ -183,57 +197,112 @@ def turn_away(sock: socket.socket, message: bytes) -> None:
 
 
 def peer_of(sock: socket.socket, addr: Any) -> str:
-    """The address a connection is admitted by: its IP (any port), or for a Unix socket the peer's process (its
-    peers share one uid: the socket is the owner's only)."""
+    """The address a connection is admitted by: its IP (any port), or for a Unix socket the peer's uid (the kernel's
+    unit of trust: processes of one uid can act for each other, so forking more of them buys nothing)."""
     if sock.family == socket.AF_UNIX:
-        pid = int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[:4], "little")
-        return f"pid {pid}"
+        uid = int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8], "little")
+        return f"uid {uid}"
     return str(addr[0])
 
 
-class Admission:
-    """The connection slots of one server and the allowances of its peers (steps 2–4 above; thread-safe)."""
+def closer(sock: socket.socket, refusal: Callable[[str], bytes]) -> Callable[[str], None]:
+    """How to close ``sock`` from another thread when its ticket is evicted: ``refusal(reason)`` sent if the socket
+    takes it at once, then both directions shut (its own thread then sees the end and closes it)."""
 
-    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+    def evict(reason: str) -> None:
+        with contextlib.suppress(OSError):
+            sock.send(refusal(reason), socket.MSG_DONTWAIT)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    return evict
+
+
+class Admission:
+    """The connection slots of one server and the allowances of its peers (steps 2–5 above; thread-safe).
+
+    ``tenants``: how many tenants share the authenticated slots (a server whose tenants change sets it anew)."""
+
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic, tenants: int = 1) -> None:
         self.limits = limits
         self.clock = clock
+        self.tenants = tenants
         self._lock = threading.Lock()
         self.open = 0
         self.pre_auth = 0
-        self._pre_auth_by_peer: dict[str, int] = {}
+        self._waiting: dict[str, dict[Ticket, None]] = {}  # peer -> its connections waiting for HELLO, oldest first
+        self._by_tenant: dict[str, int] = {}  # authenticated connections per tenant
         self._allowance: dict[str, tuple[float, float]] = {}  # peer -> (failures it may still make, as of when)
         self.refused = 0
         self.timed_out = 0
+        self.evicted = 0
 
-    def admit(self, peer: str) -> Ticket:
-        """A ticket for a new connection from ``peer``; raises :class:`Refused` (with the reason to send)."""
+    @property
+    def share(self) -> int:
+        """Authenticated connections one tenant may hold (``max_connections_per_tenant``, or an equal share)."""
+        limits = self.limits
+        equal = (limits.max_connections - limits.max_pre_auth_connections) // max(1, self.tenants)
+        return limits.max_connections_per_tenant or max(1, equal)
+
+    def admit(self, peer: str, evict: Callable[[str], None] | None = None) -> Ticket:
+        """A ticket for a new connection from ``peer``, closed with ``evict(reason)`` should a newer one take its
+        place before it authenticates; the one whose place this takes, if any, is evicted now. Raises
+        :class:`Refused` (with the reason to send) only when every slot is held by an authenticated connection."""
         limits = self.limits
         with self._lock:
-            try:
-                self._check(peer)
-            except Refused:
+            victim = self._victim(peer)
+            if victim is None and self.open >= limits.max_connections:
                 self.refused += 1
-                raise
+                raise Refused("too many connections; retry later")
+            if victim is not None:
+                self._evict(victim, peer)
             self.open += 1
             self.pre_auth += 1
-            self._pre_auth_by_peer[peer] = self._pre_auth_by_peer.get(peer, 0) + 1
-            return Ticket(peer, self.clock() + limits.hello_timeout_s, self.clock)
+            ticket = Ticket(peer, self.clock() + limits.hello_timeout_s, self.clock, evict)
+            self._waiting.setdefault(peer, {})[ticket] = None
+            return ticket
 
-    def _check(self, peer: str) -> None:
+    def _victim(self, peer: str) -> Ticket | None:
+        """The waiting connection a new one from ``peer`` takes the place of: its address's oldest if that address is
+        at its limit, else, when the pre-auth slots (or all slots) are full, the oldest of the address holding the
+        most; None while there is room."""
         limits = self.limits
-        if self.open >= limits.max_connections:
-            raise Refused("too many connections; retry later")
-        if self.pre_auth >= limits.max_pre_auth_connections:
-            raise Refused("too many connections waiting to authenticate; retry later")
-        if self._pre_auth_by_peer.get(peer, 0) >= limits.max_pre_auth_per_peer:
-            raise Refused(f"too many unauthenticated connections from {peer}; retry later")
+        mine = self._waiting.get(peer)
+        if mine is not None and len(mine) >= limits.max_pre_auth_per_peer:
+            return next(iter(mine))
+        if self._waiting and (self.pre_auth >= limits.max_pre_auth_connections or self.open >= limits.max_connections):
+            heaviest = max(self._waiting.values(), key=lambda waiting: (len(waiting), -next(iter(waiting)).deadline))
+            return next(iter(heaviest))
+        return None
 
-    def authenticated(self, ticket: Ticket) -> None:
-        """HELLO succeeded: the connection now holds one of the slots kept for authenticated connections."""
+    def _evict(self, victim: Ticket, newcomer: str) -> None:
+        """With the lock held: ``victim`` gives its slot up now, and is closed."""
+        victim.evicted = victim.released = True
+        self.open -= 1
+        self._leave_pre_auth(victim)
+        self.evicted += 1
+        if victim.evict is not None:
+            victim.evict(
+                f"too many connections waiting to authenticate: a newer one (from {newcomer}) took this one's "
+                "place; retry and send HELLO at once"
+            )
+
+    def authenticated(self, ticket: Ticket, tenant: str, capped: bool = True) -> None:
+        """HELLO succeeded for ``tenant``: the connection now holds one of its tenant's slots (``capped``: within
+        :attr:`share`; the admin's are not). Raises :class:`Refused` when the tenant holds its share already, or the
+        connection's place was taken meanwhile (the caller closes it)."""
         with self._lock:
-            if not ticket.authenticated and not ticket.released:
-                ticket.authenticated = True
-                self._leave_pre_auth(ticket.peer)
+            if ticket.evicted:
+                raise Refused("too many connections waiting to authenticate; retry and send HELLO at once")
+            if ticket.authenticated or ticket.released:
+                return
+            held = self._by_tenant.get(tenant, 0)
+            if capped and held >= self.share:
+                self.refused += 1
+                raise Refused(f"tenant {tenant!r} holds {held} connections here, its share; close some or retry later")
+            ticket.authenticated, ticket.tenant = True, tenant
+            self._by_tenant[tenant] = held + 1
+            self._leave_pre_auth(ticket)
 
     def failed(self, ticket: Ticket) -> float:
         """HELLO failed (unknown token, another frame, malformed, late): charge the peer's allowance. Returns how
@@ -263,7 +332,13 @@ class Admission:
             ticket.released = True
             self.open -= 1
             if not ticket.authenticated:
-                self._leave_pre_auth(ticket.peer)
+                self._leave_pre_auth(ticket)
+                return
+            left = self._by_tenant[ticket.tenant] - 1
+            if left:
+                self._by_tenant[ticket.tenant] = left
+            else:
+                del self._by_tenant[ticket.tenant]
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -272,15 +347,15 @@ class Admission:
                 "pre_auth_connections": self.pre_auth,
                 "connections_refused": self.refused,
                 "hello_timeouts": self.timed_out,
+                "pre_auth_evicted": self.evicted,
             }
 
-    def _leave_pre_auth(self, peer: str) -> None:
+    def _leave_pre_auth(self, ticket: Ticket) -> None:
         self.pre_auth -= 1
-        count = self._pre_auth_by_peer[peer] - 1
-        if count:
-            self._pre_auth_by_peer[peer] = count
-        else:
-            del self._pre_auth_by_peer[peer]
+        waiting = self._waiting[ticket.peer]
+        del waiting[ticket]
+        if not waiting:
+            del self._waiting[ticket.peer]
 
     def _allowance_left(self, peer: str) -> float:
         """Failed HELLOs ``peer`` may still make now (refilled at ``max / window`` a second, up to ``max``)."""
@@ -329,7 +404,7 @@ def accept_forever(
             continue
         conn, addr = accepted
         try:
-            ticket = admission.admit(peer_of(conn, addr))
+            ticket = admission.admit(peer_of(conn, addr), closer(conn, refusal))
         except Refused as exc:
             turn_away(conn, refusal(str(exc)))
             continue

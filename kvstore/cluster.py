@@ -545,8 +545,10 @@ def _limits(table: dict[str, Any]) -> Limits:
     defaults of the pre-auth limits shrink to fit a smaller ``max_connections`` the file sets)."""
     limits = _settings(Limits, table, "limits")
     for f in fields(Limits):
-        if not getattr(limits, f.name) > 0:
+        if not getattr(limits, f.name) > 0 and f.name != "max_connections_per_tenant":  # (0: an equal share)
             raise ConfigError(f"limits.{f.name} must be positive")
+    if limits.max_connections_per_tenant < 0:
+        raise ConfigError("limits.max_connections_per_tenant must be 0 (an equal share) or positive")
     if "max_pre_auth_connections" not in table:
         limits = replace(limits, max_pre_auth_connections=min(limits.max_pre_auth_connections, limits.max_connections))
     if "max_pre_auth_per_peer" not in table:

@@ -82,7 +82,8 @@ class MetricsServer:
       401): for a process whose totals tell of every tenant (the fetcher's, the directory's), the admin token.
 
     Peers cannot exhaust it (``limits``): at most ``metrics_max_connections`` connections at once (half of them
-    from one address), each answered 503 beyond that; a request must arrive whole within
+    from one address); beyond that a new one takes the place of the oldest of the address holding the most (its own
+    address's, at its half), which is answered 503 (``kvstore.admission``); a request must arrive whole within
     ``metrics_request_timeout_s`` of the connect (a trickle is cut there), its head at most
     ``MAX_REQUEST_HEAD_BYTES``; one request per connection; the accept loop survives running out of descriptors
     (:mod:`kvtier.kvstore.admission`). It binds ``host``, by default loopback only: nothing authenticates a scrape.

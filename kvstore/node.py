@@ -21,7 +21,10 @@ descriptors). Connection state machine:
 | NEW           | anything else                | ERROR(AUTH_REQUIRED), close; address charged  | closed        |
 | NEW           | header over pre-auth limits  | ERROR(TOO_LARGE), close (nothing allocated)   | closed        |
 | NEW           | ``hello_timeout_s`` passed   | ERROR(AUTH_REQUIRED), close                   | closed        |
+| NEW           | HELLO, tenant at its share   | ERROR(BUSY), close                            | closed        |
+| NEW           | its place taken (slots full) | ERROR(BUSY), close                            | closed        |
 | AUTHENTICATED | a request                    | reply                                         | AUTHENTICATED |
+| AUTHENTICATED | silent ``idle_timeout_s``    | close                                         | closed        |
 | AUTHENTICATED | admin op or tenant, no admin | ERROR(FORBIDDEN) (a PUT's payload dropped)    | AUTHENTICATED |
 | AUTHENTICATED | no disk to record a request  | ERROR(NO_SPACE) (nothing changed)             | AUTHENTICATED |
 | any           | malformed frame              | ERROR(BAD_FRAME/TOO_LARGE/BAD_REQUEST), close | closed        |
@@ -54,6 +57,7 @@ from kvtier.kvstore.admission import (
     Acceptor,
     Admission,
     LogLimiter,
+    Refused,
     Ticket,
     accept_forever,
     authenticate,
@@ -75,10 +79,10 @@ from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
     FrameReader,
-    MetaBudget,
     Op,
     ProtocolError,
     Status,
+    TenantBudgets,
     encode_error,
     encode_head,
 )
@@ -546,8 +550,8 @@ class NodeServer:
         self.stopping = threading.Event()
         limits = node.config.limits
         self.acceptors = [Acceptor(listener, log) for listener in self.listeners]
-        self.admission = Admission(limits)
-        self.meta_budget = MetaBudget(limits.max_buffered_meta_bytes)
+        self.admission = Admission(limits, tenants=len(node.config.tenants))
+        self.budgets = TenantBudgets(limits.max_buffered_meta_bytes, len(node.config.tenants))
         self.warnings = LogLimiter(log)
 
     def serve_forever(self) -> None:
@@ -570,7 +574,7 @@ class NodeServer:
 
     def _serve_connection(self, conn: socket.socket, ticket: Ticket) -> None:
         state = _Conversation()
-        reader = FrameReader(self.node.config.limits.pre_auth(), NODE_REQUESTS, self.meta_budget)
+        reader = FrameReader(self.node.config.limits.pre_auth(), NODE_REQUESTS)  # (its budget: its tenant's)
         try:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -596,19 +600,27 @@ class NodeServer:
 
     def _converse(self, conn: socket.socket, ticket: Ticket, state: _Conversation, reader: FrameReader) -> None:
         """Authenticate, then serve the connection's frames in turn. HELLO must arrive whole by the ticket's
-        deadline (``limits.hello_timeout_s`` after the connect); after it the socket blocks with ``SO_RCVTIMEO``
-        set to ``gc.write_timeout_s`` (set once: no timeout switch, no poll per receive), which ends the
-        connection only mid-frame."""
+        deadline (``limits.hello_timeout_s`` after the connect); after it the connection holds one of its tenant's
+        slots (BUSY if the tenant holds its share: ``Admission.authenticated``) and its metadata buffers take from
+        its tenant's budget, and the socket blocks with ``SO_RCVTIMEO`` set to the shorter of ``gc.write_timeout_s``
+        and ``limits.idle_timeout_s`` (set once: no timeout switch, no poll per receive): a peer may not stall
+        mid-frame for the first, nor stay silent between frames for the second."""
         hello = recv_hello(conn, reader, ticket, self.admission)
         if hello is None:
             return
         state.request_id = hello.request_id
         state.session = session = self.node.authenticate(hello)
-        self.admission.authenticated(ticket)
-        reader.limits = self.node.config.limits
-        write_timeout_s = self.node.config.gc.write_timeout_s
+        config = self.node.config
+        self.admission.tenants = len(config.tenants)  # (an etcd map may have changed them)
+        try:
+            self.admission.authenticated(ticket, session.tenant, capped=not session.admin)
+        except Refused as exc:
+            raise ProtocolError(ErrorCode.BUSY, str(exc), hello.request_id) from None
+        reader.limits = config.limits
+        reader.budget = self.budgets.of(session.tenant, len(config.tenants))
+        write_timeout_s = config.gc.write_timeout_s
         conn.settimeout(None)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(write_timeout_s))
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(state.wait_s(config)))
         timeout_ms = _milliseconds(write_timeout_s)
         reply = Reply({"node_id": self.node.node_id, "tenant": session.tenant, "admin": session.admin})
         _native.send_all(conn.fileno(), timeout_ms, [encode_head(Op.HELLO | Op.REPLY, hello.request_id, reply.meta)])
@@ -633,6 +645,10 @@ class NodeServer:
             self.node.metrics.request(frame.opcode, elapsed, frame.payload_len, payload_len)
 
     def _next_frame(self, conn: socket.socket, reader: FrameReader, state: _Conversation) -> Frame | None:
+        """The connection's next frame; None when the peer closed it between frames or stayed silent for
+        ``limits.idle_timeout_s``. Raises TimeoutError when it stalled mid-frame for ``gc.write_timeout_s`` (a PUT's
+        reserved slots would be held)."""
+
         def before_recv(reader: FrameReader) -> None:
             if reader.needs_sink and state.session is not None:
                 assert reader.head is not None
@@ -640,6 +656,7 @@ class NodeServer:
                 self.node.receive_payload(state.session, reader.head, conn)
                 reader.payload_received()
 
+        config, waited, was_in_frame = self.node.config, 0.0, reader.in_frame
         while True:
             try:
                 if not reader.in_frame:
@@ -647,9 +664,14 @@ class NodeServer:
                     if frame is not None or not reader.in_frame:  # a whole frame, or the peer closed between frames
                         return frame
                 return recv_frame(conn, reader, before_recv)  # the rest: a payload, or metadata over 4 KiB
-            except BlockingIOError:  # SO_RCVTIMEO passed: a peer may idle between requests, not mid-frame (a
-                if reader.in_frame:  # PUT's reserved slots would be held)
+            except BlockingIOError:  # SO_RCVTIMEO passed
+                if reader.in_frame != was_in_frame:  # (a frame began during the wait: its stall counts from here)
+                    waited, was_in_frame = 0.0, reader.in_frame
+                waited += state.wait_s(config)
+                if reader.in_frame and waited >= config.gc.write_timeout_s:
                     raise TimeoutError("the peer stalled mid-frame") from None
+                if not reader.in_frame and waited >= config.limits.idle_timeout_s:
+                    return None
 
     @staticmethod
     def _next_head(conn: socket.socket, reader: FrameReader) -> Frame | None:
@@ -676,6 +698,11 @@ class _Conversation:
     def __init__(self) -> None:
         self.session: Session | None = None
         self.request_id = 0
+
+    @staticmethod
+    def wait_s(config: cluster_mod.ClusterConfig) -> float:
+        """How long one receive waits (``SO_RCVTIMEO``): the shorter of the stall and idle limits."""
+        return min(config.gc.write_timeout_s, config.limits.idle_timeout_s)
 
 
 def _unix_listener(path: Path) -> socket.socket:

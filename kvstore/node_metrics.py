@@ -133,6 +133,7 @@ class NodeMetrics:
             ("pre_auth_connections", "Connections open that have not completed HELLO."),
             ("connections_refused", "Connections turned away by a connection limit since start."),
             ("hello_timeouts", "Connections closed for not completing HELLO in time, since start."),
+            ("pre_auth_evicted", "Connections closed before HELLO to make room for newer ones, since start."),
         ):
             Gauge(f"kvtier_node_{name}", help_text, registry=self.registry).set_function(lambda n=name: stats()[n])
 

@@ -122,6 +122,10 @@ class Limits:
     max_payload_bytes: int = 2 << 30
     max_batch: int = MAX_BATCH  # entries a request may carry; at most MAX_BATCH (request schemas bound lists by it)
     max_connections: int = 1024  # per server: each has a thread; more are refused with ERROR(BUSY)
+    # authenticated connections one tenant may hold at a server (the admin's aside); 0: an equal share of the
+    # slots not kept for pre-auth connections among the cluster's tenants, so that none shuts another out
+    max_connections_per_tenant: int = 0
+    idle_timeout_s: float = 300.0  # an authenticated connection that sends nothing this long is closed
     # before HELLO: at most this many connections at once (the rest of max_connections is kept for
     # authenticated ones), this many from one address, HELLO complete within this long of the connect, and
     # at most this much metadata in it (no payload at all)
@@ -132,7 +136,8 @@ class Limits:
     # an address whose HELLOs failed this many times is refused for a while: the allowance refills over the window
     max_auth_failures_per_peer: int = 20
     auth_failure_window_s: float = 60.0
-    max_buffered_meta_bytes: int = 256 << 20  # metadata being received, all connections of a server together
+    # metadata being received, all connections of a server together: each tenant may hold an equal share of it
+    max_buffered_meta_bytes: int = 256 << 20
     # metrics endpoints (/metrics, /health): connections at once, and the time a request may take to arrive
     metrics_max_connections: int = 16
     metrics_request_timeout_s: float = 5.0
@@ -184,6 +189,32 @@ class MetaBudget:
     def give(self, n: int) -> None:
         with self._lock:
             self.used_bytes -= n
+
+
+class TenantBudgets:
+    """The metadata budget of a server split by tenant (thread-safe): each tenant's connections take from a
+    :class:`MetaBudget` of their own, an equal share of ``limit_bytes`` among ``tenants``, so that one tenant's
+    half-sent requests can hold its own share and nobody else's. Connections before HELLO take from none: their
+    metadata is at most ``max_pre_auth_meta_bytes`` each, and their number is bounded."""
+
+    def __init__(self, limit_bytes: int, tenants: int = 1) -> None:
+        self.limit_bytes = limit_bytes
+        self._tenants = max(1, tenants)
+        self._budgets: dict[str, MetaBudget] = {}
+        self._lock = threading.Lock()
+
+    def of(self, tenant: str, tenants: int | None = None) -> MetaBudget:
+        """``tenant``'s budget; ``tenants``: how many tenants the server has now (a share is recomputed if that
+        changed)."""
+        with self._lock:
+            if tenants is not None and max(1, tenants) != self._tenants:
+                self._tenants = max(1, tenants)
+                for budget in self._budgets.values():
+                    budget.limit_bytes = self.limit_bytes // self._tenants
+            budget = self._budgets.get(tenant)
+            if budget is None:
+                budget = self._budgets[tenant] = MetaBudget(self.limit_bytes // self._tenants)
+            return budget
 
 
 class Schemas:

@@ -30,30 +30,45 @@ class Clock:
         return self.now
 
 
-def test_unauthenticated_connections_take_at_most_their_share_and_the_rest_is_kept_for_clients() -> None:
+def test_a_new_connection_takes_the_place_of_the_oldest_waiting_one_of_the_address_holding_the_most() -> None:
+    """Pre-auth slots used to refuse newcomers once full: 16 flooding addresses kept every new client out."""
     admission = Admission(LIMITS)
-    waiting = [admission.admit(f"10.0.0.{i}") for i in range(4)]
-    with pytest.raises(Refused, match="waiting to authenticate"):
-        admission.admit("10.0.0.9")
-    admission.authenticated(waiting[0])  # its slot is now an authenticated one: a pre-auth slot is free
-    clients = [admission.admit("10.0.0.9")]
-    admission.authenticated(clients[0])
-    clients.append(admission.admit("10.0.0.8"))
-    with pytest.raises(Refused, match="too many connections"):
-        admission.admit("10.0.0.7")
-    admission.release(waiting[1])
-    admission.release(waiting[1])  # (twice: released once)
-    assert admission.stats()["connections"] == 5 and admission.stats()["pre_auth_connections"] == 3
+    closed: list[str] = []
+    waiting = [admission.admit(peer, closed.append) for peer in ("10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.3")]
+    client = admission.admit("10.0.0.9")  # the slots are full: 10.0.0.1 holds the most, its oldest goes
+    assert waiting[0].evicted and not waiting[1].evicted and len(closed) == 1 and "newer" in closed[0]
+    admission.authenticated(client, "a")
+    with pytest.raises(Refused, match="HELLO at once"):
+        admission.authenticated(waiting[0], "a")  # (its HELLO came too late)
+    assert admission.stats() == {
+        "connections": 4, "pre_auth_connections": 3, "connections_refused": 0, "hello_timeouts": 0,
+        "pre_auth_evicted": 1,
+    }  # fmt: skip
 
 
-def test_one_address_waits_to_authenticate_on_at_most_its_own_number_of_connections() -> None:
+def test_an_address_at_its_limit_displaces_only_its_own_oldest_waiting_connection() -> None:
     admission = Admission(LIMITS)
-    first = [admission.admit("10.0.0.1") for _ in range(2)]
-    with pytest.raises(Refused, match=r"from 10\.0\.0\.1"):
-        admission.admit("10.0.0.1")
-    admission.admit("10.0.0.2")  # another address is admitted
-    admission.authenticated(first[0])
+    mine = [admission.admit("10.0.0.1") for _ in range(2)]
+    other = admission.admit("10.0.0.2")
     admission.admit("10.0.0.1")
+    assert mine[0].evicted and not mine[1].evicted and not other.evicted
+
+
+def test_each_tenant_holds_at_most_its_share_of_the_authenticated_slots_the_admin_aside() -> None:
+    admission = Admission(LIMITS, tenants=2)  # (6 - 4) // 2: one authenticated connection a tenant
+    admission.authenticated(admission.admit("10.0.0.1"), "a")
+    with pytest.raises(Refused, match="'a' holds 1 connections here, its share"):
+        admission.authenticated(admission.admit("10.0.0.1"), "a")
+    admission.authenticated(admission.admit("10.0.0.1"), "b")  # another tenant is not held back by a
+    admission.authenticated(admission.admit("10.0.0.1"), "default", capped=False)
+
+
+def test_connections_are_refused_only_when_every_slot_is_authenticated() -> None:
+    admission = Admission(LIMITS)
+    for _ in range(6):
+        admission.authenticated(admission.admit("10.0.0.1"), "default", capped=False)
+    with pytest.raises(Refused, match="too many connections"):
+        admission.admit("10.0.0.2")
 
 
 def test_failed_hellos_beyond_the_allowance_are_held_back_until_it_refills_by_one() -> None:
@@ -67,7 +82,7 @@ def test_failed_hellos_beyond_the_allowance_are_held_back_until_it_refills_by_on
     assert admission.failed(admission.admit("10.0.0.2")) == 0.0  # another address has its own
     for ticket in tickets:
         admission.release(ticket)
-    admission.authenticated(admission.admit("10.0.0.1"))  # a good token is never refused for its address
+    admission.authenticated(admission.admit("10.0.0.1"), "a")  # a good token is never refused for its address
 
 
 def test_a_tickets_deadline_is_the_hello_timeout_after_admission() -> None:

@@ -19,6 +19,7 @@ from kvtier.kvstore.admission import (
     Acceptor,
     Admission,
     LogLimiter,
+    Refused,
     Ticket,
     accept_forever,
     authenticate,
@@ -30,10 +31,10 @@ from kvtier.kvstore.protocol import (
     Frame,
     FrameReader,
     Limits,
-    MetaBudget,
     Op,
     ProtocolError,
     Schemas,
+    TenantBudgets,
     encode_error,
     encode_head,
 )
@@ -202,25 +203,24 @@ def serve_connections(
     handle: Handler,
     stopping: threading.Event,
     log: logging.Logger,
-    idle_timeout_s: float = 300.0,
 ) -> None:
     """Accept on ``listener`` until ``stopping``; a thread per admitted connection (``config.limits``, as
-    :mod:`kvtier.kvstore.admission` says: slots kept for authenticated connections, per-address limits, HELLO
-    whole within ``hello_timeout_s``, failed HELLOs charged to their address): HELLO with a token of ``config``
-    (constant-time compare), then ``handle(tenant, frame, sock)`` per request (its metadata decoded by
-    ``schemas``), which returns (reply meta, payload) or None if it replied itself. A malformed request gets an
-    ERROR frame and the connection closes; so does one idle for ``idle_timeout_s``. Returns when the listener is
-    closed."""
+    :mod:`kvtier.kvstore.admission` says: slots kept for authenticated connections, a share of them per tenant,
+    pre-auth slots no flood can fill, HELLO whole within ``hello_timeout_s``, failed HELLOs charged to their
+    address): HELLO with a token of ``config`` (constant-time compare), then ``handle(tenant, frame, sock)`` per
+    request (its metadata decoded by ``schemas``, buffered within its tenant's share of the metadata budget), which
+    returns (reply meta, payload) or None if it replied itself. A malformed request gets an ERROR frame and the
+    connection closes; so does one idle for ``limits.idle_timeout_s``. Returns when the listener is closed."""
     listener.settimeout(0.2)  # how soon the loop notices ``stopping``
     acceptor = Acceptor(listener, log)
-    admission = Admission(config.limits)
-    budget = MetaBudget(config.limits.max_buffered_meta_bytes)
+    admission = Admission(config.limits, tenants=len(config.tenants))
+    budgets = TenantBudgets(config.limits.max_buffered_meta_bytes, len(config.tenants))
     warnings = LogLimiter(log)
 
     def serve(sock: socket.socket, ticket: Ticket) -> None:
-        reader = FrameReader(config.limits.pre_auth(), schemas, budget)
+        reader = FrameReader(config.limits.pre_auth(), schemas)  # (its budget: its tenant's, once it has one)
         try:
-            _session(sock, ticket, admission, reader, config, handle, warnings, idle_timeout_s)
+            _session(sock, ticket, admission, reader, config, handle, warnings, budgets)
         finally:
             reader.close()
 
@@ -240,7 +240,7 @@ def _session(
     config: cluster_mod.ClusterConfig,
     handle: Handler,
     warnings: LogLimiter,
-    timeout_s: float,
+    budgets: TenantBudgets,
 ) -> None:
     if sock.family != socket.AF_UNIX:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -250,9 +250,13 @@ def _session(
         if frame is None:
             return
         tenant = authenticate(frame, config.tenant_for_token)
-        admission.authenticated(ticket)
+        try:
+            admission.authenticated(ticket, tenant, capped=tenant != cluster_mod.DEFAULT_TENANT)
+        except Refused as exc:
+            raise ProtocolError(ErrorCode.BUSY, str(exc), frame.request_id) from None
         reader.limits = requests_only(config.limits)
-        sock.settimeout(timeout_s)
+        reader.budget = budgets.of(tenant)
+        sock.settimeout(config.limits.idle_timeout_s)
         sock.sendall(encode_head(Op.HELLO | Op.REPLY, frame.request_id, {"tenant": tenant}))
         while (frame := recv_frame(sock, reader)) is not None:
             reply = handle(tenant, frame, sock)

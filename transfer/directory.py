@@ -1,6 +1,6 @@
 """``kvtier-directory``: which host holds which StateBlock, in memory only.
 
-    kvtier-directory --config cluster.toml --listen 127.0.0.1:7400 --lease 10s
+    kvtier-directory --config cluster.toml --listen 127.0.0.1:7400 --lease 10s [--max-bytes 256MiB]
 
 State: ``(tenant, state key) → (host, slot, generation)`` and, per host, its pull address and the time of its
 last heartbeat. Rules:
@@ -15,7 +15,11 @@ last heartbeat. Rules:
 4. An entry may be stale (the slot was reused since): the pull then answers a miss, never other bytes, because
    it names the generation. Directory answers are hints; the holder's generation check is the truth.
 
-Every connection authenticates with the cluster or a tenant token; a tenant sees only its own entries.
+Every connection authenticates with the cluster or a tenant token; a tenant sees only its own entries and counts
+(the cluster token: everyone's). Each tenant's entries and hosts take at most an equal share of ``--max-bytes``
+(charged ``ENTRY_BYTES`` an entry and ``HOST_BYTES`` a host, what they cost the process, plus their keys' and names'
+bytes): a REGISTER records what fits and answers how many it ``dropped``, and a new host beyond the share is
+refused BUSY, so no tenant's entries can crowd out another's or grow the directory without bound.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import numpy as np
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import cluster_map, logs, wire
 from kvtier.kvstore.protocol import ErrorCode, Frame, ProtocolError
-from kvtier.kvstore.units import parse_duration
+from kvtier.kvstore.units import parse_duration, parse_size
 from kvtier.transfer import state_protocol as sp
 from kvtier.transfer.conn import FrameConn, PeerError, parse_addr, serve_connections, tcp
 from kvtier.transfer.fetch_protocol import Entries, entries_meta, parse_entries
@@ -44,7 +48,10 @@ from kvtier.transfer.metrics import admin_only, serve_metrics
 from kvtier.transfer.state_protocol import Location, StateOp
 
 log = logging.getLogger("kvtier.directory")
-COUNTERS = ("keys_looked_up", "keys_found", "hosts_expired", "full_reports")
+COUNTERS = ("keys_looked_up", "keys_found", "hosts_expired", "full_reports", "entries_dropped")
+ENTRY_BYTES = 300  # what an entry costs the directory beside its key (dict slots, tuples; measured: ~300 B)
+HOST_BYTES = 1024  # what a host's record costs beside its name
+DEFAULT_MAX_BYTES = 256 << 20
 
 
 class DirectoryError(PeerError):
@@ -61,47 +68,95 @@ class _Host:
 class Directory:
     """The directory's state and rules, without sockets (thread-safe)."""
 
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        tenants: int = 1,
+    ) -> None:
+        """``max_bytes``: what the entries and hosts of all tenants may cost, an equal share each of ``tenants``."""
         self.lease_s = lease_s
         self.clock = clock
+        self.share_bytes = max_bytes // max(1, tenants)
         self._lock = threading.Lock()
         self._hosts: dict[tuple[str, str], _Host] = {}  # (tenant, host id)
         self._entries: dict[tuple[str, bytes], tuple[str, int, int]] = {}  # (tenant, key) -> host, slot, gen
+        self._bytes: dict[str, int] = {}  # what each tenant's entries and hosts cost
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self._counts_by: dict[str, dict[str, int]] = {}  # the same counts, per tenant
 
-    def register(self, tenant: str, host: str, addr: tuple[str, int], entries: Entries, full: bool) -> bool:
-        """Record the host's entries; ``full`` replaces all it had. False, recording nothing: a partial report
-        from a host this directory does not know (it restarted, or the host's lease ran out), which must re-report
-        everything it holds (``full``) instead, or its other StateBlocks would never be found."""
+    def register(self, tenant: str, host: str, addr: tuple[str, int], entries: Entries, full: bool) -> tuple[bool, int]:
+        """Record the host's entries, as many as the tenant's share holds; ``full`` replaces all it had. Returns
+        (known, how many entries were dropped for the share). Not known, recording nothing: a partial report from a
+        host this directory does not know (it restarted, or the host's lease ran out), which must re-report
+        everything it holds (``full``) instead, or its other StateBlocks would never be found. Raises
+        ProtocolError(BUSY) for a host new to a tenant whose share is used up."""
         with self._lock:
             self._expire()
             record = self._hosts.get((tenant, host))
             if record is None and not full:
-                return False
+                return False, 0
             if record is None or full:
-                self.counts["full_reports"] += full
+                self._count(tenant, "full_reports", int(full))
                 if record is not None:
                     self._drop_entries(tenant, host, record)
+                    self._forget_host(tenant, host)
+                self._charge(tenant, len(host) + HOST_BYTES)
                 record = self._hosts[(tenant, host)] = _Host(addr, self.clock())
             record.addr, record.last_seen = addr, self.clock()
+            room = self.share_bytes - self._bytes.get(tenant, 0)
+            dropped = 0
             for key, slot, gen in zip(entries.keys, entries.slots.tolist(), entries.gens.tolist(), strict=True):
                 previous = self._entries.get((tenant, key))
-                if previous is not None and previous[0] != host:
+                if previous is None:
+                    cost = len(key) + ENTRY_BYTES
+                    if cost > room:
+                        dropped += 1
+                        continue
+                    room -= cost
+                    self._bytes[tenant] = self._bytes.get(tenant, 0) + cost
+                elif previous[0] != host:
                     other = self._hosts.get((tenant, previous[0]))
                     if other is not None:
                         other.keys.discard(key)
                 self._entries[(tenant, key)] = (host, slot, gen)
                 record.keys.add(key)
-            return True
+            self._count(tenant, "entries_dropped", dropped)
+            return True, dropped
+
+    def _charge(self, tenant: str, cost: int) -> None:
+        """With the lock held: a new host record's cost, or ProtocolError(BUSY) when the share has no room for it."""
+        held = self._bytes.get(tenant, 0)
+        if held + cost > self.share_bytes:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"tenant {tenant!r} holds {held} B of the directory, its share: no room for another host's entries",
+            )
+        self._bytes[tenant] = held + cost
+
+    def _forget_host(self, tenant: str, host: str) -> None:
+        """With the lock held: the host's record goes (its entries went already)."""
+        del self._hosts[(tenant, host)]
+        self._bytes[tenant] -= len(host) + HOST_BYTES
+
+    def _count(self, tenant: str, name: str, n: int) -> None:
+        self.counts[name] += n
+        by = self._counts_by.setdefault(tenant, dict.fromkeys(COUNTERS, 0))
+        by[name] += n
 
     def unregister(self, tenant: str, host: str, entries: Entries) -> None:
         with self._lock:
             record = self._hosts.get((tenant, host))
             for key, slot, gen in zip(entries.keys, entries.slots.tolist(), entries.gens.tolist(), strict=True):
                 if self._entries.get((tenant, key)) == (host, slot, gen):
-                    del self._entries[(tenant, key)]
+                    self._drop_entry(tenant, key)
                     if record is not None:
                         record.keys.discard(key)
+
+    def _drop_entry(self, tenant: str, key: bytes) -> None:
+        del self._entries[(tenant, key)]
+        self._bytes[tenant] -= len(key) + ENTRY_BYTES
 
     def heartbeat(self, tenant: str, host: str) -> bool:
         """Renew the host's lease; False if the directory does not know it (it must re-report)."""
@@ -129,28 +184,41 @@ class Directory:
                     index[host] = len(addrs)
                     addrs.append(self._hosts[(tenant, host)].addr)
                 hosts[i] = index[host]
-            self.counts["keys_looked_up"] += n
-            self.counts["keys_found"] += int((hosts >= 0).sum())
+            self._count(tenant, "keys_looked_up", n)
+            self._count(tenant, "keys_found", int((hosts >= 0).sum()))
         return sp.lookup_reply(hosts, addrs, slots, gens)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self, tenant: str | None = None) -> dict[str, int]:
+        """Hosts, entries, the bytes they cost and the counters: of ``tenant``, or of everyone (None)."""
         with self._lock:
             self._expire()
-            return {"hosts": len(self._hosts), "entries": len(self._entries), **self.counts}
+            if tenant is None:
+                return {
+                    "hosts": len(self._hosts),
+                    "entries": len(self._entries),
+                    "bytes": sum(self._bytes.values()),
+                    **self.counts,
+                }
+            return {
+                "hosts": sum(1 for t, _ in self._hosts if t == tenant),
+                "entries": sum(len(r.keys) for (t, _), r in self._hosts.items() if t == tenant),
+                "bytes": self._bytes.get(tenant, 0),
+                **self._counts_by.get(tenant, dict.fromkeys(COUNTERS, 0)),
+            }
 
     def _expire(self) -> None:
         deadline = self.clock() - self.lease_s
         for (tenant, host), record in list(self._hosts.items()):
             if record.last_seen < deadline:
                 log.info("host %s lost its lease: %d entries dropped", host, len(record.keys))
-                self.counts["hosts_expired"] += 1
+                self._count(tenant, "hosts_expired", 1)
                 self._drop_entries(tenant, host, record)
-                del self._hosts[(tenant, host)]
+                self._forget_host(tenant, host)
 
     def _drop_entries(self, tenant: str, host: str, record: _Host) -> None:
         for key in record.keys:
             if self._entries.get((tenant, key), ("",))[0] == host:
-                del self._entries[(tenant, key)]
+                self._drop_entry(tenant, key)
         record.keys.clear()
 
     def handle(self, tenant: str, frame: Frame, limits_batch: int) -> dict[str, Any]:
@@ -159,7 +227,8 @@ class Directory:
         if frame.opcode == StateOp.REGISTER:
             full = meta.get("full") is True
             entries = parse_entries(meta, limits_batch)
-            return {"known": self.register(tenant, sp.host_field(meta), sp.addr_field(meta), entries, full)}
+            known, dropped = self.register(tenant, sp.host_field(meta), sp.addr_field(meta), entries, full)
+            return {"known": known, "dropped": dropped}
         if frame.opcode == StateOp.UNREGISTER:
             self.unregister(tenant, sp.host_field(meta), parse_entries(meta, limits_batch))
             return {}
@@ -168,7 +237,7 @@ class Directory:
         if frame.opcode == StateOp.LOOKUP:
             return self.lookup(tenant, wire.unpack_keys(meta, limits_batch))
         if frame.opcode == StateOp.STATS:
-            return self.stats()
+            return self.stats(None if tenant == cluster_mod.DEFAULT_TENANT else tenant)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown opcode {frame.opcode}")
 
 
@@ -222,13 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="cluster file: the tokens hosts and engines present")
     parser.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT (port 0: any free port)")
     parser.add_argument("--lease", default="10s", help="a host silent this long loses its entries")
+    parser.add_argument(
+        "--max-bytes", default="256MiB", help="what every tenant's entries may cost, shared equally by the tenants"
+    )
     parser.add_argument("--metrics", help="serve /metrics and /health on HOST:PORT")
     args = parser.parse_args(argv)
     try:
         config = cluster_map.load(args.config)
         lease_s = parse_duration(args.lease)
         listener = socket.create_server(parse_addr(args.listen))
-        directory = Directory(lease_s)
+        directory = Directory(lease_s, max_bytes=parse_size(args.max_bytes), tenants=len(config.tenants))
         if args.metrics:
             counters, admin = frozenset(COUNTERS), admin_only(config)
             serve_metrics("directory", parse_addr(args.metrics), directory.stats, counters, config.limits, admin)

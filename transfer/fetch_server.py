@@ -70,6 +70,7 @@ from kvtier.kvstore.admission import (
     Ticket,
     authenticate,
     busy,
+    closer,
     peer_of,
     turn_away,
 )
@@ -78,9 +79,9 @@ from kvtier.kvstore.protocol import (
     ErrorCode,
     Frame,
     FrameReader,
-    MetaBudget,
     Op,
     ProtocolError,
+    TenantBudgets,
     encode_error,
     encode_head,
 )
@@ -114,6 +115,7 @@ class Session:
     ticket: Ticket | None = None  # its admission (the HELLO deadline, the slot it holds)
     tenant: Tenant | None = None  # set by HELLO
     token: str = ""  # the one it authenticated with: what store calls for its tenant present
+    active: float = field(default_factory=time.monotonic)  # when it last sent something (idle ones are closed)
     out: bytearray = field(default_factory=bytearray)
     # per cache segment (by id), the pins this connection holds on each slot (a pinned slot keeps its generation)
     pins: dict[int, np.ndarray] = field(default_factory=dict)
@@ -241,8 +243,8 @@ class Fetcher:
         self._wake_w.setblocking(False)
         self.listener = self._listen(socket_path, group)
         self.acceptor = Acceptor(self.listener, log)
-        self.admission = Admission(config.limits)
-        self.meta_budget = MetaBudget(config.limits.max_buffered_meta_bytes)
+        self.admission = Admission(config.limits, tenants=len(config.tenants))
+        self.budgets = TenantBudgets(config.limits.max_buffered_meta_bytes, len(config.tenants))
         self.warnings = LogLimiter(log)
         self._listen_paused = False  # accepting failed for lack of resources: the next sweep arms it again
         self._watch(self.listener.fileno(), "listen")
@@ -341,10 +343,13 @@ class Fetcher:
     def _sweep_dead_peers(self) -> None:
         """Close connections whose process is gone although the socket lives on (a child inherited it): their
         pins and allocated slots go back to the pool, as when the socket closes. Close those that did not complete
-        HELLO in time. Accept again if that was paused."""
+        HELLO in time, and those silent for ``limits.idle_timeout_s``. Accept again if that was paused."""
+        idle_since = time.monotonic() - self.config.limits.idle_timeout_s
         for session in list(self.sessions):
             if session.pid > 0 and not _alive(session.pid):
                 log.info("pid %d is gone but its connection stayed open: releasing what it held", session.pid)
+                self._close(session)
+            elif session.tenant is not None and session.active < idle_since and not session.out:
                 self._close(session)
             elif session.tenant is None and session.ticket is not None and not session.ticket.remaining_s():
                 self.admission.expired(session.ticket)
@@ -377,7 +382,9 @@ class Fetcher:
             self.socket_path.unlink()
 
     def _accept(self) -> None:
-        """Take every waiting connection (same uid only; admitted as :mod:`kvtier.kvstore.admission` says). Out of
+        """Take every waiting connection (same uid only, unless the socket is a group's; admitted as
+        :mod:`kvtier.kvstore.admission` says, by the peer's uid) and read its HELLO at once if it came with the
+        connect, as an engine's does: it leaves the pre-auth slots before any flood can take its place. Out of
         descriptors or memory, the listener stays unarmed until the next sweep."""
         while (accepted := self.acceptor.accept()) is not None or self.acceptor.pause_s:
             if accepted is None:
@@ -395,18 +402,20 @@ class Fetcher:
                 self.warnings.warning("uid", "refused a connection from uid %d (pid %d)", uid, pid)
                 sock.close()
                 continue
+            sock.setblocking(False)
             try:
-                ticket = self.admission.admit(peer_of(sock, None))
+                ticket = self.admission.admit(peer_of(sock, None), closer(sock, busy))
             except Refused as exc:
                 turn_away(sock, busy(str(exc)))
                 continue
-            sock.setblocking(False)
-            reader = FrameReader(self.config.limits.pre_auth(), fp.FETCH_REQUESTS, self.meta_budget)
+            reader = FrameReader(self.config.limits.pre_auth(), fp.FETCH_REQUESTS)  # (a budget once it has a tenant)
             session = Session(sock, pid, uid, reader, ticket)
             self.sessions.add(session)
             self._watch(sock.fileno(), session)
+            self._receive(session)
 
     def _receive(self, session: Session) -> None:
+        session.active = time.monotonic()
         try:
             while not session.closed:
                 n = session.sock.recv_into(session.reader.writable()[0])
@@ -419,9 +428,9 @@ class Fetcher:
         except BlockingIOError:
             return
         except ProtocolError as exc:
-            if session.tenant is None and session.ticket is not None:  # (refused at once: its peers are this
-                self.admission.failed(session.ticket)  # uid's processes, and the epoll threads hold nothing back)
-                self.warnings.warning("pre-auth", "refused pid %d: %s", session.pid, exc)
+            if session.tenant is None and session.ticket is not None:  # (refused at once: the epoll threads hold
+                self.admission.failed(session.ticket)  # nothing back, and a peer's connections wait anyway)
+                self.warnings.warning("pre-auth", "refused pid %d (uid %d): %s", session.pid, session.uid, exc)
             self._refuse(session, exc.request_id or 0, exc.code, str(exc))
         except OSError:
             self._close(session)
@@ -516,9 +525,13 @@ class Fetcher:
     def _hello(self, session: Session, frame: Frame) -> None:
         tenant = authenticate(frame, self.config.tenant_for_token)
         session.tenant = self.host.tenants[tenant]
-        session.token = self._tokens[tenant] = frame.meta["token"]
         if session.ticket is not None:
-            self.admission.authenticated(session.ticket)
+            try:
+                self.admission.authenticated(session.ticket, tenant, capped=tenant != cluster_mod.DEFAULT_TENANT)
+            except Refused as exc:
+                raise ProtocolError(ErrorCode.BUSY, str(exc), frame.request_id) from None
+        session.token = self._tokens[tenant] = frame.meta["token"]
+        session.reader.budget = self.budgets.of(tenant)
         if session.uid != os.getuid() and (session.uid, tenant) not in self._uids_seen and len(self._uids_seen) < 4096:
             self._uids_seen.add((session.uid, tenant))
             log.info("uid %d (pid %d) connected as tenant %s", session.uid, session.pid, tenant)
