@@ -217,8 +217,8 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Counters of the tiers reuse depends on: per tier (``store``, ``fetcher``, ``directory``) whether it answers
         now (``_up``), how often it stopped (``_outages``) and came back (``_recoveries``), and calls that found it
-        away (``_failed_calls``); ``fetcher_unstaged_blocks``: blocks moved by the store client because the fetcher
-        could not stage them."""
+        away (``_failed_calls``); ``fetcher_unstaged_blocks``: blocks moved (read or stored) by the store client
+        because the fetcher was away or could not stage them."""
         out: dict[str, int] = {}
         if self.store is not None:
             out |= self.store.availability.stats("store")

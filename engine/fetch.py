@@ -224,16 +224,20 @@ class FetcherPages:
                 self.client.release_later(blocks)
         except UNAVAILABLE as e:
             self.availability.failed(e)
-            return self.fallback.fetch(keys, pages, tokens)
+            return self._through_the_store(keys, pages, tokens)
         except (SwapError, RuntimeError) as e:  # the slots cannot reach the pages here (CUDA refused to map them)
             self._refused(f"{type(e).__name__}: {e}")
-            return self.fallback.fetch(keys, pages, tokens)
+            return self._through_the_store(keys, pages, tokens)
         self.availability.answered()
         if unstaged:  # the rest through the store client: a block the pool cannot take is no lost reuse
-            got = self.fallback.fetch(keys[n:], pages[n:], tokens)
-            self.unstaged += got
-            return n + got
+            return n + self._through_the_store(keys[n:], pages[n:], tokens)
         return landed
+
+    def _through_the_store(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
+        """Read ``keys`` through the store client instead (counted in ``fetcher_unstaged_blocks``)."""
+        got = self.fallback.fetch(keys, pages, tokens)
+        self.unstaged += got
+        return got
 
     def store_pages(self, keys: Sequence[bytes], pages: Sequence[int], tokens: TokenInput) -> int:
         """Swap pages out into outbox slots and have the fetcher store them, as many at a time as the outbox gives

@@ -42,17 +42,17 @@ class Evictor:
         self.stats = GCStats()  # the node's GC counters (its worker's too): on-demand evictions counted as they happen
         self.deletes_replayed = 0
 
-    def make_room(self, writer: str, landed: bool) -> None:
+    def make_room(self, writer: str, committed: bool) -> None:
         """Evict this primary's unpinned blocks until it is within its budget (or nothing evictable is left; the
         caller refuses what still does not fit), and down to the low watermark, as the GC would: one removal
         (and its DELETE to the 12 nodes) then makes room for many writes, not one. Which blocks, by the
-        tenants' shares (``ChunkEngine.eviction_candidates``): before the write's payload has ``landed``, only
-        the ``writer``'s own, as far as it holds more than its share; after, others' beyond their shares too.
+        tenants' shares (``ChunkEngine.eviction_candidates``): before the write is ``committed``, only the
+        ``writer``'s own, as far as it holds more than its share; after, others' beyond their shares too.
         Called by the chunk engine, without its lock, when a write's shard 0s take the primary over budget."""
         with self._lock:
             budget = self.engine.primary_budget_bytes
             headroom = int(budget * (1 - self.low_watermark))
-            victims = self.engine.eviction_candidates(writer, landed, headroom)
+            victims = self.engine.eviction_candidates(writer, committed, headroom)
             if victims:
                 self._remove(victims)
                 self.stats.evictions_on_demand += len(victims)

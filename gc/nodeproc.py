@@ -44,7 +44,7 @@ def run_node(config_path: str, node_id: int, etcd: str | None = None, fallback_l
         on_restored=node.metrics.redundancy_restored,
     )
     node.gc = worker
-    node.engine.on_high_watermark = worker.wake
+    node.engine.on_high_watermark = node.engine.on_unconfirmed = worker.wake
     node.engine.make_room = evictor.make_room
     feed = node.config.feed
     if not isinstance(feed, MapFeed):  # a cluster file: the map never changes

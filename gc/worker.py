@@ -17,11 +17,17 @@ step 3 alone (after reaping): at capacity that is every few puts, and steps 2 an
    furthest over their shares first (:mod:`~kvtier.kvstore.quotas`; one tenant: plain LRU). Since every node
    holds one shard of each of the group's blocks, that keeps every node between the watermarks, without
    coordination.
-4. **Zombies** (every ``write_timeout_s / 4``): pending writes (staged batches, in memory) older than
-   ``write_timeout_s`` belong to a writer that died. Ask the blocks' primaries: a live record means the
-   writer died mid-commit, so the shard is committed (promoted); otherwise it is dropped; a shard whose
-   primary cannot be reached stays pending until the next scan.
-5. **Repair** (when asked, e.g. ``kvctl repair``): a full pass of the :class:`~kvtier.gc.repairer.Repairer`,
+4. **Zombies** (every ``pending_timeout_s / 4``, at least ``interval_s``): pending writes (staged batches, in
+   memory) older than ``pending_timeout_s`` belong to a writer that died (or never meant to commit). Ask the
+   blocks' primaries: a live record means the writer died mid-commit, so the shard is committed (promoted);
+   otherwise it is dropped; a shard whose primary cannot be reached stays pending until the next scan. Committed
+   shards past their TTL that no primary removed are dropped every ``write_timeout_s / 4`` (a pass over every
+   shard record).
+5. **Confirm** (every cycle, and whenever a write finds its tenant's unconfirmed shards at their cap): shards other
+   than shard 0s committed here a moment ago are confirmed with their blocks' primaries (one ``MATCH`` per primary
+   and tenant); those whose block is not live ``write_timeout_s`` after their commit are orphans, removed
+   (:mod:`~kvtier.kvstore.unconfirmed`).
+6. **Repair** (when asked, e.g. ``kvctl repair``): a full pass of the :class:`~kvtier.gc.repairer.Repairer`,
    outside the cycle's lock (eviction goes on meanwhile). The repairer also runs on its own thread, working
    off the repairs this node owes; the :class:`~kvtier.gc.scrubber.Scrubber` checks every shard's crc32c on
    a third.
@@ -44,14 +50,16 @@ from kvtier.gc.evictor import Evictor
 from kvtier.gc.policy import expired
 from kvtier.gc.repairer import Repairer
 from kvtier.gc.scrubber import Scrubber
-from kvtier.kvstore.chunks import COMMIT, DROP, KEEP, ChunkEngine
+from kvtier.kvstore.chunks import COMMIT, DROP, KEEP, ChunkEngine, tenant_prefix
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.cluster import ClusterConfig
 from kvtier.kvstore.disk import NoSpace
 from kvtier.kvstore.lru import BlockEntry
 from kvtier.kvstore.protocol import Status
+from kvtier.kvstore.shard_index import table_names
 
 log = logging.getLogger("kvtier.gc")
+CONFIRM_AFTER_S = 0.5  # a shard committed this long ago has had its block's COMMIT reach the primary, too
 
 
 class GCWorker:
@@ -81,6 +89,7 @@ class GCWorker:
         self.repairer = Repairer(engine, node_id, config, self.evictor, self.stats, clock, on_restored)
         self.scrubber = Scrubber(engine, config, self.repairer, self.stats, lambda c: self.ttl_classes().get(c))
         self._next_zombie_scan = 0.0
+        self._next_expiry_scan = 0.0
 
     def adopt(self, config: ClusterConfig) -> None:
         """A newer cluster map (etcd): its ``[gc]`` settings apply from the next cycle, repair step and scrub step
@@ -138,18 +147,36 @@ class GCWorker:
             self.stats.removals_pending = self.evictor.replay()
             self._expire()
             self._evict_to_watermark()
-            now = self.clock()
+            now, gc = self.clock(), self.config.gc
             if now >= self._next_zombie_scan:
                 self._reclaim_zombies(now)
-                self._next_zombie_scan = now + max(self.config.gc.interval_s, self.config.gc.write_timeout_s / 4)
+                self._next_zombie_scan = now + max(gc.interval_s, gc.pending_timeout_s / 4)
+            if now >= self._next_expiry_scan:
+                self._drop_expired_shards(now)
+                self._next_expiry_scan = now + max(gc.interval_s, gc.write_timeout_s / 4)
+            self.confirm_shards()
             self.stats.cycles += 1
             self.stats.last_cycle_s = time.perf_counter() - start
 
     def make_headroom(self) -> None:
-        """Step 3 of a cycle alone (after reaping): what a write past the high watermark wakes the worker for."""
+        """Steps 3 and 5 of a cycle alone (after reaping): what a write past the high watermark, or at its tenant's
+        cap of unconfirmed shards, wakes the worker for."""
         with self._lock:
             self.engine.reap()
             self._evict_to_watermark()
+            self.confirm_shards()
+
+    def confirm_shards(self) -> None:
+        """Ask the primaries about the blocks of shards committed here at least ``CONFIRM_AFTER_S`` ago and not
+        confirmed yet (their COMMIT has reached the primary by then), per tenant; settle them."""
+        now = self.clock()
+        for tenant, shards in self.engine.unconfirmed_due(now - CONFIRM_AFTER_S):
+            cut = len(tenant_prefix(tenant))
+            with self.client.acting_for(tenant):
+                live = self.client.liveness(table_names(shards.names[:, cut:-1]))
+            orphans = self.engine.settle_unconfirmed(tenant, shards, live, now - self.config.gc.write_timeout_s)
+            self.stats.shards_confirmed += int((live == 1).sum())
+            self.stats.orphans_reclaimed += orphans
 
     # -- removal --------------------------------------------------------------------------------------
 
@@ -196,15 +223,19 @@ class GCWorker:
 
     # -- zombies --------------------------------------------------------------------------------------
 
-    def _reclaim_zombies(self, now: float) -> None:
-        """Dead writers' pending batches, and committed shards past their TTL that no primary removed
-        (it could not reach this node when it evicted, or is itself gone)."""
+    def _drop_expired_shards(self, now: float) -> None:
+        """Committed shards past their TTL that no primary removed (it could not reach this node when it evicted, or
+        is itself gone)."""
         ttl = self.ttl_classes()
         for tenant, items in _by_tenant(self.engine.expired_shards(ttl.get)).items():
             self.stats.shards_expired += self.engine.drop_shards(
                 tenant, items, still=lambda rec: now > rec.created + ttl.get(rec.ttl_class, 0.0)
             )
-        for tenant, put_id, batch in self.engine.stale_puts(now - self.config.gc.write_timeout_s):
+
+    def _reclaim_zombies(self, now: float) -> None:
+        """Pending batches not committed ``pending_timeout_s`` after they were staged: committed if their block is
+        live at its primary (the writer died mid-commit), else dropped."""
+        for tenant, put_id, batch in self.engine.stale_puts(now - self.config.gc.pending_timeout_s):
             rows = np.flatnonzero(batch.status == Status.OK)
             with self.client.acting_for(tenant):
                 live = self.client.liveness([batch.key(i) for i in rows.tolist()])

@@ -21,14 +21,17 @@ Contract (every method is safe to call from several threads):
   of the writer's own tenant beyond its share at once (:mod:`~kvtier.kvstore.quotas`). ``NO_SPACE`` when
   the node stays full for ``room_wait_s``, or when the disk is full. ``cancel`` gives the slots back.
 - ``stage``           keeps the received batch PENDING, in memory only, under the writer's put id: nothing
-  of it is in LMDB, so a crash before the COMMIT leaves its slots free, which is exactly right. The
-  payload has landed: room still missing is made from other tenants' blocks beyond their shares, and shard
-  0s still over the budget are ``NO_SPACE`` (nothing more could be evicted). ``stale_puts`` lists batches
-  whose writer never settled them (the GC settles them after ``write_timeout_s``).
+  of it is in LMDB, so a crash before the COMMIT leaves its slots free, which is exactly right. Shard 0s
+  that leave the writer over its own share of the budget, with nothing of its own left to evict, are
+  ``NO_SPACE``. ``stale_puts`` lists batches whose writer never settled them (the GC settles them after
+  ``gc.pending_timeout_s``). A pending write counts in its own tenant's decisions only: nobody else's blocks
+  make room for it until it commits (:mod:`~kvtier.kvstore.charges`).
 - ``commit``          settles a staged batch in one LMDB transaction: COMMITTED shard records (one
   ``putmulti``) and, at the holders of shards 0, 1 and 2, the block record that ``match`` and reads consult
   (the primary's; any two lost nodes leave a copy); rows the writer gives up on are dropped. A block without
-  a record is invisible. A block committed short of shards is owed a repair by its primary (``owe``).
+  a record is invisible. A block committed short of shards is owed a repair by its primary (``owe``). Its
+  blocks now count for everyone: still over the budget, ``make_room`` takes from other tenants' blocks
+  beyond their shares, then from the writer's.
 - ``read``            returns committed, unexpired shards whose crc32c verifies, pinned until ``unpin``;
   anything else is an erasure (``MISSING``/``CORRUPT``/``MISMATCH``/``ABSENT``), never wrong bytes.
 - ``delete``          removes block records first, then shards; a freed slot is reused once no reader pins
@@ -79,6 +82,7 @@ from kvtier.kvstore.quotas import TenantShares, plan_removals
 from kvtier.kvstore.removals import Removal, RemovalLog
 from kvtier.kvstore.shard_index import RECORD, ShardIndex, every_shard, name_table, table_names, tables_by_width
 from kvtier.kvstore.slabs import SIZE_CLASSES, SlabFiles, by_class
+from kvtier.kvstore.unconfirmed import Unconfirmed, UnconfirmedShards
 from kvtier.kvstore.wire import RecordState
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
@@ -364,12 +368,14 @@ class ChunkEngine:
         room_wait_s: float = 2.0,
         quotas: Mapping[str, float] | None = None,
         max_disk_fraction: float = 1.0,
+        unconfirmed_share: float = 0.1,
     ) -> None:
         """Open (or create) the data dir. Raises ``MetadataError`` when its LMDB cannot be read (corrupt,
         truncated, not LMDB): nothing is changed then; ``NoSpace`` when the disk is full and the data dir needs
         writing to be opened (a new one, or one of an older layout). On a full disk an existing data dir opens with
         writes refused (``kvstore.disk``), its reads served. ``max_disk_fraction``: the share of the filesystem the
-        slab files may grow into."""
+        slab files may grow into. ``unconfirmed_share``: of the capacity, what one tenant's shards other than shard
+        0s may take while their primary has not confirmed them (:mod:`~kvtier.kvstore.unconfirmed`)."""
         self.data_dir = Path(data_dir)
         self.capacity_bytes = capacity_bytes
         # what the blocks this node is primary for may take on every node of its group (capacity / 12)
@@ -379,9 +385,11 @@ class ChunkEngine:
         self.room_wait_s = room_wait_s
         self.high_watermark = high_watermark
         self.on_high_watermark: Callable[[], None] | None = None  # wakes the GC worker
+        self.unconfirmed_cap_bytes = int(capacity_bytes * unconfirmed_share)
+        self.on_unconfirmed: Callable[[], None] | None = None  # wakes the GC worker to have shards confirmed
         # makes room within this primary's budget by evicting unpinned blocks (the GC's evictor), called without
-        # the lock as make_room(writer tenant, payload landed): before a write's payload has arrived only the
-        # writer's own blocks may go, after it others' beyond their shares too (quotas)
+        # the lock as make_room(writer tenant, committed): while a write is pending only the writer's own blocks
+        # may go, once it is committed others' beyond their shares too (quotas)
         self.make_room: Callable[[str, bool], None] | None = None
         self.clock = clock
         self._lock = threading.Lock()
@@ -433,9 +441,11 @@ class ChunkEngine:
         self.used_bytes = 0  # slots holding shards, reserved, or in their grace time after a delete
         self.lru = TenantLru()  # block records this node is primary for, each tenant's least recently used first
         self._accessed: dict[bytes, float] = {}  # last-access times not yet written to LMDB
-        # shard 0s reserved or PENDING here (blocks this node will be primary for once committed): charged to the
-        # primary budget from reservation on (kvstore.charges)
+        # shard 0s reserved or PENDING here (blocks this node will be primary for once committed): charged to their
+        # tenant's use of the primary budget from reservation on (kvstore.charges)
         self._charges = Charges()
+        # shards other than shard 0s, reserved or committed here, that their primary has not confirmed yet
+        self.unconfirmed = UnconfirmedShards()
         self._pending: dict[tuple[str, bytes], WriteBatch] = {}  # staged batches by (tenant, put id)
         self._settled: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()  # recent COMMIT answers
         # committed shard records by name (tenant/key/index): what ``slots`` holds
@@ -518,12 +528,11 @@ class ChunkEngine:
         corrupt one) or ``NO_SPACE``.
 
         Making room (docs/design.md §6): a shard 0 makes this node the block's primary, so it is charged to
-        the primary budget at once. The payload has not arrived yet, so a charge that takes the budget over
-        makes room (``make_room``) only from the writer's own least recently used blocks, and only as far as
-        the writer holds more than its share: a PUT header never followed by its payload evicts nothing of
-        another tenant. The rest of the room is made in ``stage``. Then, when the node itself has no room, the
-        call waits (at most ``room_wait_s``) for removals under way to free it; what still does not fit is
-        ``NO_SPACE``.
+        the writer's use of the primary budget at once. The write is not committed, so a charge that takes the
+        budget over makes room (``make_room``) only from the writer's own least recently used blocks, and only as
+        far as the writer holds more than its share: a PUT never committed evicts nothing of another tenant. The
+        rest of the room is made at ``commit``. Then, when the node itself has no room, the call waits (at most
+        ``room_wait_s``) for removals under way to free it; what still does not fit is ``NO_SPACE``.
         """
         batch.name_shards(tenant)
         with self._lock:
@@ -536,6 +545,7 @@ class ChunkEngine:
         if self.primary_excess(tenant) > 0 and self.make_room is not None:
             self.make_room(tenant, False)
         with self._lock:
+            self._charge_unconfirmed(tenant, batch)
             rows = batch.rows(_OK)
             sizes = _CLASS_BYTES[batch.size_class[rows]]
             needed = int(sizes.sum())
@@ -569,37 +579,59 @@ class ChunkEngine:
                 self.on_high_watermark()
 
     def _refuse(self, batch: WriteBatch, i: int) -> None:
-        """Mark row ``i`` NO_SPACE, giving back its primary charge."""
+        """Mark row ``i`` NO_SPACE, giving back its charge (a primary's, or as unconfirmed)."""
         batch.status[i] = _NO_SPACE
         if batch.index[i] == 0:
             self._charges.uncharge(batch.tenant, [batch.shard_name(i)])
+        else:
+            self.unconfirmed.release(batch.tenant, SIZE_CLASSES[int(batch.size_class[i])])
+
+    def _charge_unconfirmed(self, tenant: str, batch: WriteBatch) -> None:
+        """With the lock held: charge the batch's shards other than shard 0s to ``tenant`` as unconfirmed; while its
+        committed unconfirmed shards pass the cap, wait (at most ``room_wait_s``, the GC worker woken to have them
+        confirmed), then refuse those shards NO_SPACE (:mod:`~kvtier.kvstore.unconfirmed`). Nothing is capped
+        without a GC worker to confirm shards (``on_unconfirmed``)."""
+        rows = np.flatnonzero((batch.status == _OK) & (batch.index != 0))
+        cap, wake = self.unconfirmed_cap_bytes, self.on_unconfirmed
+        if len(rows) and wake is not None and self.unconfirmed.bytes_of(tenant) > cap:
+            deadline = time.monotonic() + self.room_wait_s
+            while self.unconfirmed.bytes_of(tenant) > cap and (left := deadline - time.monotonic()) > 0:
+                wake()
+                self._room.wait(min(left, 0.05))
+            if self.unconfirmed.bytes_of(tenant) > cap:
+                batch.status[rows] = _NO_SPACE
+                return
+        self.unconfirmed.reserve(tenant, int(_CLASS_BYTES[batch.size_class[rows]].sum()))
 
     def tenant_usage(self, writer: str | None = None) -> dict[str, int]:
-        """With the lock held: bytes per tenant of the blocks this node is primary for, landed writes included,
-        and the ``writer``'s reserved ones (``kvstore.charges``)."""
+        """With the lock held: bytes per tenant of the blocks this node is primary for, and the ``writer``'s writes
+        in flight (``kvstore.charges``: nobody else's)."""
         usage = self.lru.usage()
-        for tenant, size in self._charges.landed_by_tenant().items():
-            usage[tenant] = usage.get(tenant, 0) + size
         if writer is not None:
-            usage[writer] = usage.get(writer, 0) + self._charges.reserved(writer)
+            usage[writer] = usage.get(writer, 0) + self._charges.pending(writer)
         return usage
 
     @property
     def pending_primary_bytes(self) -> int:
-        """Charges of writes in flight to this primary, reserved or landed."""
+        """Charges of writes in flight to this primary, every tenant's."""
         return self._charges.total
 
     @property
     def primary_bytes(self) -> int:
-        """What the blocks this node is primary for take on each node: committed ones, and pending writes whose
-        payload has arrived (what the watermarks look at)."""
-        return self.lru.total_bytes + self._charges.landed_bytes
+        """What the committed blocks this node is primary for take on each node (what the watermarks look at)."""
+        return self.lru.total_bytes
 
     def primary_excess(self, writer: str | None = None) -> int:
         """Bytes by which this primary's blocks exceed its budget (zero or less: within it), as ``writer`` sees it:
-        with its own reserved writes, not others' whose payload has not arrived."""
-        own = self._charges.reserved(writer) if writer is not None else 0
+        with its own writes in flight, not others'."""
+        own = self._charges.pending(writer) if writer is not None else 0
         return self.primary_bytes + own - self.primary_budget_bytes
+
+    def _over_share(self, writer: str) -> int:
+        """With the lock held: bytes by which ``writer``'s blocks and writes in flight exceed its share of the
+        budget (zero or less: within it)."""
+        usage = self.tenant_usage(writer)
+        return usage[writer] - int(self.shares.entitled(self.primary_budget_bytes, usage)[writer])
 
     def _wait_for_room(self, needed: int) -> None:
         """With the lock held: wait until ``needed`` more bytes fit, at most ``room_wait_s`` (removals under way
@@ -626,19 +658,16 @@ class ChunkEngine:
         them (their slots were never recorded, so they are free), and the writer's COMMIT answers MISSING.
         A pending batch of the same ``put_id`` (a resent PUT) is replaced and its slots given back.
 
-        The payload is here, so a budget the reservation left over (it could make room only from the writer's
-        own blocks) now makes room from other tenants' blocks beyond their shares, then from the writer's
-        (``make_room``); shard 0s still over it are ``NO_SPACE`` (nothing more could be evicted: every slot
-        pinned by reads in flight or held by pending writes) and their slots are given back.
+        Shard 0s that leave the writer over the budget and over its own share, after the reservation made what
+        room it could from the writer's own blocks, are ``NO_SPACE`` (nothing more of its own could be evicted:
+        every slot pinned by reads in flight or held by its pending writes) and their slots are given back. A
+        writer within its share keeps them: room is made from other tenants' blocks beyond their shares when the
+        write commits, not before.
         """
         batch.staged_at = self.clock()
         primaries = batch.charged[batch.status[batch.charged] == _OK]  # refused ones are uncharged already
         with self._lock:
-            self._charges.land(tenant, batch.charged_names)
-        if self.primary_excess(tenant) > 0 and self.make_room is not None:
-            self.make_room(tenant, True)
-        with self._lock:
-            excess = self.primary_excess(tenant)
+            excess = min(self.primary_excess(tenant), self._over_share(tenant)) if len(primaries) else 0
             if excess > 0:
                 refused = []
                 for i in reversed(primaries[batch.status[primaries] == _OK].tolist()):
@@ -668,6 +697,8 @@ class ChunkEngine:
             self.slabs.release_now(size_class, int(batch.slot[i]))
             if batch.index[i] == 0:
                 self._charges.uncharge(batch.tenant, [batch.shard_name(i)])
+            else:
+                self.unconfirmed.release(batch.tenant, SIZE_CLASSES[size_class])
         batch.status[rows] = _MISSING
         self._room.notify_all()
 
@@ -709,6 +740,7 @@ class ChunkEngine:
             with room as txn:
                 if len(write):
                     self._write_shards(txn, batch, write, now)
+                    self._await_confirmation(tenant, batch, write[status[write] == _OK], now)
                     out[write] = _OK
                 if len(again):  # already committed at PUT time: still there?
                     out[again[self._index.contains(batch.name_rows[again])]] = _OK
@@ -723,14 +755,16 @@ class ChunkEngine:
             if indexed:  # shard 0s' pending charges move into the LRU index
                 self._charges.uncharge(tenant, [entry.key + b"\x00" for entry in indexed])  # type: ignore[operator]
                 self.lru.insert_entries(tenant, indexed)
+            over = bool(indexed) and self.primary_excess() > 0
             status[write] = _MISSING  # the records own these slots now
             pending = status == _OK  # rows left reserved: dropped or kept
             if pending.any():
                 self._give_back(batch, np.flatnonzero(pending & (action == DROP)))
                 pending &= action == KEEP
-            if not pending.any():
-                return self._settle(tenant, put_id, out)
-        return out.tobytes()
+            answer = out.tobytes() if pending.any() else self._settle(tenant, put_id, out)
+        if over and self.make_room is not None:  # committed: it counts for everyone now, and takes its room
+            self.make_room(tenant, True)
+        return answer
 
     def _writing(self, need_bytes: int = _TXN_BYTES) -> lmdb.Transaction:
         """With the lock held: a write transaction, once LMDB's file has room for ``need_bytes`` more of its pages
@@ -750,6 +784,34 @@ class ChunkEngine:
         while len(self._settled) > SETTLED_KEPT:
             self._settled.popitem(last=False)
         return answer
+
+    def _await_confirmation(self, tenant: str, batch: WriteBatch, committed: np.ndarray, now: float) -> None:
+        """With the lock held: the batch's shards other than shard 0s committed now, charged as unconfirmed since
+        their reservation, wait for their primary's word (``settle_unconfirmed``)."""
+        rows = committed[batch.index[committed] != 0]
+        if len(rows):
+            sizes = _CLASS_BYTES[batch.size_class[rows]].astype(np.int64)
+            self.unconfirmed.add(tenant, Unconfirmed(batch.name_rows[rows].copy(), sizes, now))
+
+    def unconfirmed_due(self, before: float) -> list[tuple[str, Unconfirmed]]:
+        """Shards committed before ``before`` that their primary has not confirmed yet, per tenant, to be asked about
+        (``GCWorker.confirm_shards``) and settled (``settle_unconfirmed``)."""
+        with self._lock:
+            return self.unconfirmed.due(before)
+
+    def settle_unconfirmed(self, tenant: str, shards: Unconfirmed, live: np.ndarray, orphan_before: float) -> int:
+        """What the primaries said of ``shards``' blocks (``live``: 1 live, 0 not, -1 unknown, per row): live ones
+        are confirmed, those not live and committed before ``orphan_before`` are orphans and removed, the rest
+        wait for the next pass. Returns how many orphans were removed."""
+        orphan = (live == 0) & (shards.at < orphan_before)
+        with self._lock:
+            self.unconfirmed.settle(tenant, shards, keep=(live != 1) & ~orphan)
+            self._room.notify_all()
+        if not orphan.any():
+            return 0
+        cut = len(tenant_prefix(tenant))
+        names = shards.names[orphan]
+        return self.drop_shards(tenant, list(zip(table_names(names[:, cut:-1]), names[:, -1].tolist(), strict=True)))
 
     def _write_shards(self, txn: lmdb.Transaction, batch: WriteBatch, rows: np.ndarray, now: float) -> None:
         """Shard records of ``rows`` in one ``putmulti``, in slot order; a record another writer committed
@@ -952,7 +1014,7 @@ class ChunkEngine:
             self.removal_log.clear(txn, removal)
 
     def eviction_candidates(
-        self, writer: str | None = None, landed: bool = True, headroom: int = 0, needed: int | None = None
+        self, writer: str | None = None, committed: bool = True, headroom: int = 0, needed: int | None = None
     ) -> list[bytes]:
         """Blocks this primary should remove (keys as in the LRU index) to free ``needed`` bytes of its budget
         (default: what it is over by) and ``headroom`` more, chosen by the tenants' shares
@@ -961,9 +1023,9 @@ class ChunkEngine:
         cold. Fewer than needed when too many are pinned or protected by their shares; none when nothing is
         needed. Blocks of pending writes are not in the index and are never candidates.
 
-        ``writer``: room for a write of that tenant. Before its payload has ``landed``, only its own blocks, and
-        only as far as it holds more than its share; after, other tenants' blocks beyond their shares first,
-        then its own. None (the GC keeping headroom): from whoever is furthest over their share.
+        ``writer``: room for a write of that tenant. Before it is ``committed``, only its own blocks, and only as
+        far as it holds more than its share; after, other tenants' blocks beyond their shares first, then its own.
+        None (the GC keeping headroom): from whoever is furthest over their share.
         """
         with self._lock:
             budget = self.primary_budget_bytes
@@ -975,7 +1037,7 @@ class ChunkEngine:
             entitled = self.shares.entitled(budget, [*usage, *([writer] if writer is not None else [])])
             if writer is None:
                 return plan_removals(needed, usage, entitled, self._unpinned, usage, beyond_share=False)
-            if not landed:
+            if not committed:
                 own = min(needed, usage.get(writer, 0) - entitled[writer] + headroom * entitled[writer] / budget)
                 return plan_removals(int(own), usage, entitled, self._unpinned, [writer], beyond_share=False)
             others = [tenant for tenant in usage if tenant != writer]

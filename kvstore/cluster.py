@@ -128,7 +128,15 @@ class GCConfig:
     high_watermark: float = 0.90
     low_watermark: float = 0.80
     interval_s: float = 5.0  # how often the worker looks at usage and expiry
-    write_timeout_s: float = 600.0  # a shard pending longer than this belongs to a dead writer
+    # a peer may stall mid-frame this long; shards that no block record names are orphans once this old
+    write_timeout_s: float = 600.0
+    # a write whose payload arrived and that is not committed this long after is settled (its writer died): the
+    # primary says whether the block is live, else the shards are dropped, so uncommitted payload holds its slots
+    # and its tenant's budget seconds, not the write timeout
+    pending_timeout_s: float = 30.0
+    # of a node's capacity, what one tenant's shards other than shard 0s may take before their block's primary has
+    # confirmed the block (kvstore.unconfirmed): what shards sent without their shard 0 can strand, for write_timeout_s
+    unconfirmed_share: float = 0.1
     grace_s: float = 0.0  # a removed shard's slot is reused this long after no reply pins it (pins protect reads)
     room_wait_s: float = 2.0  # a write finding a node full waits this long for removals under way to free room
     access_flush_s: float = 2.0  # last-access times are written to disk in batches this often
@@ -509,6 +517,8 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
     gc = _settings(GCConfig, file.gc, "gc")
     if not 0 < gc.low_watermark < gc.high_watermark <= 1:
         raise ConfigError("[gc] watermarks need 0 < low_watermark < high_watermark <= 1")
+    if not 0 < gc.unconfirmed_share <= 1 or not gc.pending_timeout_s > 0:
+        raise ConfigError("[gc] unconfirmed_share must be above 0 and at most 1, pending_timeout_s positive")
     if not gc.meta_sync_s > 0 or not gc.access_flush_s > 0:
         raise ConfigError("[gc] meta_sync_s and access_flush_s must be positive")
     if not gc.scrub_period_s > 0 or not gc.scrub_bytes_per_s > 0 or not gc.repair_bytes_per_s > 0:

@@ -308,7 +308,11 @@ class StorageNode:
             replace=bool(meta.get("replace")),
             ns=ns,
             parents=parents,
-            created=unpack_array(meta, "created", "<f8", n) if "created" in meta else None,
+            # a rewritten block keeps its age, but never a time ahead of this node's clock: a writer's created ten
+            # years ahead would outlive its TTL and never be old enough to reclaim (issue 36)
+            created=np.minimum(unpack_array(meta, "created", "<f8", n), self.engine.clock())
+            if "created" in meta
+            else None,
         )
 
     def abandon_payload(self, session: Session) -> None:
@@ -780,6 +784,7 @@ def open_node(config_path: str, node_id: int, etcd: str | None = None) -> tuple[
         room_wait_s=config.gc.room_wait_s,
         quotas=config.quotas,
         max_disk_fraction=config.gc.max_disk_fraction,
+        unconfirmed_share=config.gc.unconfirmed_share,
     )
     node = StorageNode(config, node_id, engine)
     try:

@@ -101,6 +101,8 @@ def test_while_the_fetcher_is_down_the_engine_reuses_through_its_store_client_an
         assert lines(caplog, "is not answering") == 1 and lines(caplog, "answering again") == 0
         stats = e.stats()
         assert (stats["fetcher_up"], stats["fetcher_outages"], stats["fetcher_recoveries"]) == (0, 1, 0)
+        # the blocks moved without it: two hits read (reads went uncounted) and q's blocks stored
+        assert stats["fetcher_unstaged_blocks"] >= 2 * HIT // 64 + PROMPT // 64
         fetcher.start()
         back = e.generate([q], 4)[0]
         assert back.hit_tokens == HIT and fetcher_stats(fetcher, cluster)["blocks_fetched"] == HIT // 64

@@ -360,8 +360,7 @@ def test_a_restarted_node_keeps_lru_order(cluster: LocalCluster) -> None:
 
 
 def test_pending_shards_of_a_killed_writer_are_reclaimed(own_cluster) -> None:
-    # write_timeout_s is also how long a node waits mid-frame: short here only (a loaded machine stalls)
-    cluster = own_cluster(capacity_bytes=CAPACITY, gc=FAST_GC + "write_timeout_s = 1.0\n")
+    cluster = own_cluster(capacity_bytes=CAPACITY, gc=FAST_GC + "pending_timeout_s = 1.0\n")
     with Client(cluster.config) as client:
         keys = [os.urandom(16) for _ in range(4)]
         proc = subprocess.run(
@@ -374,7 +373,7 @@ def test_pending_shards_of_a_killed_writer_are_reclaimed(own_cluster) -> None:
         wait_for(
             lambda: settle(client) and all(client.stat(k)["shards"] == [] for k in keys),
             10,
-            "GC to drop the shards once they are older than write_timeout_s",
+            "GC to drop the shards once they are older than pending_timeout_s",
         )
         assert sum(i["gc"]["zombies_dropped"] for i in client.node_info().values()) == 4 * 12
 
