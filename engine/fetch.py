@@ -26,6 +26,7 @@ when it goes and once when it is back, a block it can never take once per reason
 from __future__ import annotations
 
 import logging
+import mmap
 import queue
 import threading
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from kvtier.transfer.availability import Availability
 from kvtier.transfer.fetch_client import Blocks, FetchClient, FetcherError
 from kvtier.transfer.fetch_protocol import BlockStatus
 from kvtier.transfer.staging import Region
-from kvtier.transfer.swapin import CudaHostMapping, SwapError, device_view, slot_tensor, swap_in, swap_out
+from kvtier.transfer.swapin import CudaHostMapping, SwapError, slot_tensor, swap_in, swap_out
 
 log = logging.getLogger("kvtier.engine")
 UNAVAILABLE = (FetcherError, AuthError)  # the fetcher is away, or refuses this engine's token
@@ -86,15 +87,22 @@ class StorePages:
         self.rows = max(1, min(staging_bytes // self.block_bytes, -(-pages // 2)))  # blocks the buffer holds
         self._buffer: torch.Tensor | None = None
         self._views: list[memoryview] = []  # its rows as the store reads into them (made once: 5 ms at 1,168)
-        self._on_device: torch.Tensor | None = None  # the buffer as the GPU reads it (decoding, see _fetch_group)
+        self._on_device: torch.Tensor | None = None  # the buffer as the GPU reads it (decoding, see _decode)
+        self._mapping: CudaHostMapping | None = None
 
     @property
     def _staging(self) -> torch.Tensor:
         """The pinned buffer, made at the first use (an engine whose blocks go through the fetcher may never need
         it)."""
         if self._buffer is None:
-            pin = not self.on_host
-            self._buffer = torch.empty((self.rows, self.block_bytes), dtype=torch.uint8, pin_memory=pin)
+            shape = (self.rows, self.block_bytes)
+            if self.form is not None and not self.on_host:  # registered and mapped: the decoding swap-in reads it
+                memory = mmap.mmap(-1, self.rows * self.block_bytes)
+                host = torch.frombuffer(memory, dtype=torch.uint8).view(shape)
+                self._mapping = CudaHostMapping(host.view(-1), self.cache.pages.device)
+                self._buffer, self._on_device = host, self._mapping.tensor.view(shape)
+            else:
+                self._buffer = torch.empty(shape, dtype=torch.uint8, pin_memory=not self.on_host)
             self._views = [_view(r) for r in self._buffer]
         return self._buffer
 
@@ -160,14 +168,14 @@ class StorePages:
 
     def _decode(self, rows: torch.Tensor, lo: int, hi: int, pages: Sequence[int]) -> None:
         """Encoded rows ``lo … hi-1`` of the buffer decoded into ``pages``: on a GPU one launch of the decoding
-        swap-in, which reads the pinned rows where they are; on the CPU in torch."""
+        swap-in, which reads the rows where they are (the buffer is registered with CUDA and mapped); on the CPU in
+        torch."""
         assert self.form is not None
         if self.on_host:
             pages_bytes = self.cache.pages.view(self.cache.num_pages, -1).view(torch.uint8)
             pages_bytes.index_copy_(0, torch.tensor(list(pages), dtype=torch.long), self.form.decode(rows[lo:hi]))
             return
-        if self._on_device is None:
-            self._on_device = device_view(self._staging, self.cache.pages.device)
+        assert self._on_device is not None
         staged = np.arange(lo, hi, dtype=np.int32)
         swap_in(self._on_device, staged, self.cache.pages, np.asarray(pages, np.int32), decode=self.form.decoder)
 

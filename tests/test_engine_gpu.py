@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +15,8 @@ from kvtier.engine.engine import Engine, Result
 from kvtier.engine.model import attention, causal_attention
 from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.local import LocalCluster
+from kvtier.transfer.fetch_client import FetchClient
+from kvtier.transfer.fetcher import LocalFetcher
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -86,3 +90,31 @@ def test_batched_decode_on_the_gpu_reads_the_pages_in_place_and_gives_each_seque
     assert paged_attention.available  # Triton ships with CUDA builds of torch
     engine = Engine.from_pretrained(make_checkpoint(tmp_path / "tiny", "tiny", seed=0), device="cuda")
     lockstep(engine, [prompt(300, 1), prompt(700, 2), prompt(40, 3)], {3: prompt(900, 4)}, 7, tolerance=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("through", ["client", "fetcher"])
+def test_a_prefix_in_a_kv_format_lands_decoded_on_the_gpu_bit_for_bit(
+    tmp_path: Path, cluster_file: Path, dtype: torch.dtype, through: str
+) -> None:
+    """The decoding swap-in (the pinned staging rows of a store read, or the fetcher's slots) puts in each page what
+    the torch reference decodes from the block the store holds."""
+    checkpoint = make_checkpoint(tmp_path / "tiny", "tiny", seed=0)
+    e = Engine.from_pretrained(checkpoint, "cuda", dtype, store=cluster_file, cache_tokens=8192, kv_format="seed")
+    prompt = torch.randint(0, 512, (1000,), generator=torch.Generator().manual_seed(len(through))).tolist()
+    e.generate([prompt[:900]], 1)
+    assert e.store is not None
+    keys = e.store.keys(prompt)[:12]
+    stored = torch.zeros(12, e.block_bytes, dtype=torch.uint8)
+    assert e.store.get_into(keys, [memoryview(row.numpy()) for row in stored], prompt) == 12
+    want = e.block_format.decode(stored)  # the torch reference, on the CPU
+    with contextlib.ExitStack() as stack:
+        if through == "fetcher":
+            shm = f"kvt-gpu-{secrets.token_hex(4)}"
+            fetcher = stack.enter_context(LocalFetcher(cluster_file, shm, tmp_path / "f.sock", "64MiB"))
+            e.attach_store(e.store, FetchClient(fetcher.socket_path, e.store.client.config.token))
+        g = stack.enter_context(e.start(prompt, 1))
+        g.step()  # the lookup and the fetch: 768 tokens, 12 blocks decoded into their pages
+        assert g.seq.hit_tokens == 768
+        got = e.cache.pages[g.seq.pages[:12]].reshape(12, -1).view(torch.uint8).cpu()
+    assert torch.equal(got, want)

@@ -89,13 +89,6 @@ class _CudaArrayInterface:
         }
 
 
-def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CUDA tensor on ``device`` aliasing ``host``, a contiguous CPU ``uint8`` tensor in memory the device can reach
-    (torch's ``pin_memory``, which unified addressing maps for every device, or a :class:`CudaHostMapping`'s):
-    kernels read it across PCIe where it is."""
-    return torch.as_tensor(_CudaArrayInterface(host), device=device)
-
-
 class CudaHostMapping:
     """A contiguous CPU ``uint8`` tensor (normally from :func:`slot_tensor`) page-locked and mapped into a CUDA
     device's address space. ``tensor`` is a CUDA tensor of the same shape aliasing the same bytes: kernels read and
@@ -120,7 +113,7 @@ class CudaHostMapping:
             err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, host.numel(), flags))
             if err != 0:
                 raise RuntimeError(f"cudaHostRegister of {host.numel()} bytes failed with CUDA error {err}")
-            self.tensor = device_view(host, self.device)
+            self.tensor = torch.as_tensor(_CudaArrayInterface(host), device=self.device)
 
     def close(self) -> None:
         if self._ptr is None:
