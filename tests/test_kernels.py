@@ -56,12 +56,18 @@ def test_kernel_equals_reference(target: str, width: int, src_stride: int, dst_s
 
 @needs_tilelang
 @pytest.mark.parametrize("target", TARGETS)
-def test_kernel_with_the_flag_set_moves_nothing(target: str) -> None:
+@pytest.mark.parametrize("kind", ["copy", "decode"])
+def test_kernel_with_the_flag_set_moves_nothing(target: str, kind: str) -> None:
     device = "cpu" if target == "c" else "cuda"
-    src, dst, rows = copy_case(1024, 1024, device)
+    if kind == "copy":
+        src, dst, rows = copy_case(1024, 1024, device)
+        kernel = RowCopyKernel(1024, 1024, 1024, target=target)
+    else:
+        layout, src, dst, rows = decoding_case(torch.bfloat16, device)
+        kernel = layout.kernel(src.shape[1] // 4, dst.shape[1] // 4, target=target)
+        src, dst = src.view(torch.int32), dst.view(torch.int32)
     before = dst.clone()
-    flag = torch.full((1,), 7, dtype=torch.int32, device=device)
-    RowCopyKernel(1024, 1024, 1024, target=target)(src, rows, dst, flag, 7)
+    kernel(src, rows, dst, torch.full((1,), 7, dtype=torch.int32, device=device), 7)
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(dst, before)
@@ -209,19 +215,6 @@ def test_decoding_kernel_equals_reference(target: str, dtype: torch.dtype) -> No
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(dst, want)
-
-
-@needs_tilelang
-@pytest.mark.parametrize("target", TARGETS)
-def test_decoding_kernel_with_the_flag_set_moves_nothing(target: str) -> None:
-    device = "cpu" if target == "c" else "cuda"
-    layout, src, dst, rows = decoding_case(torch.bfloat16, device)
-    before = dst.clone()
-    kernel = layout.kernel(src.shape[1] // 4, dst.shape[1] // 4, target=target)
-    kernel(src.view(torch.int32), rows, dst.view(torch.int32), torch.full((1,), 7, dtype=torch.int32, device=device), 7)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(dst, before)
 
 
 def test_a_decoding_layout_the_kernel_cannot_take_is_refused() -> None:

@@ -195,25 +195,16 @@ def test_slots_that_do_not_fit_the_buffer_are_refused(segment: shared_memory.Sha
 
 
 @gpu
-def test_gpu_swap_in_reads_the_registered_segment_directly(slots: torch.Tensor) -> None:
+@pytest.mark.parametrize("decoding", [False, True])
+def test_gpu_swap_in_reads_the_registered_segment_directly(slots: torch.Tensor, decoding: bool) -> None:
+    """Pages land as the slots hold them, or (``decode=``) decoded bit for bit as the torch reference decodes them."""
     cache = random_cache("cuda")
     slot_ids, page_ids = [5, 0, 11, 3, 7], [9, 2, 15, 0, 4]
-    want = expected_swap_in(slots, slot_ids, cache, page_ids)
+    want = (expected_decoded if decoding else expected_swap_in)(slots, slot_ids, cache, page_ids)
     with CudaHostMapping(slots) as mapped:
         assert mapped.tensor.is_cuda
         assert mapped.tensor.data_ptr() == slots.data_ptr()  # an alias of host memory, not a device copy
-        swap_in(mapped.tensor, slot_ids, cache, page_ids)
-        torch.cuda.synchronize()
-    assert torch.equal(cache.cpu().view(torch.int16), want.view(torch.int16))
-
-
-@gpu
-def test_gpu_swap_in_with_a_decoder_decodes_the_registered_segment_bit_for_bit(slots: torch.Tensor) -> None:
-    cache = random_cache("cuda")
-    slot_ids, page_ids = [5, 0, 11, 3, 7], [9, 2, 15, 0, 4]
-    want = expected_decoded(slots, slot_ids, cache, page_ids)
-    with CudaHostMapping(slots) as mapped:
-        swap_in(mapped.tensor, slot_ids, cache, page_ids, decode=decoder())
+        swap_in(mapped.tensor, slot_ids, cache, page_ids, decode=decoder() if decoding else None)
         torch.cuda.synchronize()
     assert torch.equal(cache.cpu().view(torch.int16), want.view(torch.int16))
 
