@@ -12,7 +12,7 @@ an adapter's store calls promise what the engines' own backends promise:
   *answered* are lost; a look-up: the primaries' records, then the shards of blocks whose primary did not answer,
   asked only when some primary did; a write: a look-up, then two phases for the blocks whose primary answered).
   Connecting and each exchange get a fifth of ``timeout_s``, and a node that misses a deadline is skipped for
-  its back-off (``kvstore.transport``), so a call against a hung or partly hung store returns within
+  its back-off (``kvstore.wire.transport``), so a call against a hung or partly hung store returns within
   ``timeout_s``.
 - **Zero-copy.** Reads land in, and writes are sent from, the engine's own buffers (views, or raw pointers
   turned into views by :func:`pointer_views`); the caller must not touch them until the call returns.
@@ -39,11 +39,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import cluster_map
 from kvtier.kvstore.client import Client
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster import map as cluster_map
 from kvtier.kvstore.codec import DATA_SHARDS
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.wire.transport import AuthError
 
 log = logging.getLogger("kvtier.adapters")
 

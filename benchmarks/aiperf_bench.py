@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 
 from kvtier.engine.checkpoint import make_checkpoint
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.tools.benchutil import start_serve
 from kvtier.tools.kvbench.common import stop_process
 

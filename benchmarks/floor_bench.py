@@ -11,7 +11,7 @@ sends from the page cache and checksums what lands. This benchmark does exactly 
 that the gap between kvtier and the raw stream splits into what the design costs on this machine (this floor)
 and what the implementation adds on top (kvtier against the floor):
 
-- 12 server processes, each with real slab files (``kvstore.slabs.SlabFiles``: the node's files, extents and
+- 12 server processes, each with real slab files (``kvstore.node.slabs.SlabFiles``: the node's files, extents and
   ``posix_fallocate``d slots). ``fresh``: new slots every round, as an empty cluster's puts land in file space
   never written. ``capacity``: every put overwrites the slots of the one before, whose pages are in the page
   cache, as a full cluster reuses the slots its evictions free. Per put: one small header,
@@ -56,7 +56,7 @@ import numpy as np
 from kvtier.kvstore import _native
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec
-from kvtier.kvstore.slabs import SIZE_CLASSES, SlabFiles, size_class_for
+from kvtier.kvstore.node.slabs import SIZE_CLASSES, SlabFiles, size_class_for
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.tools.benchutil import CpuMeter, page_cache_filled, raw_stream_gbps, temp_cluster
 

@@ -22,10 +22,10 @@ import sys
 import tempfile
 import time
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import CapacityError, Client
-from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.node.slabs import SIZE_CLASSES, size_class_for
 from kvtier.kvstore.units import format_size, parse_size
 
 GC_SETTINGS = "interval_s = 0.2\n"

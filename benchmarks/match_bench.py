@@ -25,8 +25,8 @@ import numpy as np
 
 from kvtier.kvstore.client import Client
 from kvtier.kvstore.keys import Namespace, chain
-from kvtier.kvstore.protocol import Op, encode_head
-from kvtier.kvstore.wire import pack_keys
+from kvtier.kvstore.wire.fields import pack_keys
+from kvtier.kvstore.wire.protocol import Op, encode_head
 from kvtier.tools.benchutil import CpuMeter, latency_percentiles, temp_cluster
 
 BLOCK_TOKENS = 64

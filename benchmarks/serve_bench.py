@@ -35,8 +35,8 @@ import torch
 
 from kvtier.engine.checkpoint import make_checkpoint
 from kvtier.engine.engine import Engine
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.serving.text import TextCodec
 from kvtier.tools.benchutil import start_serve
 from kvtier.tools.kvbench.common import stop_process

@@ -40,8 +40,8 @@ import torch
 
 from kvtier.engine.checkpoint import DTYPES, make_checkpoint
 from kvtier.engine.engine import Engine
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.units import parse_size
 from kvtier.tools.benchutil import start_serve
 from kvtier.tools.kvbench.common import stop_process

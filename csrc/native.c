@@ -1481,7 +1481,7 @@ static PyObject *py_jump_hash(PyObject *self, PyObject *args) {
     return result;
 }
 
-#define MAX_NODE_IDS 65536 /* node ids are 0..65535 (kvtier.kvstore.cluster.MAX_NODE_ID) */
+#define MAX_NODE_IDS 65536 /* node ids are 0..65535 (kvtier.kvstore.cluster.config.MAX_NODE_ID) */
 
 /* primary_runs(blob, klen, groups, slots) -> (order, runs, rows): each key's primary, the keys sorted by it. blob:
  * n keys of klen bytes; groups: int64 node ids, slots a group. A key's primary is groups[jump(h, G)][h % slots], h

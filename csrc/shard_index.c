@@ -1,7 +1,7 @@
 /* kvtier._shard_index: a hash table of fixed-width keys to fixed-width values, driven a batch at a time.
  *
  * The chunk engine's in-memory index of committed shard records by name (tenant/key/index; see
- * kvstore/shard_index.py). A node holds hundreds of thousands of them and a 64 KiB-block request brings a thousand
+ * kvstore/node/shard_index.py). A node holds hundreds of thousands of them and a 64 KiB-block request brings a thousand
  * names, so every operation takes a whole table of keys (n rows of key_width bytes, as numpy builds them from
  * a request) and answers with a table: no Python object per key or per record. A dict of bytes to bytes keeps a
  * shard in four scattered objects; here a shard is a 4-byte tag in one array and its key and value side by side

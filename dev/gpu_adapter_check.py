@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("vllm", "sglang"), required=True)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    from kvtier.kvstore import cluster as cluster_mod
-    from kvtier.kvstore.local import LocalCluster
+    from kvtier.kvstore.cluster import config as cluster_mod
+    from kvtier.kvstore.cluster.local import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="kvtier-gpu-adapter-") as tmp:
         path = cluster_mod.write_default(Path(tmp) / "store", capacity_bytes=1 << 30, metrics=True)

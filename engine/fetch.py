@@ -38,9 +38,9 @@ import torch
 from kvtier.engine.formats import Layout
 from kvtier.engine.paged_cache import PagedKVCache
 from kvtier.engine.store import BlockStore
+from kvtier.kvstore.client.read_watch import ReadWatch
 from kvtier.kvstore.keys import TokenInput
-from kvtier.kvstore.read_watch import ReadWatch
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.transfer.availability import Availability
 from kvtier.transfer.fetch_client import Blocks, FetchClient, FetcherError
 from kvtier.transfer.fetch_protocol import BlockStatus
@@ -67,7 +67,7 @@ class StorePages:
     buffer (half the cache, at most ``staging_bytes``; made at the first use): a fetch is one store read of as many
     blocks as the buffer holds (the whole prefix, for any prompt up to half the cache), and blocks are copied to
     the device while the read runs: every ``SETTLED_POLL_S`` this thread asks the read which leading blocks of each
-    lane have settled (``kvstore.read_watch``: whole and checksummed, while the receiving threads stay in compiled
+    lane have settled (``client.read_watch``: whole and checksummed, while the receiving threads stay in compiled
     code) and copies those, and the rest of a lane when the lane ends. So a fetch costs about the store's
     ``get_into`` plus the copy of what landed in its last few milliseconds. (Before: each lane copied when it ended;
     the 8 lanes of a 2.45 GB prefix end within ~20 ms of each other and each takes 5.6 ms to copy, so the fetch

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.kvstore.client import CapacityError, Client, connect
+from kvtier.kvstore.client.read_watch import ReadWatch
 from kvtier.kvstore.keys import Namespace, TokenInput, chain, header_digests, token_bytes
-from kvtier.kvstore.protocol import ProtocolError
-from kvtier.kvstore.read_watch import ReadWatch
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.wire.protocol import ProtocolError
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.transfer.availability import Availability
 
 log = logging.getLogger("kvtier.engine")

@@ -22,7 +22,16 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CORPUS_PACKAGES = ("kvtier.kvstore", "kvtier.gc", "kvtier.transfer", "kvtier.engine")
+CORPUS_PACKAGES = (
+    "kvtier.kvstore",
+    "kvtier.kvstore.wire",
+    "kvtier.kvstore.cluster",
+    "kvtier.kvstore.node",
+    "kvtier.kvstore.client",
+    "kvtier.gc",
+    "kvtier.transfer",
+    "kvtier.engine",
+)
 
 
 def corpus() -> list[str]:

@@ -57,8 +57,8 @@ from kvtier.engine.engine import Engine, Generation, PromptError
 from kvtier.engine.sampling import Sampling
 from kvtier.engine.scheduler import Scheduler, StepCost
 from kvtier.engine.store_thread import StoreThread
-from kvtier.kvstore.children import die_with_parent
-from kvtier.kvstore.cluster import read_token_file
+from kvtier.kvstore.cluster.children import die_with_parent
+from kvtier.kvstore.cluster.config import read_token_file
 from kvtier.transfer.availability import Availability
 
 log = logging.getLogger("kvtier.engine")
@@ -539,7 +539,7 @@ class WorkerProcess:
         self, argv: list[str], timeout_s: float = 300.0, stderr: IO[bytes] | None = None, with_parent: bool = False
     ) -> None:
         """Start ``argv``; its stderr goes to ``stderr`` (a file), else to this process's. ``with_parent``: the
-        child is sent SIGTERM when the thread that starts it ends (:mod:`kvtier.kvstore.children`; for a child
+        child is sent SIGTERM when the thread that starts it ends (:mod:`kvtier.kvstore.cluster.children`; for a child
         that never reads its stdin, so would not notice its parent is gone)."""
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,

@@ -22,10 +22,10 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvtier.gc.stats import GCStats
-from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.cluster import ClusterConfig
-from kvtier.kvstore.removals import Removal
+from kvtier.kvstore.cluster.config import ClusterConfig
+from kvtier.kvstore.node.chunks import ChunkEngine
+from kvtier.kvstore.node.removals import Removal
 
 log = logging.getLogger("kvtier.gc")
 

@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from kvtier.gc.worker import GCWorker
-from kvtier.kvstore.cluster_map import Doc, MapFeed, node_entry
+from kvtier.kvstore.cluster.etcd import EtcdUnavailable
+from kvtier.kvstore.cluster.map import Doc, MapFeed, node_entry
 from kvtier.kvstore.codec import TOTAL_SHARDS
-from kvtier.kvstore.etcd import EtcdUnavailable
 from kvtier.kvstore.placement import Placement
 
 log = logging.getLogger("kvtier.fill")

@@ -1,7 +1,7 @@
-"""The storage node process: a :mod:`kvtier.kvstore.node` server with its GC worker wired in.
+"""The storage node process: a :mod:`kvtier.kvstore.node.server` server with its GC worker wired in.
 
 ``python -m kvtier.gc.nodeproc <cluster file> <node id>`` (what ``kvstore serve`` and
-:class:`~kvtier.kvstore.local.LocalCluster` start). The node itself knows nothing about GC: this module
+:class:`~kvtier.kvstore.cluster.local.LocalCluster` start). The node itself knows nothing about GC: this module
 composes the two, so imports run one way (``gc`` → ``kvstore``).
 """
 
@@ -16,21 +16,21 @@ from collections.abc import Sequence
 from kvtier.gc.evictor import Evictor
 from kvtier.gc.fill import Filler
 from kvtier.gc.worker import GCWorker
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import logs
-from kvtier.kvstore.chunks import MetadataError
-from kvtier.kvstore.cluster_map import MapFeed
-from kvtier.kvstore.disk import NoSpace
-from kvtier.kvstore.local import NEEDS_RESET_EXIT, NODE_ERROR_PREFIX
-from kvtier.kvstore.membership import Membership
-from kvtier.kvstore.node import open_node, serve
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import NEEDS_RESET_EXIT, NODE_ERROR_PREFIX
+from kvtier.kvstore.cluster.map import MapFeed
+from kvtier.kvstore.cluster.membership import Membership
+from kvtier.kvstore.node.chunks import MetadataError
+from kvtier.kvstore.node.disk import NoSpace
+from kvtier.kvstore.node.server import open_node, serve
 
 log = logging.getLogger("kvtier.node")
 
 
 def run_node(config_path: str, node_id: int, etcd: str | None = None, fallback_log_fd: int | None = None) -> None:
     """Open the node, attach its GC worker, serve until SIGTERM/SIGINT. With an etcd map: register (and keep the
-    lease alive), follow the map, leave when stopped (``kvstore.membership``). Log lines its log (stderr) cannot
+    lease alive), follow the map, leave when stopped (``kvstore.cluster.membership``). Log lines its log (stderr) cannot
     take go to ``fallback_log_fd``."""
     logs.configure(fallback_log_fd, node=node_id)
     node, server = open_node(config_path, node_id, etcd)

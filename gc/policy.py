@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
-from kvtier.kvstore.lru import BlockEntry, Key, LruIndex
+from kvtier.kvstore.node.lru import BlockEntry, Key, LruIndex
 
 __all__ = ["BlockEntry", "Clock", "Key", "LruIndex", "ManualClock", "SystemClock", "expired", "plan_eviction"]
 

@@ -5,7 +5,7 @@ missing with a node's disk, to bit rot (the scrubber finds it) or were never wri
 put). The holders of shards 0, 1 and 2 keep the block's record, so any two lost nodes leave one. Where the
 work comes from:
 
-1. **Owed repairs** (``kvstore.owed``): a primary that commits a block short of shards owes its repair; so
+1. **Owed repairs** (``kvstore.node.owed``): a primary that commits a block short of shards owes its repair; so
    does a node whose repair could not finish (a holder was down). ``work_off`` runs every ``gc.interval_s``
    on the background thread (``run``), oldest first, and backs off while nothing can be finished.
 2. **Rebuild**: a node whose data dir is new (a replacement, or a wiped disk) asks every peer of its placement
@@ -50,15 +50,15 @@ import numpy as np
 
 from kvtier.gc.evictor import Evictor
 from kvtier.gc.stats import GCStats
-from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.client_core import UNKNOWN, Survey
-from kvtier.kvstore.cluster import ClusterConfig
+from kvtier.kvstore.client.core import UNKNOWN, Survey
+from kvtier.kvstore.cluster.config import ClusterConfig
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS
-from kvtier.kvstore.disk import NoSpace
-from kvtier.kvstore.owed import CORRUPT, ORPHAN, Owed
+from kvtier.kvstore.node.chunks import ChunkEngine
+from kvtier.kvstore.node.disk import NoSpace
+from kvtier.kvstore.node.owed import CORRUPT, ORPHAN, Owed
 from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.wire import RecordState
+from kvtier.kvstore.wire.fields import RecordState
 
 log = logging.getLogger("kvtier.gc")
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 from kvtier.gc.repairer import Repairer
 from kvtier.gc.stats import GCStats
-from kvtier.kvstore.chunks import SCRUB_AT, ChunkEngine
-from kvtier.kvstore.cluster import ClusterConfig
-from kvtier.kvstore.disk import NoSpace
+from kvtier.kvstore.cluster.config import ClusterConfig
+from kvtier.kvstore.node.chunks import SCRUB_AT, ChunkEngine
+from kvtier.kvstore.node.disk import NoSpace
 
 log = logging.getLogger("kvtier.gc")
 

@@ -16,7 +16,7 @@ class GCStats:
     zombies_promoted: int = 0
     zombies_dropped: int = 0
     shards_expired: int = 0
-    shards_confirmed: int = 0  # shards other than shard 0s whose block its primary confirmed live (kvstore.unconfirmed)
+    shards_confirmed: int = 0  # shards other than shard 0s whose block its primary confirmed live (node.unconfirmed)
     orphans_reclaimed: int = 0  # shards whose block no primary knew write_timeout_s after their commit, removed
     shards_repaired: int = 0
     blocks_repaired: int = 0  # blocks brought back to 12 shards

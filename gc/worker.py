@@ -14,7 +14,7 @@ step 3 alone (after reaping): at capacity that is every few puts, and steps 2 an
    applies to blocks already stored) are removed like evictions.
 3. **Evict**: each primary keeps its own blocks' shards between the watermarks of its budget
    (``capacity / 12`` of every node): above ``high`` it removes blocks down to ``low``, from the tenants
-   furthest over their shares first (:mod:`~kvtier.kvstore.quotas`; one tenant: plain LRU). Since every node
+   furthest over their shares first (:mod:`~kvtier.kvstore.node.quotas`; one tenant: plain LRU). Since every node
    holds one shard of each of the group's blocks, that keeps every node between the watermarks, without
    coordination.
 4. **Zombies** (every ``pending_timeout_s / 4``, at least ``interval_s``): pending writes (staged batches, in
@@ -26,7 +26,7 @@ step 3 alone (after reaping): at capacity that is every few puts, and steps 2 an
 5. **Confirm** (every cycle, and whenever a write finds its tenant's unconfirmed shards at their cap): shards other
    than shard 0s committed here a moment ago are confirmed with their blocks' primaries (one ``MATCH`` per primary
    and tenant); those whose block is not live ``write_timeout_s`` after their commit are orphans, removed
-   (:mod:`~kvtier.kvstore.unconfirmed`).
+   (:mod:`~kvtier.kvstore.node.unconfirmed`).
 6. **Repair** (when asked, e.g. ``kvctl repair``): a full pass of the :class:`~kvtier.gc.repairer.Repairer`,
    outside the cycle's lock (eviction goes on meanwhile). The repairer also runs on its own thread, working
    off the repairs this node owes; the :class:`~kvtier.gc.scrubber.Scrubber` checks every shard's crc32c on
@@ -50,13 +50,13 @@ from kvtier.gc.evictor import Evictor
 from kvtier.gc.policy import expired
 from kvtier.gc.repairer import Repairer
 from kvtier.gc.scrubber import Scrubber
-from kvtier.kvstore.chunks import COMMIT, DROP, KEEP, ChunkEngine, tenant_prefix
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.cluster import ClusterConfig
-from kvtier.kvstore.disk import NoSpace
-from kvtier.kvstore.lru import BlockEntry
-from kvtier.kvstore.protocol import Status
-from kvtier.kvstore.shard_index import table_names
+from kvtier.kvstore.cluster.config import ClusterConfig
+from kvtier.kvstore.node.chunks import COMMIT, DROP, KEEP, ChunkEngine, tenant_prefix
+from kvtier.kvstore.node.disk import NoSpace
+from kvtier.kvstore.node.lru import BlockEntry
+from kvtier.kvstore.node.shard_index import table_names
+from kvtier.kvstore.wire.protocol import Status
 
 log = logging.getLogger("kvtier.gc")
 CONFIRM_AFTER_S = 0.5  # a shard committed this long ago has had its block's COMMIT reach the primary, too

@@ -182,8 +182,9 @@ def run_directory(argv: list[str]) -> int:
     """``_start_directory``'s process: ``STORE TOKEN_FILE`` (or '')."""
     import threading
 
-    from kvtier.kvstore import cluster_map, logs
-    from kvtier.kvstore.cluster import ConfigError, read_token_file
+    from kvtier.kvstore import logs
+    from kvtier.kvstore.cluster import map as cluster_map
+    from kvtier.kvstore.cluster.config import ConfigError, read_token_file
     from kvtier.transfer.directory import Directory
     from kvtier.transfer.directory import serve as serve_directory
 

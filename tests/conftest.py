@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster, NodeStartError
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster, NodeStartError
 
 ClusterFactory = Callable[..., LocalCluster]
 

@@ -15,7 +15,7 @@ from typing import Any
 import crc32c
 import pytest
 
-from kvtier.kvstore.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Frame, FrameReader, Op, encode_head
+from kvtier.kvstore.wire.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Frame, FrameReader, Op, encode_head
 
 SOCKET_TIMEOUT_S = 5.0
 

@@ -33,7 +33,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E
 
 from kvtier.adapters.lmcache import KvtierConnector  # noqa: E402
 from kvtier.adapters.store import SettingsError  # noqa: E402
-from kvtier.kvstore.local import LocalCluster  # noqa: E402
+from kvtier.kvstore.cluster.local import LocalCluster  # noqa: E402
 
 CHUNK = 16
 SHAPE = (2, 2, CHUNK, 2, 64)  # layers, K/V, tokens, heads, head size

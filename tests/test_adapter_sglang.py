@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from kvtier.adapters.sglang import KvtierHiCacheStorage  # noqa: E402
 from kvtier.adapters.store import SettingsError  # noqa: E402
-from kvtier.kvstore.local import LocalCluster  # noqa: E402
+from kvtier.kvstore.cluster.local import LocalCluster  # noqa: E402
 from kvtier.tools.hostpool import HostPool  # noqa: E402
 
 PAGE = 16

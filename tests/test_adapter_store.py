@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.adapters.store import AdapterStore, Keyspace, SettingsError, StoreSettings, pointer_views
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
 
 
 def test_keys_are_stable_across_processes_and_apart_across_deployments() -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from kvtier.adapters.store import AdapterStore, Keyspace, StoreSettings
 from kvtier.adapters.vllm import Finished, TierCore, identity
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.transfer.fetcher import LocalFetcher
 
 STRIDE = 3 * 4096  # bytes of one chunk row: deliberately not a power of two

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from kvtier.kvstore.admission import Admission, LogLimiter, Refused
-from kvtier.kvstore.protocol import Limits
+from kvtier.kvstore.wire.admission import Admission, LogLimiter, Refused
+from kvtier.kvstore.wire.protocol import Limits
 
 LIMITS = Limits(
     max_connections=6,
@@ -115,7 +115,7 @@ def test_a_log_limiter_logs_a_burst_per_period_and_counts_the_rest(caplog: pytes
 ACCEPT_UNDER_A_LIMIT = textwrap.dedent(
     """
     import logging, os, resource, socket
-    from kvtier.kvstore.admission import Acceptor
+    from kvtier.kvstore.wire.admission import Acceptor
 
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)

@@ -1,6 +1,7 @@
 """The folders' one-way doors (README, "Architecture"), checked on the source: every ``kvtier`` import, including
-those inside functions, goes the allowed way; no two modules import each other, directly or around a loop; the
-store imports without torch."""
+those inside functions, goes the allowed way, and so does every import between the store's rooms (docs/design.md,
+"The store's rooms"), type-only ones included; no two modules import each other, directly or around a loop, not
+even for a type checker; nothing of kvtier uses a kvstore module's old name; the store imports without torch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
+
+from kvtier.kvstore._moved import MOVED
 
 ROOT = Path(__file__).resolve().parent.parent
 # folder -> the folders its modules may import (besides itself); tools may import everything
@@ -23,6 +26,17 @@ ALLOWED = {
     "adapters": {"kvstore", "gc", "transfer"},
     "tools": {"kvstore", "gc", "transfer", "engine", "serving", "kernels", "adapters"},
 }
+# kvstore's rooms -> the rooms their modules may import besides their own; "kvstore" is the base (keys, codec,
+# placement, units, logs, the compiled loops). The package itself (``kvtier.kvstore``: the client's API) sits above
+# them all and no room imports it.
+ROOMS = {
+    "kvstore": set(),
+    "kvstore.wire": {"kvstore"},
+    "kvstore.cluster": {"kvstore", "kvstore.wire"},
+    "kvstore.node": {"kvstore", "kvstore.wire", "kvstore.cluster"},
+    "kvstore.client": {"kvstore", "kvstore.wire", "kvstore.cluster"},
+}
+FRONT = "kvtier.kvstore"
 HOST_ENGINES = ("sglang", "vllm", "lmcache")
 # what only tests, benchmarks and device runs use: never a module a user of the package can import
 HARNESSES = ("dev", "tests", "pytest")
@@ -40,10 +54,15 @@ def modules() -> dict[str, Path]:
 
 def runtime_imports(path: Path, known: set[str]) -> set[str]:
     """The kvtier modules ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks are for type checkers)."""
+    return kvtier_imports(path, known, type_only=False)
+
+
+def kvtier_imports(path: Path, known: set[str], type_only: bool = True) -> set[str]:
+    """The kvtier modules ``path`` names in an import; ``type_only``: those under ``if TYPE_CHECKING:`` too."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
-            node.body = []
+            node.body = node.body if type_only else []
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvtier."):
@@ -67,6 +86,14 @@ def folder(module: str) -> str:
     return module.split(".")[1]
 
 
+def room(module: str) -> str:
+    """The store's room of a ``kvtier.kvstore`` module (``kvstore`` for the base); the package itself is its own."""
+    parts = module.split(".")
+    if module == FRONT:
+        return FRONT
+    return f"kvstore.{parts[2]}" if len(parts) > 3 or f"kvstore.{parts[2]}" in ROOMS else "kvstore"
+
+
 def test_imports_between_folders_go_one_way() -> None:
     found = modules()
     wrong = [
@@ -78,9 +105,59 @@ def test_imports_between_folders_go_one_way() -> None:
     assert wrong == []
 
 
+def test_the_stores_rooms_import_one_way() -> None:
+    found = modules()
+    store = {name: path for name, path in found.items() if folder(name) == "kvstore"}
+    wrong = [
+        f"{name} ({room(name)}) imports {target} ({room(target)})"
+        for name, path in store.items()
+        if name != FRONT
+        for target in sorted(kvtier_imports(path, set(found)))
+        if folder(target) == "kvstore" and room(target) != room(name) and room(target) not in ROOMS[room(name)]
+    ]
+    assert {room(name) for name in store} == {*ROOMS, FRONT}
+    assert wrong == []
+
+
+def test_nothing_uses_a_kvstore_modules_old_name() -> None:
+    old = {f"kvtier.kvstore.{name}" for name in MOVED}
+    sources = [*modules().values(), *(p for top in ("tests", "dev", "benchmarks") for p in (ROOT / top).rglob("*.py"))]
+    using = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sources
+        for name in sorted(any_imports(path) | {f"{m}.{n}" for m, n in from_imports(path)})
+        if name in old
+    ]
+    assert using == []
+
+
+def test_an_old_kvstore_module_name_imports_the_module_it_became_with_a_warning() -> None:
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('error')\n"
+        "from kvtier.kvstore._moved import MovedWarning\n"
+        "from kvtier.kvstore.wire import protocol\n"
+        "from kvtier.kvstore.cluster import config\n"
+        "try:\n"
+        "    import kvtier.kvstore.protocol\n"
+        "except MovedWarning as exc:\n"
+        "    assert 'kvtier.kvstore.wire.protocol' in str(exc), exc\n"
+        "else:\n"
+        "    raise AssertionError('no warning')\n"
+        "warnings.simplefilter('ignore')\n"
+        "import kvtier.kvstore.protocol as old\n"
+        "from kvtier.kvstore import cluster\n"
+        "from kvtier.kvstore.node import open_node\n"
+        "from kvtier.kvstore.node.server import open_node as new_open_node\n"
+        "assert old is protocol and cluster.load is config.load and open_node is new_open_node\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
+
+
 def test_no_modules_import_each_other() -> None:
     found = modules()
-    graph = {name: runtime_imports(path, set(found)) - {name} for name, path in found.items()}
+    graph = {name: kvtier_imports(path, set(found)) - {name} for name, path in found.items()}
     try:
         tuple(TopologicalSorter(graph).static_order())
     except CycleError as exc:
@@ -102,6 +179,16 @@ def test_no_test_or_device_harness_is_importable_from_kvtier() -> None:
     assert harnesses, "dev/ holds the harnesses"
     assert shipped == []
     assert importing == []
+
+
+def from_imports(path: Path) -> set[tuple[str, str]]:
+    """Every (module, name) of a ``from module import name`` in ``path``."""
+    return {
+        (node.module or "", alias.name)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level == 0
+        for alias in node.names
+    }
 
 
 def any_imports(path: Path) -> set[str]:

@@ -1,4 +1,4 @@
-"""Block records in commit order (kvstore.block_table): looked up by name, stored by sequence number, the index
+"""Block records in commit order (kvstore.node.block_table): looked up by name, stored by sequence number, the index
 rebuilt at open; records of an older data dir (keyed by name) are moved in once."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import lmdb
 
-from kvtier.kvstore.block_table import BlockTable
-from kvtier.kvstore.chunks import ChunkEngine, block_key
+from kvtier.kvstore.node.block_table import BlockTable
+from kvtier.kvstore.node.chunks import ChunkEngine, block_key
 from tests.test_chunks_deletes import committed, reopened
 from tests.test_chunks_writes import CAPACITY
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.kvstore.chunks import ChunkEngine, WriteBatch
-from kvtier.kvstore.protocol import Status
+from kvtier.kvstore.node.chunks import ChunkEngine, WriteBatch
+from kvtier.kvstore.wire.protocol import Status
 from tests.test_chunks_writes import CAPACITY, SHARD, SLOT, batch, staged
 
 

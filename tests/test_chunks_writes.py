@@ -10,9 +10,9 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvtier.kvstore.chunks import COMMIT, DROP, ChunkEngine, WriteBatch, _unpack_slot_value
-from kvtier.kvstore.protocol import Status
-from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
+from kvtier.kvstore.node.chunks import COMMIT, DROP, ChunkEngine, WriteBatch, _unpack_slot_value
+from kvtier.kvstore.node.slabs import SIZE_CLASSES, size_class_for
+from kvtier.kvstore.wire.protocol import Status
 
 CAPACITY = 64 << 20
 SHARD = 6554

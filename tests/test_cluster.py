@@ -1,4 +1,4 @@
-"""The cluster file: what ``kvstore init`` writes loads back as written, and ``cluster.edit`` keeps what it does
+"""The cluster file: what ``kvstore init`` writes loads back as written, and ``cluster.config.edit`` keeps what it does
 not change."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.cluster import ConfigError
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.config import ConfigError
 
 
 def test_a_host_with_a_quote_and_a_backslash_round_trips(tmp_path: Path) -> None:

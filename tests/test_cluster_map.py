@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from kvtier.gc import fill
-from kvtier.kvstore import cluster_map
 from kvtier.kvstore.client import connect
-from kvtier.kvstore.cluster import ConfigError, token_hash
-from kvtier.kvstore.cluster_map import MapStore, new_map
-from kvtier.kvstore.etcd import Etcd
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import map as cluster_map
+from kvtier.kvstore.cluster.config import ConfigError, token_hash
+from kvtier.kvstore.cluster.etcd import Etcd
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.cluster.map import MapStore, new_map
 from kvtier.kvstore.placement import Placement
 from kvtier.tools.benchutil import free_port
 

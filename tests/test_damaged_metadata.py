@@ -19,9 +19,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvtier.kvstore.chunks import ChunkEngine, MetadataError
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.owed import Owed
+from kvtier.kvstore.node.chunks import ChunkEngine, MetadataError
+from kvtier.kvstore.node.owed import Owed
 from kvtier.kvstore.placement import Placement
 
 from .conftest import wait_for
@@ -115,7 +115,7 @@ def test_a_node_with_damaged_metadata_says_so_in_one_line_and_serve_waits_for_it
         assert "Traceback" not in log and log.strip().splitlines()[-1].startswith("kvstore node: node 3:")
 
         reset = subprocess.run(
-            [sys.executable, "-m", "kvtier.kvstore.cli", "reset-node", str(config.path), "3"],
+            [sys.executable, "-m", "kvtier.kvstore.cluster.cli", "reset-node", str(config.path), "3"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import CapacityError, Client, connect
-from kvtier.kvstore.disk import NoSpace
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.node.chunks import ChunkEngine
+from kvtier.kvstore.node.disk import NoSpace
 from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.protocol import Status
+from kvtier.kvstore.wire.protocol import Status
 
 from .conftest import tmpfs
 from .test_chunks_writes import TTL, batch, staged

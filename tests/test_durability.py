@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster, NodeStartError
+from kvtier.kvstore.cluster.local import LocalCluster, NodeStartError
+from kvtier.kvstore.node.chunks import ChunkEngine
+from kvtier.kvstore.node.slabs import SIZE_CLASSES
 from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.protocol import Op, Status
-from kvtier.kvstore.slabs import SIZE_CLASSES
-from kvtier.kvstore.transport import Exchange
+from kvtier.kvstore.wire.protocol import Op, Status
+from kvtier.kvstore.wire.transport import Exchange
 
 from .conftest import wait_for
 from .test_node_metrics import metrics
@@ -313,7 +313,7 @@ def test_kvstore_reset_node_moves_the_data_aside_and_the_node_is_refilled_by_its
     local = own_cluster(gc=FAST_GC)
     with Client(local.config) as client:
         keys, data = stored_blocks(client, 120)
-        cmd = [sys.executable, "-m", "kvtier.kvstore.cli", "reset-node", str(local.config_path), "4"]
+        cmd = [sys.executable, "-m", "kvtier.kvstore.cluster.cli", "reset-node", str(local.config_path), "4"]
         running = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert running.returncode == 2 and "node 4 is running" in running.stderr  # refused: nothing moved
         local.kill(4)
@@ -329,8 +329,8 @@ def test_kvstore_reset_node_moves_the_data_aside_and_the_node_is_refilled_by_its
 
 
 def test_a_rebuild_pages_through_every_block_a_peer_holds_each_once() -> None:
-    from kvtier.kvstore.held_blocks import blocks_held
-    from kvtier.kvstore.shard_index import RECORD, name_table
+    from kvtier.kvstore.node.held_blocks import blocks_held
+    from kvtier.kvstore.node.shard_index import RECORD, name_table
 
     keys = [os.urandom(16) for _ in range(1000)]
     tables = []

@@ -13,8 +13,8 @@ import torch
 from kvtier.engine.checkpoint import make_checkpoint
 from kvtier.engine.engine import Engine, Result
 from kvtier.engine.model import attention, causal_attention
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.fetcher import LocalFetcher
 

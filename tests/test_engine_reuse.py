@@ -15,7 +15,7 @@ from kvtier.engine.checkpoint import make_checkpoint
 from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.reuse import Plan, Reuse, plan
 from kvtier.engine.stateblocks import LocalStateBlocks
-from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.cluster import config as cluster_mod
 from kvtier.kvstore.keys import chain, header_digests
 from kvtier.tools.kvbench import main as kvbench
 from kvtier.transfer.fetcher import LocalFetcher

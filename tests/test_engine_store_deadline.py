@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.engine.engine import Engine
 from kvtier.engine.worker import WorkerLoop
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

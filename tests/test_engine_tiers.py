@@ -17,7 +17,7 @@ import torch
 from kvtier.engine.engine import Engine
 from kvtier.engine.stateblocks import LocalStateBlocks
 from kvtier.engine.worker import WorkerProcess
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.fetcher import LocalFetcher
 

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.protocol import Op, encode_head
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.wire.protocol import Op, encode_head
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.tools.benchutil import free_port
 from kvtier.transfer.fetch_client import AsyncFetchClient, FetchClient, FetcherError
 from kvtier.transfer.fetch_protocol import BlockStatus

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.protocol import Op, encode_head
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.wire.protocol import Op, encode_head
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.tools.benchutil import free_port
 from kvtier.transfer import fetch_protocol as fp
 from kvtier.transfer.fetch_client import FetchClient, FetcherError

@@ -22,14 +22,14 @@ import pytest
 
 from kvtier.gc.policy import ManualClock
 from kvtier.gc.worker import GCWorker
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.chunks import ChunkEngine, WriteBatch
 from kvtier.kvstore.client import CapacityError, Client, connect
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.node.chunks import ChunkEngine, WriteBatch
+from kvtier.kvstore.node.slabs import SIZE_CLASSES, size_class_for
 from kvtier.kvstore.placement import Placement, primary_budget_bytes
-from kvtier.kvstore.protocol import Op, Status, encode_head
-from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
-from kvtier.kvstore.transport import Exchange
+from kvtier.kvstore.wire.protocol import Op, Status, encode_head
+from kvtier.kvstore.wire.transport import Exchange
 
 from .conftest import wait_for
 from .test_store import WRITER, shard_status, wait_reachable

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.gc.policy import LruIndex, ManualClock, expired, plan_eviction
-from kvtier.kvstore.lru import BlockEntry, TenantLru
+from kvtier.kvstore.node.lru import BlockEntry, TenantLru
 
 
 def make_index(*keys_sizes: tuple[bytes | int, int], ttl_class: str = "chatbot") -> LruIndex:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.cluster import config as cluster_mod
 from kvtier.tools.benchutil import (
     REREAD_S,
     PageCacheFill,

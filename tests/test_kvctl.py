@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore import connect
+from kvtier.kvstore.cluster import config as cluster_mod
 from kvtier.kvstore.codec import default_codec
 from kvtier.kvstore.keys import Namespace, chain
 

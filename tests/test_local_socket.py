@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.wire.transport import AuthError
 
 
 @pytest.fixture(scope="module")

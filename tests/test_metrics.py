@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.kvstore.metrics import MetricsServer
-from kvtier.kvstore.protocol import Limits
+from kvtier.kvstore.wire.metrics import MetricsServer
+from kvtier.kvstore.wire.protocol import Limits
 
 from .rawwire import connect_from
 

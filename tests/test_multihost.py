@@ -131,7 +131,7 @@ def test_nodes_moved_off_a_partitioned_host_stay_up_when_it_heals(hosts: Hosts) 
 
 def etcd_leader(hosts: Hosts) -> str:
     code = (  # the test process reaches etcd only through a client host
-        "from kvtier.kvstore.etcd import Etcd\n"
+        "from kvtier.kvstore.cluster.etcd import Etcd\n"
         f"e = Etcd({hosts.endpoints!r})\n"
         "s = e.call(lambda c: c.status())\n"
         "print(s.leader.client_urls[0])"

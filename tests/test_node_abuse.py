@@ -27,10 +27,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.protocol import ErrorCode, Op, encode_head
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.wire.protocol import ErrorCode, Op, encode_head
 
 from .conftest import ClusterFactory, wait_for
 from .rawwire import (
@@ -410,7 +410,7 @@ def kvstore_serve(directory: Path) -> Iterator[tuple[subprocess.Popen[str], clus
     stdout to read) and the cluster; stopped with SIGTERM after, saying all its nodes stopped."""
     path = cluster_mod.write_default(directory, capacity_bytes=64 << 20)
     serve = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.kvstore.cli", "serve", str(path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "kvtier.kvstore.cluster.cli", "serve", str(path)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert "nodes ready" in next_line(serve, 60)

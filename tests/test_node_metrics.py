@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.kvstore import connect
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
 
 # The names dashboards use: a rename is a breaking change.
 EXPOSED = {

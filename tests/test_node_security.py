@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client, connect
-from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.protocol import PROTOCOL_VERSION, ErrorCode, Frame, FrameReader, Op, encode_head
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.wire.protocol import PROTOCOL_VERSION, ErrorCode, Frame, FrameReader, Op, encode_head
+from kvtier.kvstore.wire.transport import AuthError
 
 from .conftest import wait_for
 from .rawwire import SOCKET_TIMEOUT_S, assert_closed, raw_header, recv_frame, rss_kib, send_frame

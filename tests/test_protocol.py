@@ -16,7 +16,15 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvtier.kvstore.protocol import (
+from kvtier.kvstore.wire.fields import (
+    bad,
+    field,
+    pack_keys,
+    unpack_array,
+    unpack_headers,
+    unpack_keys,
+)
+from kvtier.kvstore.wire.protocol import (
     HEADER,
     HEADER_SIZE,
     KEPT_META_BYTES,
@@ -37,14 +45,6 @@ from kvtier.kvstore.protocol import (
     encode_head,
     parse_header,
     parse_meta,
-)
-from kvtier.kvstore.wire import (
-    bad,
-    field,
-    pack_keys,
-    unpack_array,
-    unpack_headers,
-    unpack_keys,
 )
 
 TINY = Limits(max_meta_bytes=64, max_payload_bytes=128, max_batch=8)
@@ -624,7 +624,7 @@ def test_fuzz_valid_streams_round_trip_under_random_chunking():
         assert [(f.opcode, f.request_id, f.meta, payload_of(f)) for f in got] == frames, f"case {case}"
 
 
-# -- batch encodings (wire.py) ---------------------------------------------------------------------------
+# -- batch encodings (wire/fields.py) ---------------------------------------------------------------------------
 
 
 def _bad_request(fn: Any, *args: Any) -> None:

@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
+from kvtier.kvstore.node.quotas import TenantShares, plan_removals
 from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.protocol import Op, encode_head
-from kvtier.kvstore.quotas import TenantShares, plan_removals
+from kvtier.kvstore.wire.protocol import Op, encode_head
 
 TOKEN_A, TOKEN_B = secrets.token_hex(16), secrets.token_hex(16)
 CAPACITY = 8 << 20  # a primary's budget: 8 MiB / 12, about 97 blocks of 64 KiB (a 7 KiB slot on every node)

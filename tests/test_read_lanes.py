@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
 
 BLOCK = 200_000
 

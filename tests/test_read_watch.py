@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.client_reads import Landing, ReadState
+from kvtier.kvstore.client.read_watch import Landing, ReadWatch
+from kvtier.kvstore.client.reads import ReadState
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.codec import DATA_SHARDS
-from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.read_watch import ReadWatch
 from tests.test_read_lanes import BLOCK, lane_client, stored
 
 SHARD = 100  # the in-memory checks' shard length

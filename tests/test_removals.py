@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvtier.kvstore.chunks import ChunkEngine, block_key
+from kvtier.kvstore.node.chunks import ChunkEngine, block_key
 from tests.test_chunks_deletes import committed, reopened
 from tests.test_chunks_writes import CAPACITY
 

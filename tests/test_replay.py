@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.cluster import config as cluster_mod
 from kvtier.tools.capacity import cluster_capacity, local_capacity
 from kvtier.tools.kvbench import main as kvbench
 from kvtier.tools.replay import replay

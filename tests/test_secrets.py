@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import connect
-from kvtier.kvstore.cluster import ConfigError
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.config import ConfigError
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.fetcher import LocalFetcher
 

@@ -361,7 +361,7 @@ def test_a_client_that_disconnects_while_waiting_for_a_whole_answer_aborts_its_r
 
 
 def test_a_store_that_is_down_costs_reuse_never_a_request(start_server, checkpoint: Path, tmp_path: Path) -> None:
-    from kvtier.kvstore import cluster as cluster_mod
+    from kvtier.kvstore.cluster import config as cluster_mod
 
     down = cluster_mod.write_default(tmp_path, nodes=12, capacity_bytes=64 << 20)  # no node is started
     url = start_server("--checkpoint", str(checkpoint), "--store", str(down), "--model", "tiny")

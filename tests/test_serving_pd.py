@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import Sampling
-from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.cluster import config as cluster_mod
 from kvtier.serving.text import TextCodec
 from tests.conftest import wait_for
 from tests.test_serving_api import SETTING_IDS, SETTINGS, ask, engine_text, sampled_case

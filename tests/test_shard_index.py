@@ -1,4 +1,4 @@
-"""The chunk engine's name index of shard records (kvstore/shard_index.py over csrc/shard_index.c): a batch of
+"""The chunk engine's name index of shard records (kvstore/node/shard_index.py over csrc/shard_index.c): a batch of
 names in, arrays out, and the same answers as a dict of bytes would give."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvtier.kvstore._shard_index import ShardIndexTable
-from kvtier.kvstore.chunks import ShardRecord
-from kvtier.kvstore.shard_index import RECORD, ShardIndex, name_table, table_names
+from kvtier.kvstore.node.chunks import ShardRecord
+from kvtier.kvstore.node.shard_index import RECORD, ShardIndex, name_table, table_names
 
 
 def names_of(count: int, prefix: bytes = b"default/") -> np.ndarray:

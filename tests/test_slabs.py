@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.disk import DiskBudget
-from kvtier.kvstore.slabs import EXTENT_BYTES, SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
+from kvtier.kvstore.node.disk import DiskBudget
+from kvtier.kvstore.node.slabs import EXTENT_BYTES, SIZE_CLASSES, NoSpace, SlabFiles, size_class_for
 
 
 @pytest.mark.parametrize("size_class", range(len(SIZE_CLASSES)))

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.transfer.directory import DirectoryClient, DirectoryError
 from kvtier.transfer.state_protocol import Location
 from kvtier.transfer.stateblock import Puller, StateBlockHost, stateblock_bytes
@@ -91,7 +91,7 @@ def start_host(
         f"""
         import sys
         import numpy as np
-        from kvtier.kvstore import cluster
+        from kvtier.kvstore.cluster import config as cluster
         from kvtier.transfer.stateblock import StateBlockHost
         host = StateBlockHost(cluster.load({str(config.path)!r}), {shm!r}, {capacity},
                               {BLOCK}, "host-a", directory=("127.0.0.1", {directory_port}), heartbeat_s=0.1)

@@ -13,15 +13,15 @@ import time
 import crc32c
 import pytest
 
-from kvtier.kvstore import client_writes
-from kvtier.kvstore.chunks import ChunkEngine
 from kvtier.kvstore.client import CapacityError, Client, connect
+from kvtier.kvstore.client import writes as client_writes
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.keys import Namespace, chain, header_digests
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.node.chunks import ChunkEngine
+from kvtier.kvstore.node.slabs import SIZE_CLASSES
 from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.protocol import Op, Status
-from kvtier.kvstore.slabs import SIZE_CLASSES
-from kvtier.kvstore.transport import Exchange
+from kvtier.kvstore.wire.protocol import Op, Status
+from kvtier.kvstore.wire.transport import Exchange
 
 from .conftest import wait_for
 
@@ -271,8 +271,8 @@ WRITER = textwrap.dedent(
     """
     import os, signal, sys
     from kvtier.kvstore import client as client_mod
-    from kvtier.kvstore.protocol import Op
-    from kvtier.kvstore.transport import Exchange
+    from kvtier.kvstore.wire.protocol import Op
+    from kvtier.kvstore.wire.transport import Exchange
 
     original = Exchange.request
     def request(self, node_id, opcode, *args, **kwargs):

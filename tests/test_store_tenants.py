@@ -13,9 +13,9 @@ import time
 import numpy as np
 
 from kvtier.kvstore.client import CapacityError, Client
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.protocol import Op, encode_head
+from kvtier.kvstore.wire.protocol import Op, encode_head
 
 from .conftest import ClusterFactory, wait_for
 from .rawwire import recv_frame

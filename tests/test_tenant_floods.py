@@ -23,11 +23,11 @@ from typing import NamedTuple
 
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.placement import Placement
-from kvtier.kvstore.protocol import Op
+from kvtier.kvstore.wire.protocol import Op
 from kvtier.transfer import state_protocol as sp
 from kvtier.transfer.directory import DirectoryClient, DirectoryError
 from kvtier.transfer.fetch_client import FetchClient

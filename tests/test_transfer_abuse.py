@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import pytest
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.protocol import ErrorCode, Op, encode_head
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.wire.protocol import ErrorCode, Op, encode_head
 from kvtier.transfer.directory import DirectoryClient
 from kvtier.transfer.fetch_client import FetchClient
 from kvtier.transfer.fetcher import LocalFetcher

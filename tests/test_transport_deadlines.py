@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster.local import LocalCluster
 
 OP_TIMEOUT_S = 2.0
 

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtier.kvstore.protocol import Frame, FrameReader, Limits, Op, encode_head
-from kvtier.kvstore.sockio import recv_frame
-from kvtier.kvstore.transport import ConnectionPool, Exchange
+from kvtier.kvstore.wire.protocol import Frame, FrameReader, Limits, Op, encode_head
+from kvtier.kvstore.wire.sockio import recv_frame
+from kvtier.kvstore.wire.transport import ConnectionPool, Exchange
 
 # per connection (numbered from 0) and request: the bytes to answer with, and whether to close the connection then
 Script = Callable[[int, Frame], tuple[bytes, bool]]

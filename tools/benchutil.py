@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 
 T = TypeVar("T")
 
@@ -310,7 +310,7 @@ def temp_cluster(
     ``grace_s`` sets ``[gc] grace_s``: how soon a deleted block's slots are reused (a short grace lets a benchmark
     write into slots it freed, the steady state of a full cache). ``extra_toml`` is appended to the cluster file.
     On exit every node is stopped (SIGTERM, then SIGKILL) and the directory removed. Raises
-    :class:`~kvtier.kvstore.local.NodeStartError` if a node fails to start.
+    :class:`~kvtier.kvstore.cluster.local.NodeStartError` if a node fails to start.
     """
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         path = cluster_mod.write_default(tmp, nodes=nodes, capacity_bytes=capacity_bytes, metrics=False)

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore.cluster import ClusterConfig, GCConfig
+from kvtier.kvstore.cluster.config import ClusterConfig, GCConfig
 from kvtier.kvstore.codec import TOTAL_SHARDS, shard_size
+from kvtier.kvstore.node.slabs import SIZE_CLASSES, size_class_for
 from kvtier.kvstore.placement import Placement, primary_budget_bytes
-from kvtier.kvstore.slabs import SIZE_CLASSES, size_class_for
 
 DEFAULT_WATERMARKS = (GCConfig.high_watermark, GCConfig.low_watermark)  # what `kvstore init` writes
 

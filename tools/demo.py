@@ -49,8 +49,8 @@ from rich.table import Table
 from kvtier.engine import Engine
 from kvtier.engine.checkpoint import make_checkpoint
 from kvtier.engine.worker import WorkerProcess
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.placement import Placement
 from kvtier.tools.benchutil import free_port
 from kvtier.transfer.fetcher import LocalFetcher

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.admission import (
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.wire.admission import (
     Acceptor,
     Admission,
     LogLimiter,
@@ -26,7 +26,7 @@ from kvtier.kvstore.admission import (
     busy,
     recv_hello,
 )
-from kvtier.kvstore.protocol import (
+from kvtier.kvstore.wire.protocol import (
     ErrorCode,
     Frame,
     FrameReader,
@@ -38,8 +38,8 @@ from kvtier.kvstore.protocol import (
     encode_error,
     encode_head,
 )
-from kvtier.kvstore.sockio import recv_frame, sendmsg_all
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.wire.sockio import recv_frame, sendmsg_all
+from kvtier.kvstore.wire.transport import AuthError
 
 _ids = itertools.count(1)
 Sink = Callable[[Frame], Sequence[memoryview] | None]
@@ -205,7 +205,7 @@ def serve_connections(
     log: logging.Logger,
 ) -> None:
     """Accept on ``listener`` until ``stopping``; a thread per admitted connection (``config.limits``, as
-    :mod:`kvtier.kvstore.admission` says: slots kept for authenticated connections, a share of them per tenant,
+    :mod:`kvtier.kvstore.wire.admission` says: slots kept for authenticated connections, a share of them per tenant,
     pre-auth slots no flood can fill, HELLO whole within ``hello_timeout_s``, failed HELLOs charged to their
     address): HELLO with a token of ``config`` (constant-time compare), then ``handle(tenant, frame, sock)`` per
     request (its metadata decoded by ``schemas``, buffered within its tenant's share of the metadata budget), which

@@ -37,10 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import cluster_map, logs, wire
-from kvtier.kvstore.protocol import ErrorCode, Frame, ProtocolError
+from kvtier.kvstore import logs
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster import map as cluster_map
 from kvtier.kvstore.units import parse_duration, parse_size
+from kvtier.kvstore.wire import fields as wire
+from kvtier.kvstore.wire.protocol import ErrorCode, Frame, ProtocolError
 from kvtier.transfer import state_protocol as sp
 from kvtier.transfer.conn import FrameConn, PeerError, parse_addr, serve_connections, tcp
 from kvtier.transfer.fetch_protocol import Entries, entries_meta, parse_entries

@@ -17,7 +17,7 @@ Contract:
   reached, refuses the request, or dies while the request is outstanding; the next call reconnects. Blocks handed
   out earlier stay mapped; their pins died with the fetcher, and ``Block.valid()`` is False once a slot has been
   reused (a miss, never other bytes).
-- A wrong token raises :class:`~kvtier.kvstore.transport.AuthError`. The token is this engine's tenant's: the fetcher
+- A wrong token raises :class:`~kvtier.kvstore.AuthError`. The token is this engine's tenant's: the fetcher
   presents it to the store for this tenant's requests and keeps no token of its own.
 - Mapping the tenant's segments makes the process non-dumpable (:mod:`~kvtier.transfer.hardening`), so that no other
   process of its uid reads them out of ``/proc/PID/mem``.
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import numpy as np
 
-from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Op, ProtocolError, encode_head
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.wire.protocol import ErrorCode, Frame, FrameReader, Op, ProtocolError, encode_head
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.transfer import fetch_protocol as fp
 from kvtier.transfer.conn import FrameConn, PeerError
 from kvtier.transfer.fetch_protocol import OK_STATUSES, BlockStatus, FetchOp

@@ -6,8 +6,8 @@ the replies name a segment by id and slots in it. A client maps a segment it doe
 carries the segments' descriptors (``SCM_RIGHTS``): read-only ones for cache segments, read-write ones for the
 tenant's outboxes (the slots ALLOC gives out). A connection is one tenant and only ever sees that tenant's segments.
 
-Frames are the store's (:mod:`kvtier.kvstore.protocol`: header + msgpack metadata; no payload). Batches travel as
-packed arrays (:mod:`kvtier.kvstore.wire`), so a 1,200-key fetch is a few numpy calls to encode.
+Frames are the store's (:mod:`kvtier.kvstore.wire.protocol`: header + msgpack metadata; no payload). Batches travel as
+packed arrays (:mod:`kvtier.kvstore.wire.fields`), so a 1,200-key fetch is a few numpy calls to encode.
 
     HELLO     token                                      → instance, hash, fetcher pid, tenant
     MAP       seg u32[n]                                 → segs [[id, kind, slot_bytes, stride, slots, offset,
@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore import wire
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES
-from kvtier.kvstore.protocol import UNSET, Hello, Op, Request, Schemas, Unset
+from kvtier.kvstore.wire import fields as wire
+from kvtier.kvstore.wire.protocol import UNSET, Hello, Op, Request, Schemas, Unset
 
 MAX_PRIORITY = 1 << 16
 MAX_BLOCK_BYTES = (1 << 32) - 1  # a slot table's length column is 32 bits
@@ -118,7 +118,7 @@ FETCH_REQUESTS = Schemas(
         FetchOp.MAP: Map,
     }
 )
-"""The typed metadata of the fetcher's requests (:class:`~kvtier.kvstore.protocol.Schemas`)."""
+"""The typed metadata of the fetcher's requests (:class:`~kvtier.kvstore.wire.protocol.Schemas`)."""
 
 
 @dataclass

@@ -61,8 +61,9 @@ from typing import Any
 import numpy as np
 
 from kvtier.kernels import _hostcopy
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.admission import (
+from kvtier.kvstore.client import CapacityError, Client
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.wire.admission import (
     Acceptor,
     Admission,
     LogLimiter,
@@ -74,8 +75,7 @@ from kvtier.kvstore.admission import (
     peer_of,
     turn_away,
 )
-from kvtier.kvstore.client import CapacityError, Client
-from kvtier.kvstore.protocol import (
+from kvtier.kvstore.wire.protocol import (
     ErrorCode,
     Frame,
     FrameReader,
@@ -383,7 +383,7 @@ class Fetcher:
 
     def _accept(self) -> None:
         """Take every waiting connection (same uid only, unless the socket is a group's; admitted as
-        :mod:`kvtier.kvstore.admission` says, by the peer's uid) and read its HELLO at once if it came with the
+        :mod:`kvtier.kvstore.wire.admission` says, by the peer's uid) and read its HELLO at once if it came with the
         connect, as an engine's does: it leaves the pre-auth slots before any flood can take its place. Out of
         descriptors or memory, the listener stays unarmed until the next sweep."""
         while (accepted := self.acceptor.accept()) is not None or self.acceptor.pause_s:

@@ -45,9 +45,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import cluster_map, logs
-from kvtier.kvstore.children import Backoff, die_with_parent, exit_reason
+from kvtier.kvstore import logs
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster import map as cluster_map
+from kvtier.kvstore.cluster.children import Backoff, die_with_parent, exit_reason
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.transfer.conn import parse_addr
 from kvtier.transfer.fetch_server import Fetcher

@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.kvstore.cluster import DEFAULT_TENANT, ClusterConfig
-from kvtier.kvstore.metrics import MetricsServer
-from kvtier.kvstore.protocol import Limits
+from kvtier.kvstore.cluster.config import DEFAULT_TENANT, ClusterConfig
+from kvtier.kvstore.wire.metrics import MetricsServer
+from kvtier.kvstore.wire.protocol import Limits
 
 
 class StatsCollector(Collector):

@@ -1,6 +1,6 @@
 """StateBlock messages, sans-IO: the directory's requests and the host-to-host pull. No sockets here.
 
-Frames are the store's (:mod:`kvtier.kvstore.protocol`); every connection starts with HELLO + token.
+Frames are the store's (:mod:`kvtier.kvstore.wire.protocol`); every connection starts with HELLO + token.
 
 Directory (``kvtier-directory``), all batched::
 
@@ -27,8 +27,8 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
-from kvtier.kvstore import wire
-from kvtier.kvstore.protocol import UNSET, Hello, Op, Request, Schemas, Unset
+from kvtier.kvstore.wire import fields as wire
+from kvtier.kvstore.wire.protocol import UNSET, Hello, Op, Request, Schemas, Unset
 
 
 class StateOp(enum.IntEnum):
@@ -81,7 +81,7 @@ DIRECTORY_REQUESTS = Schemas(
         StateOp.STATS: Stats,
     }
 )
-"""The typed metadata of the directory's requests (:class:`~kvtier.kvstore.protocol.Schemas`)."""
+"""The typed metadata of the directory's requests (:class:`~kvtier.kvstore.wire.protocol.Schemas`)."""
 PULL_REQUESTS = Schemas({StateOp.HELLO: Hello, StateOp.PULL: Pull})
 """... and of a StateBlock server's."""
 

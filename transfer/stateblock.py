@@ -17,9 +17,9 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.protocol import ErrorCode, Frame, Op, ProtocolError, encode_head
-from kvtier.kvstore.sockio import sendmsg_all
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.wire.protocol import ErrorCode, Frame, Op, ProtocolError, encode_head
+from kvtier.kvstore.wire.sockio import sendmsg_all
 from kvtier.transfer import state_protocol as sp
 from kvtier.transfer.availability import Availability
 from kvtier.transfer.conn import FrameConn, PeerError, serve_connections, tcp

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtier.kvstore.cluster import ClusterConfig
+    from kvtier.kvstore.cluster.config import ClusterConfig
 
 PROG = "kvbench"
 SHOW_PROGRESS_AFTER_S = 2.0
@@ -39,8 +39,8 @@ class VerifyError(BenchError):
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """The cluster of ``kvbench --config PATH`` as a client sees it, with the token from
     ``--token-file``, ``$KVTIER_TOKEN``, else the file's own; UsageError (one line) when it cannot be loaded."""
-    from kvtier.kvstore import cluster as cluster_mod
-    from kvtier.kvstore import cluster_map
+    from kvtier.kvstore.cluster import config as cluster_mod
+    from kvtier.kvstore.cluster import map as cluster_map
 
     try:
         token = cluster_mod.read_token_file(args.token_file) if getattr(args, "token_file", None) else None

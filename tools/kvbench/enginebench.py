@@ -10,8 +10,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.local import LocalCluster
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.units import parse_size
 
 PRESETS = ("tiny", "small", "1b", "8b")

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.local import NodeStartError
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import NodeStartError
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.tools.benchutil import temp_cluster
 from kvtier.tools.cliutil import Subcommands

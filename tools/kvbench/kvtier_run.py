@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.kvstore import cluster as cluster_mod
 from kvtier.kvstore.client import CapacityError, Client
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.codec import DATA_SHARDS, PARITY_SHARDS
-from kvtier.kvstore.local import LocalCluster
-from kvtier.kvstore.transport import AuthError
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.tools.benchutil import raw_stream_gbps, temp_cluster
 from kvtier.tools.kvbench.common import (
     PROG,

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvtier.kvstore.children import die_with_parent
+from kvtier.kvstore.cluster.children import die_with_parent
 from kvtier.tools.benchutil import free_port, raw_stream_gbps
 from kvtier.tools.kvbench.common import (
     BenchError,

@@ -68,7 +68,7 @@ import sys
 from typing import Any
 
 from kvtier.kvstore.codec import DATA_SHARDS, PARITY_SHARDS
-from kvtier.kvstore.slabs import MAX_SHARD_BYTES
+from kvtier.kvstore.node.slabs import MAX_SHARD_BYTES
 from kvtier.kvstore.units import format_size, parse_duration, parse_size
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import ProgressView, RichProgress, UsageError

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvtier.kvstore.children import die_with_parent
+from kvtier.kvstore.cluster.children import die_with_parent
 from kvtier.tools.benchutil import free_port, raw_stream_gbps
 from kvtier.tools.kvbench.common import (
     SERVICE_START_TIMEOUT_S,

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.kvstore.client import Client
-from kvtier.kvstore.transport import AuthError
 from kvtier.kvstore.units import format_duration, format_size, parse_duration, parse_size
+from kvtier.kvstore.wire.transport import AuthError
 from kvtier.tools.capacity import Capacity, cluster_capacity, local_capacity
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import UsageError, cluster_config

@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import cluster_map
-from kvtier.kvstore.protocol import HEADER
-from kvtier.kvstore.sockio import sendmsg_all
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster import map as cluster_map
+from kvtier.kvstore.wire.protocol import HEADER
+from kvtier.kvstore.wire.sockio import sendmsg_all
 from kvtier.tools.benchutil import latency_percentiles
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvbench.common import BenchError, UsageError, VerifyError

@@ -129,8 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def run() -> int:
-        from kvtier.kvstore.cluster import TOKEN_ENV
-        from kvtier.kvstore.transport import AuthError
+        from kvtier.kvstore.cluster.config import TOKEN_ENV
+        from kvtier.kvstore.wire.transport import AuthError
 
         ctl = Ctl(args)
         try:

@@ -118,8 +118,8 @@ class Ctl:
     def _load(path: Path, token_file: str | None) -> Any:
         """The cluster file with the token to present: ``--token-file``, ``$KVTIER_TOKEN``, else the file's own (the
         admin)."""
-        from kvtier.kvstore import cluster as cluster_mod
-        from kvtier.kvstore import cluster_map
+        from kvtier.kvstore.cluster import config as cluster_mod
+        from kvtier.kvstore.cluster import map as cluster_map
 
         try:
             token = cluster_mod.read_token_file(token_file) if token_file is not None else None

@@ -1,6 +1,6 @@
 """``kvctl tenant add NAME --token-out PATH`` and ``kvctl export-client``: tenants and what clients are given.
 
-A tenant is a ``[tenants.NAME]`` table with a token made here (``cluster.new_token``: 256 bits from ``secrets``);
+A tenant is a ``[tenants.NAME]`` table with a token made here (``cluster.config.new_token``: 256 bits from ``secrets``);
 the token goes to a new file of mode 0600 for the tenant's engines and fetchers (``--token-file``), never to the
 terminal. Nodes, the directory and fetchers serving every tenant read the table when they start, so they admit
 the tenant once restarted. ``export-client`` writes the cluster file without its tokens (``cluster.public.toml``,
@@ -30,7 +30,7 @@ def _write_token_file(path: Path, token: str) -> None:
 
 
 def cmd_tenant_add(ctl: Ctl) -> int:
-    from kvtier.kvstore import cluster as cluster_mod
+    from kvtier.kvstore.cluster import config as cluster_mod
 
     name, out = ctl.args.name, Path(ctl.args.token_out)
     try:
@@ -60,7 +60,7 @@ def cmd_tenant_add(ctl: Ctl) -> int:
 
 
 def cmd_export_client(ctl: Ctl) -> int:
-    from kvtier.kvstore import cluster as cluster_mod
+    from kvtier.kvstore.cluster import config as cluster_mod
 
     try:
         target = cluster_mod.write_public(ctl.path, out=ctl.args.out)

@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.kvstore.cluster import LOCAL_HOSTS, NodeConfig
+from kvtier.kvstore.cluster.config import LOCAL_HOSTS, NodeConfig
 from kvtier.tools.cliutil import Subcommands
 from kvtier.tools.kvctl.ctl import Ctl, UserError, fmt_size, fraction, new_table, node_row
 

@@ -20,8 +20,8 @@ def edit_map(ctl: Ctl, edit: Any) -> int:
 
     UserError for a cluster file that names no etcd map or an edit the map's checks refuse; Refused when etcd
     cannot be reached."""
-    from kvtier.kvstore.cluster import ConfigError
-    from kvtier.kvstore.etcd import EtcdUnavailable
+    from kvtier.kvstore.cluster.config import ConfigError
+    from kvtier.kvstore.cluster.etcd import EtcdUnavailable
 
     feed = ctl.config.feed
     if feed is None:
@@ -106,7 +106,7 @@ def cmd_node_replace(ctl: Ctl) -> int:
     token = secrets.token_hex(8)
 
     def replace(doc: dict[str, Any]) -> bool:
-        from kvtier.kvstore.cluster_map import node_entry
+        from kvtier.kvstore.cluster.map import node_entry
 
         node = node_entry(doc, nid)
         if host not in doc["hosts"]:
@@ -131,7 +131,7 @@ def cmd_node_replace(ctl: Ctl) -> int:
 
 
 def cmd_group_add(ctl: Ctl) -> int:
-    from kvtier.kvstore.cluster_map import _node_entry, spread_groups
+    from kvtier.kvstore.cluster.map import _node_entry, spread_groups
     from kvtier.kvstore.codec import TOTAL_SHARDS
     from kvtier.kvstore.units import parse_size
 

@@ -31,10 +31,10 @@ def _rewrite_map_ttl(ctl: Ctl, action: str, name: str, value: str | None) -> tup
 
 
 def _rewrite_ttl(ctl: Ctl, action: str, name: str, value: str | None) -> dict[str, float]:
-    """Change one class in the cluster file's ``[ttl]`` table (``cluster.edit``: comments, layout and order kept,
+    """Change one class in the cluster file's ``[ttl]`` table (``cluster.config.edit``: comments, layout and order kept,
     replaced atomically under a lock); the whole new table. A file without a ``[ttl]`` table (the default classes)
     gets one, listing them all."""
-    from kvtier.kvstore import cluster as cluster_mod
+    from kvtier.kvstore.cluster import config as cluster_mod
 
     try:
         with cluster_mod.edit(ctl.path) as doc:

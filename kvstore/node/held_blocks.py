@@ -23,7 +23,6 @@ import numpy as np
 
 from kvtier.kvstore.placement import Placement
 
-PAGE_BLOCKS = 32768  # blocks per page: ~1 MiB of metadata with 16-byte keys
 _SLASH = ord("/")
 
 

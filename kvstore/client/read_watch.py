@@ -21,29 +21,46 @@ prefix only grows; a lane shows up once it has started. Blocks of a lane past it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from kvtier.kvstore.codec import DATA_SHARDS
 
-if TYPE_CHECKING:
-    from kvtier.kvstore.client_reads import ReadState
+
+class Landing(NamedTuple):
+    """The shards a GET reply's payload brings: (block, shard) ``shards`` whose bytes land where they are
+    used, with the crc32c each accumulates as it arrives and the one its node stored (None: a node that
+    checks the shards itself)."""
+
+    shards: np.ndarray
+    crcs: np.ndarray | None
+    expected: np.ndarray | None
+    ends: np.ndarray | None = None  # watched reads: the payload offset each shard is whole at
+    progress: np.ndarray | None = None  # watched reads: the payload bytes landed so far (stored by the receive)
+
+
+class WatchedRead(Protocol):
+    """What a lane's watch reads of the read it watches (``reads.ReadState``)."""
+
+    valid: np.ndarray  # (block, shard): the shard is in place and its crc32c matched
+    receiving: dict[int, Landing]  # request id -> the shards its payload brings, while it lands
+    watched: bool  # set by the watch: the read's replies report their progress
 
 
 class LaneWatch:
-    """One lane of a watched read: blocks ``lo..`` of the call, read by one ``ReadState``."""
+    """One lane of a watched read: blocks ``lo..`` of the call, read by one ``reads.ReadState``."""
 
     __slots__ = ("_prefix", "_seen", "_state", "_whole", "lo")
 
     def __init__(self, lo: int) -> None:
         self.lo = lo
-        self._state: ReadState | None = None
+        self._state: WatchedRead | None = None
         self._whole = np.zeros((0, DATA_SHARDS), dtype=bool)  # data shards known in place, per block of the lane
         self._seen: dict[int, tuple[int, int]] = {}  # request id -> (its progress, its leading shards counted then)
         self._prefix = 0
 
-    def attach(self, state: ReadState) -> None:
+    def attach(self, state: WatchedRead) -> None:
         """The lane's read starts with ``state`` (its first; a later read of moved blocks is not watched)."""
         if self._state is None:
             state.watched = True

@@ -52,8 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.kvstore.protocol import ErrorCode, Frame, FrameReader, Limits, Op, ProtocolError, encode_error
-from kvtier.kvstore.sockio import recv_frame
+from kvtier.kvstore.wire.protocol import ErrorCode, Frame, FrameReader, Limits, Op, ProtocolError, encode_error
+from kvtier.kvstore.wire.sockio import recv_frame
 
 OUT_OF_DESCRIPTORS = frozenset((errno.EMFILE, errno.ENFILE))
 OUT_OF_MEMORY = frozenset((errno.ENOBUFS, errno.ENOMEM))

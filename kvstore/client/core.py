@@ -1,7 +1,7 @@
 """What every path of the client shares: the connection pool, placement, codec, counters, and the helpers
-that turn a batch into one request per node. The paths themselves live beside it: ``client_lookups``
-(metadata, delete, admin), ``client_writes`` (two-phase put), ``client_reads`` (get, repair on read),
-``client_repair`` (probes and reads for the GC's repair); ``client`` composes them into :class:`Client`.
+that turn a batch into one request per node. The paths themselves live beside it: ``lookups``
+(metadata, delete, admin), ``writes`` (two-phase put), ``reads`` (get, repair on read),
+``repair`` (probes and reads for the GC's repair); ``client`` composes them into :class:`Client`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any, NamedTuple, Self
 
 import numpy as np
 
-from kvtier.kvstore import cluster as cluster_mod
+from kvtier.kvstore.cluster import config as cluster_mod
 from kvtier.kvstore.codec import Codec, default_codec
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, Namespace, TokenInput, chain, header_digests
 from kvtier.kvstore.placement import RECORD_HOLDERS, Placement
-from kvtier.kvstore.protocol import Op, Status
-from kvtier.kvstore.transport import ConnectionPool, Exchange, Pending
-from kvtier.kvstore.wire import pack_keys
+from kvtier.kvstore.wire.fields import pack_keys
+from kvtier.kvstore.wire.protocol import Op, Status
+from kvtier.kvstore.wire.transport import ConnectionPool, Exchange, Pending
 
 Buffer = bytes | bytearray | memoryview
 UNKNOWN = -1  # a record state the holder did not report: it is down, or did not answer
@@ -28,7 +28,7 @@ UNKNOWN = -1  # a record state the holder did not report: it is down, or did not
 class Survey(NamedTuple):
     """What a probe found, per (block, shard): ``present`` (stored and committed), ``answered`` (its holder
     replied at all: a shard not present where the holder answered is lost, one whose holder did not may come
-    back); and per block and holder of shard 0, 1, 2 the block record's ``wire.RecordState`` there
+    back); and per block and holder of shard 0, 1, 2 the block record's ``fields.RecordState`` there
     (``UNKNOWN``: no answer, or not asked)."""
 
     present: np.ndarray

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from kvtier.kvstore.lru import Key
+from kvtier.kvstore.node.lru import Key
 
 
 class TenantShares:

@@ -1,7 +1,7 @@
 """A storage node: one process serving one data dir (chunk engine) over TCP.
 
 Each connection gets a thread running blocking socket calls over the sans-IO
-:class:`~kvtier.kvstore.protocol.FrameReader`. A connection is one client's pipeline of batched
+:class:`~kvtier.kvstore.wire.protocol.FrameReader`. A connection is one client's pipeline of batched
 requests, so per-connection threads cost nothing in parallelism and let LMDB and file I/O block without an
 event loop. Frames' heads and metadata come in through ``sockio.recv_frame`` (shared with the client); a
 PUT's payload is received by a compiled loop in cache-sized pieces, checksummed while hot and written to
@@ -9,7 +9,7 @@ the slab slots reserved for its shards (``receive_payload``); a GET reply is sen
 views of the slab mappings, the slots pinned until it is sent.
 (Measured in PERF.md, blocking sockets and ``asyncio.BufferedProtocol`` move bytes at the same speed.)
 
-Connections are admitted as :mod:`kvtier.kvstore.admission` says (slots kept for authenticated ones,
+Connections are admitted as :mod:`kvtier.kvstore.wire.admission` says (slots kept for authenticated ones,
 per-address limits, one deadline for the whole HELLO, an accept loop that survives running out of
 descriptors). Connection state machine:
 
@@ -51,9 +51,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.kvstore import _native, cluster_map
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.admission import (
+from kvtier.kvstore import _native
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster import map as cluster_map
+from kvtier.kvstore.codec import TOTAL_SHARDS
+from kvtier.kvstore.node.chunks import KEEP, ChunkEngine, WriteBatch, holds_record
+from kvtier.kvstore.node.disk import NoSpace
+from kvtier.kvstore.node.held_blocks import blocks_held
+from kvtier.kvstore.node.metrics import NodeMetrics
+from kvtier.kvstore.node.slabs import MAX_SHARD_BYTES
+from kvtier.kvstore.placement import Placement, primary_budget_bytes
+from kvtier.kvstore.wire.admission import (
     Acceptor,
     Admission,
     LogLimiter,
@@ -64,15 +72,16 @@ from kvtier.kvstore.admission import (
     busy,
     recv_hello,
 )
-from kvtier.kvstore.chunks import KEEP, ChunkEngine, WriteBatch, holds_record
-from kvtier.kvstore.codec import TOTAL_SHARDS
-from kvtier.kvstore.disk import NoSpace
-from kvtier.kvstore.held_blocks import PAGE_BLOCKS, blocks_held
-from kvtier.kvstore.metrics import MetricsServer
-from kvtier.kvstore.node_metrics import NodeMetrics
-from kvtier.kvstore.node_requests import NODE_REQUESTS
-from kvtier.kvstore.placement import Placement, primary_budget_bytes
-from kvtier.kvstore.protocol import (
+from kvtier.kvstore.wire.fields import (
+    bad,
+    field,
+    unpack_array,
+    unpack_header_blob,
+    unpack_key_blob,
+    unpack_keys,
+)
+from kvtier.kvstore.wire.metrics import MetricsServer
+from kvtier.kvstore.wire.protocol import (
     HEADER_SIZE,
     KEPT_META_BYTES,
     META_LEN_AT,
@@ -86,16 +95,8 @@ from kvtier.kvstore.protocol import (
     encode_error,
     encode_head,
 )
-from kvtier.kvstore.slabs import MAX_SHARD_BYTES
-from kvtier.kvstore.sockio import recv_frame
-from kvtier.kvstore.wire import (
-    bad,
-    field,
-    unpack_array,
-    unpack_header_blob,
-    unpack_key_blob,
-    unpack_keys,
-)
+from kvtier.kvstore.wire.requests import NODE_REQUESTS, PAGE_BLOCKS
+from kvtier.kvstore.wire.sockio import recv_frame
 
 log = logging.getLogger("kvtier.node")
 
@@ -159,7 +160,7 @@ class StorageNode:
         self.ttl_classes = dict(config.ttl_classes)  # replaced at run time by ADMIN ttl_set
         self.started = time.time()
         self.gc: GCService | None = None  # wired in by the process that composes the node (kvtier.gc.nodeproc)
-        self.metrics = NodeMetrics(self)
+        self.metrics = NodeMetrics(engine, config.gc, lambda: self.gc.stats if self.gc is not None else None)
         self._scanning = threading.Lock()  # admin blocks_held: a copy of the shard index each
         # set by ``kvctl drain`` (kept across restarts): no new shards, so the node can be replaced
         self.draining = engine.setting("draining") == b"1"
@@ -483,7 +484,7 @@ class StorageNode:
         - ``scrub``: check every committed shard's crc32c now and repair those that fail; returns what it did.
         - ``blocks_held {node, start, limit, before}``: a page of the blocks this node holds a shard of (committed
           before ``before``, if given) that have a shard at ``node`` (what a node rebuilding after its data was
-          lost asks; ``kvstore.held_blocks``).
+          lost asks; ``kvstore.node.held_blocks``).
         """
         self._require_admin(session, "admin actions")
         action = field(frame.meta, "action", str)
@@ -560,7 +561,7 @@ class NodeServer:
 
     def serve_forever(self) -> None:
         """Accept until :meth:`stop` (the Unix socket on a thread of its own). Never raises for what peers or the
-        kernel's limits do (see :mod:`~kvtier.kvstore.admission`)."""
+        kernel's limits do (see :mod:`~kvtier.kvstore.wire.admission`)."""
         for acceptor in self.acceptors[1:]:
             args = (acceptor, self.admission, self.stopping, self._serve_connection, busy)
             threading.Thread(target=accept_forever, args=args, daemon=True).start()
@@ -817,7 +818,7 @@ def serve(node: StorageNode, server: NodeServer, workers: Sequence[Callable[[thr
 
     Runs beside the connections: the flush loop (LMDB every ``gc.meta_sync_s``, batched access times every
     ``gc.access_flush_s``), the metrics endpoint, and each of ``workers`` (called with the stop event).
-    Prints ``node <id> ready`` once it accepts connections (``kvstore.local`` waits for that line).
+    Prints ``node <id> ready`` once it accepts connections (``kvstore.cluster.local`` waits for that line).
     """
     engine = node.engine
     node_cfg = node.config.nodes[node.node_id]

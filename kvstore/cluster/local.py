@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import cluster_map
-from kvtier.kvstore.children import Backoff, exit_reason
-from kvtier.kvstore.cluster import LOCAL_HOSTS
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster import map as cluster_map
+from kvtier.kvstore.cluster.children import Backoff, exit_reason
+from kvtier.kvstore.cluster.config import LOCAL_HOSTS
 
 NODE_ERROR_PREFIX = "kvstore node: "  # how a node process starts the one line it exits with (gc.nodeproc)
 NEEDS_RESET_EXIT = 3  # a node's exit status when its metadata is damaged: only `kvstore reset-node` gets it going

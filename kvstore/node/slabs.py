@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.disk import FULL_ERRNOS, DiskBudget, NoSpace
+from kvtier.kvstore.node.disk import FULL_ERRNOS, DiskBudget, NoSpace
 
 
 def _size_classes() -> list[int]:

@@ -74,8 +74,8 @@ import tomlkit.items
 
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.keys import HASH_ALGOS
-from kvtier.kvstore.protocol import MAX_BATCH, Limits
 from kvtier.kvstore.units import format_duration, parse_duration, parse_size
+from kvtier.kvstore.wire.protocol import MAX_BATCH, Limits
 
 DEFAULT_TENANT = "default"
 MAX_NODE_ID = 1 << 16  # node ids are 0 to 65,535 (the client sorts requests by id with a 16-bit radix sort)
@@ -135,7 +135,8 @@ class GCConfig:
     # and its tenant's budget seconds, not the write timeout
     pending_timeout_s: float = 30.0
     # of a node's capacity, what one tenant's shards other than shard 0s may take before their block's primary has
-    # confirmed the block (kvstore.unconfirmed): what shards sent without their shard 0 can strand, for write_timeout_s
+    # confirmed the block (kvstore.node.unconfirmed): what shards sent without their shard 0 can strand, for
+    # write_timeout_s
     unconfirmed_share: float = 0.1
     grace_s: float = 0.0  # a removed shard's slot is reused this long after no reply pins it (pins protect reads)
     room_wait_s: float = 2.0  # a write finding a node full waits this long for removals under way to free room
@@ -149,7 +150,7 @@ class GCConfig:
     scrub_period_s: float = 7 * 86400.0
     scrub_bytes_per_s: float = 32.0 * (1 << 20)
     # a node's slab files take new room only while its filesystem stays within this share of its size: the rest is
-    # headroom for the metadata and the logs (``kvstore.disk``); beyond it a write is refused NO_SPACE
+    # headroom for the metadata and the logs (``kvstore.node.disk``); beyond it a write is refused NO_SPACE
     max_disk_fraction: float = 0.9
 
 
@@ -202,7 +203,7 @@ class ClusterConfig:
 
 
 class MapFeed(Protocol):
-    """Where a config from the etcd map gets its successors (``kvstore.cluster_map.MapFeed``)."""
+    """Where a config from the etcd map gets its successors (``kvstore.cluster.map.MapFeed``)."""
 
     def latest(self) -> ClusterConfig:
         """The newest map this process has seen (cheap: no request)."""

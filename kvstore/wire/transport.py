@@ -9,7 +9,7 @@ with ``recvmsg_into`` straight into buffers the caller chooses once it has seen 
 (scatter); a round of requests without payloads (MATCH to every primary, a read's GET_SHARDS to each node) is
 sent, and its replies' headers and metadata received, in one compiled call (``_native.recv_heads``) before the
 loop. The protocol itself is the sans-IO
-:class:`~kvtier.kvstore.protocol.FrameReader`.
+:class:`~kvtier.kvstore.wire.protocol.FrameReader`.
 
 Failure contract: a node that refuses the connection, resets it, closes it, or does not answer before the
 deadline is reported per request as ``Pending.error`` (``"down"``, ``"timeout"``, or the node's error
@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.protocol import (
+from kvtier.kvstore.wire.protocol import (
     HEADER_SIZE,
     META_LEN_AT,
     ErrorCode,
@@ -50,7 +50,7 @@ from kvtier.kvstore.protocol import (
     ProtocolError,
     encode_head,
 )
-from kvtier.kvstore.sockio import recv_frame
+from kvtier.kvstore.wire.sockio import recv_frame
 
 _SCRATCH = memoryview(bytearray(1 << 20))
 # what a receive must look at: data, and a failed socket (the receive meets the error)

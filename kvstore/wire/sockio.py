@@ -1,13 +1,13 @@
 """Socket I/O shared by the node (blocking sockets) and the client transport (non-blocking): gather/scatter
 lists for ``sendmsg``/``recvmsg_into``, resuming partial sends, and receiving one frame on a blocking socket
-through the sans-IO :class:`~kvtier.kvstore.protocol.FrameReader`."""
+through the sans-IO :class:`~kvtier.kvstore.wire.protocol.FrameReader`."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Sequence
 
-from kvtier.kvstore.protocol import Frame, FrameReader
+from kvtier.kvstore.wire.protocol import Frame, FrameReader
 
 IOV_MAX = 1024  # buffers one sendmsg/recvmsg_into call may take (Linux UIO_MAXIOV)
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.kvstore.client_core import ClientCore
+from kvtier.kvstore.client.core import ClientCore
 from kvtier.kvstore.codec import TOTAL_SHARDS
 from kvtier.kvstore.placement import RECORD_HOLDERS
-from kvtier.kvstore.protocol import Op
-from kvtier.kvstore.transport import Exchange
-from kvtier.kvstore.wire import RecordState, pack_keys
+from kvtier.kvstore.wire.fields import RecordState, pack_keys
+from kvtier.kvstore.wire.protocol import Op
+from kvtier.kvstore.wire.transport import Exchange
 
 REBUILDING = 2  # a MATCH answer: the primary is rebuilding its data dir and has no record of the block yet
 

@@ -1,10 +1,10 @@
-"""The typed metadata of every request a storage node takes (:class:`~kvtier.kvstore.protocol.Schemas`).
+"""The typed metadata of every request a storage node takes (:class:`~kvtier.kvstore.wire.protocol.Schemas`).
 
-Each op's fields and their msgpack types, as the client sends them (``kvstore.wire`` says what the ``bin``
+Each op's fields and their msgpack types, as the client sends them (``kvstore.wire.fields`` says what the ``bin``
 columns hold). Decoding against them is the node's first check: a field of another type, or one the op does
 not have, is ``BAD_REQUEST`` before any handler runs, and nothing the op does not declare is ever built (a
 megabyte of nested empty arrays costs one type check, not a million Python lists). Every field is optional here;
-the handlers say which they need (``wire.field``) and check lengths and ranges.
+the handlers say which they need (``fields.field``) and check lengths and ranges.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from typing import Annotated
 
 import msgspec
 
-from kvtier.kvstore.protocol import MAX_BATCH, UNSET, Hello, Op, Request, Schemas, Unset
+from kvtier.kvstore.wire.protocol import MAX_BATCH, UNSET, Hello, Op, Request, Schemas, Unset
 
 MAX_TTL_CLASSES = 1024  # an ADMIN ttl_set names at most this many classes
 MAX_PARENT_BYTES = 255
+PAGE_BLOCKS = 32768  # blocks per page: ~1 MiB of metadata with 16-byte keys
 
 
 class _Request(Request):

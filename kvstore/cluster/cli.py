@@ -12,11 +12,11 @@ from pathlib import Path
 
 import tomlkit
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import cluster_map
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster import map as cluster_map
+from kvtier.kvstore.cluster.etcd import Etcd, EtcdUnavailable
+from kvtier.kvstore.cluster.local import reset_node, serve
 from kvtier.kvstore.codec import PARITY_SHARDS
-from kvtier.kvstore.etcd import Etcd, EtcdUnavailable
-from kvtier.kvstore.local import reset_node, serve
 from kvtier.kvstore.units import parse_size
 
 

@@ -22,8 +22,8 @@ from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 
-from kvtier.kvstore.admission import Acceptor, Admission, Ticket, accept_forever
-from kvtier.kvstore.protocol import Limits
+from kvtier.kvstore.wire.admission import Acceptor, Admission, Ticket, accept_forever
+from kvtier.kvstore.wire.protocol import Limits
 
 __all__ = ["LATENCY_BUCKETS", "MetricsServer"]
 
@@ -83,10 +83,10 @@ class MetricsServer:
 
     Peers cannot exhaust it (``limits``): at most ``metrics_max_connections`` connections at once (half of them
     from one address); beyond that a new one takes the place of the oldest of the address holding the most (its own
-    address's, at its half), which is answered 503 (``kvstore.admission``); a request must arrive whole within
+    address's, at its half), which is answered 503 (``kvstore.wire.admission``); a request must arrive whole within
     ``metrics_request_timeout_s`` of the connect (a trickle is cut there), its head at most
     ``MAX_REQUEST_HEAD_BYTES``; one request per connection; the accept loop survives running out of descriptors
-    (:mod:`kvtier.kvstore.admission`). It binds ``host``, by default loopback only: nothing authenticates a scrape.
+    (:mod:`kvtier.kvstore.wire.admission`). It binds ``host``, by default loopback only: nothing authenticates a scrape.
 
     ``health`` defaults to ``lambda: {"status": "ok"}``. ``start()`` binds (``port=0`` picks a free port, read
     back from :attr:`port`; OSError when the port cannot be bound); ``stop()`` closes the socket and joins the

@@ -7,19 +7,19 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.client_core import Buffer, _by_node, header_rows, key_rows
-from kvtier.kvstore.client_writes import Writes
-from kvtier.kvstore.cluster import MAX_READ_LANES
+from kvtier.kvstore.client.core import Buffer, _by_node, header_rows, key_rows
+from kvtier.kvstore.client.read_watch import Landing, LaneWatch, ReadWatch
+from kvtier.kvstore.client.writes import Writes
+from kvtier.kvstore.cluster.config import MAX_READ_LANES
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, shard_size
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES, NO_HEADER, Namespace, TokenInput
-from kvtier.kvstore.protocol import Frame, Op, Status
-from kvtier.kvstore.read_watch import LaneWatch, ReadWatch
-from kvtier.kvstore.transport import Exchange, ReceivePlan
+from kvtier.kvstore.wire.protocol import Frame, Op, Status
+from kvtier.kvstore.wire.transport import Exchange, ReceivePlan
 
 _OK = int(Status.OK)  # a plain int: numpy probes an IntEnum operand for array protocols (~3 us a comparison)
 # How long after its first reply's head a read's round of requests waits for the heads not begun before it receives
@@ -185,7 +185,7 @@ class Reads(Writes):
         done (read or missed; nothing writes into their buffers any more), before this returns: once for the
         whole read, or once per lane, from the thread that read it (lanes run at once: it must be thread-safe).
         A lane that raised is not told. ``watch``: another thread may ask it, while this runs, which leading
-        blocks of each lane are already in place (``kvstore.read_watch``).
+        blocks of each lane are already in place (``kvstore.client.read_watch``).
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
@@ -486,15 +486,3 @@ def _rows(mask: np.ndarray) -> slice | np.ndarray:
     if mask.all():
         return slice(None)
     return np.flatnonzero(mask) if mask.any() else slice(0, 0)
-
-
-class Landing(NamedTuple):
-    """The shards a GET reply's payload brings: (block, shard) ``shards`` whose bytes land where they are
-    used, with the crc32c each accumulates as it arrives and the one its node stored (None: a node that
-    checks the shards itself)."""
-
-    shards: np.ndarray
-    crcs: np.ndarray | None
-    expected: np.ndarray | None
-    ends: np.ndarray | None = None  # watched reads: the payload offset each shard is whole at
-    progress: np.ndarray | None = None  # watched reads: the payload bytes landed so far (stored by the receive)

@@ -9,7 +9,7 @@ The metric names are an interface (dashboards use them): ``kvtier_node_requests_
 ``kvtier_node_oldest_owed_repair_seconds``, the histogram
 ``kvtier_node_redundancy_restored_seconds`` (from when a repair was owed to when the block had 12 shards again),
 ``kvtier_gc_<stat>`` for each GC counter (repair and scrub included), and the connections its server admits
-(:mod:`kvtier.kvstore.admission`): ``kvtier_node_connections``, ``kvtier_node_pre_auth_connections``,
+(:mod:`kvtier.kvstore.wire.admission`): ``kvtier_node_connections``, ``kvtier_node_pre_auth_connections``,
 ``kvtier_node_connections_refused`` and ``kvtier_node_hello_timeouts`` (since start).
 """
 
@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvtier.kvstore.metrics import LATENCY_BUCKETS
-from kvtier.kvstore.protocol import Op, Status
+from kvtier.kvstore.wire.metrics import LATENCY_BUCKETS
+from kvtier.kvstore.wire.protocol import Op, Status
 
 if TYPE_CHECKING:
-    from kvtier.kvstore.node import StorageNode
+    from kvtier.kvstore.cluster.config import GCConfig
+    from kvtier.kvstore.node.chunks import ChunkEngine
 
 _LOOKUP_RESULTS = {
     Status.OK: "hit",
@@ -61,7 +62,8 @@ class NodeMetrics:
     a few increments, no label handling). Every op, direction and lookup result is exposed at 0 from the start.
     """
 
-    def __init__(self, node: StorageNode) -> None:
+    def __init__(self, engine: ChunkEngine, gc_config: GCConfig, gc_stats: Callable[[], Any]) -> None:
+        """``gc_stats``: the node's GC worker's stats, or None while it has none."""
         self.registry = registry = CollectorRegistry()
         self._requests = Counter("kvtier_node_requests_total", "Requests served, by op.", ["op"], registry=registry)
         self._latency = Histogram(
@@ -81,8 +83,6 @@ class NodeMetrics:
             "kvtier_node_shard_lookups_total", "Shards asked for by readers, by result.", ["result"], registry=registry
         )
         self._lookups = [(int(status), lookups.labels(result)) for status, result in _LOOKUP_RESULTS.items()]
-
-        engine, gc_config = node.engine, node.config.gc
 
         def gauge(name: str, help_text: str) -> Gauge:
             return Gauge(name, help_text, registry=registry)
@@ -121,9 +121,14 @@ class NodeMetrics:
             buckets=REDUNDANCY_BUCKETS,
             registry=registry,
         )
+
+        def gc_stat(stat: str) -> float:
+            stats = gc_stats()
+            return getattr(stats, stat) if stats is not None else 0
+
         for stat in _GC_STATS:
             gauge(f"kvtier_gc_{stat}", f"GC worker: {stat.replace('_', ' ')} since start.").set_function(
-                lambda stat=stat: getattr(node.gc.stats, stat) if node.gc is not None else 0
+                lambda stat=stat: gc_stat(stat)
             )
 
     def connections(self, stats: Callable[[], dict[str, int]]) -> None:

@@ -6,7 +6,7 @@ Promises, for every method:
 - **Misses are not errors.** A block that is absent, expired, evicted, unreadable (fewer than 10 good
   shards) or whose header does not match the caller's tokens is a miss: ``None`` / ``False`` /
   a shorter ``match``. Exceptions mean a caller error (bad arguments, unknown TTL class), a wrong token
-  (:class:`~kvtier.kvstore.transport.AuthError`) or a full cluster (:class:`CapacityError`).
+  (:class:`~kvtier.kvstore.wire.transport.AuthError`) or a full cluster (:class:`CapacityError`).
 - **Never wrong bytes.** Each shard is checked against the crc32c its node stored as it lands (end to end,
   counted in ``stats["corrupt_shards"]``); a read decodes around up to two lost or corrupt shards and is a
   miss beyond that.
@@ -32,12 +32,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore import cluster_map
-from kvtier.kvstore.client_core import Buffer
-from kvtier.kvstore.client_lookups import Lookups
-from kvtier.kvstore.client_repair import Repairs
-from kvtier.kvstore.client_writes import CapacityError
+from kvtier.kvstore.client.core import Buffer
+from kvtier.kvstore.client.lookups import Lookups
+from kvtier.kvstore.client.repair import Repairs
+from kvtier.kvstore.client.writes import CapacityError
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster import map as cluster_map
 from kvtier.kvstore.keys import Namespace
 
 __all__ = ["AsyncClient", "CapacityError", "Client", "connect", "connect_async"]
@@ -53,7 +53,7 @@ def connect(path: str | Path, token: str | None = None, namespace: Namespace | N
 
     ``path`` may be the cluster file or its token-free client file (``cluster.public.toml``). ``token`` selects
     the tenant (default: ``$KVTIER_TOKEN``, else the file's cluster token, tenant "default";
-    :func:`~kvtier.kvstore.cluster.load_client`).
+    :func:`~kvtier.kvstore.cluster.config.load_client`).
     """
     return Client(cluster_map.load_client(path, token), namespace=namespace)
 

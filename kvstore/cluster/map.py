@@ -1,6 +1,6 @@
 """The cluster map in etcd: one versioned document under one prefix, changed only by compare-and-swap.
 
-Without etcd a cluster is its cluster file (``kvstore.cluster``). With etcd the cluster file is small — the
+Without etcd a cluster is its cluster file (``kvstore.cluster.config``). With etcd the cluster file is small — the
 cluster's name, a token and the etcd endpoints (``[cluster] etcd = "http://10.0.0.1:2379,..."``) — and everything
 else is the **map**, a JSON document at ``/kvtier/<name>/map``::
 
@@ -14,7 +14,7 @@ else is the **map**, a JSON document at ``/kvtier/<name>/map``::
      "membership": {"lease_ttl_s": 5.0},
      "tenants": {"default": "sha256:...", ...}}                  # tokens' hashes, never the tokens
 
-Beside it, ``members/<node id>`` (one key per running node, on that node's lease: ``kvstore.membership``) and
+Beside it, ``members/<node id>`` (one key per running node, on that node's lease: ``kvstore.cluster.membership``) and
 ``progress/<node id>`` (repair progress). The map's **revision** is the etcd ``mod_revision`` of its key: every
 change is one transaction comparing it (``MapStore.update``), so two editors never lose each other's change, and a
 process knows exactly which version it acts on (``ClusterConfig.revision``).
@@ -37,10 +37,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.kvstore import cluster as cluster_mod
-from kvtier.kvstore.cluster import ClusterConfig, ConfigError, token_hash
+from kvtier.kvstore.cluster import config as cluster_mod
+from kvtier.kvstore.cluster.config import ClusterConfig, ConfigError, token_hash
+from kvtier.kvstore.cluster.etcd import ATTEMPT_S, Compacted, Etcd, EtcdUnavailable, stopping
 from kvtier.kvstore.codec import PARITY_SHARDS, TOTAL_SHARDS
-from kvtier.kvstore.etcd import ATTEMPT_S, Compacted, Etcd, EtcdUnavailable, stopping
 
 if TYPE_CHECKING:
     import aetcd
@@ -213,7 +213,7 @@ Place = tuple[str, int, str] | None
 
 
 def place_of(doc: Doc, node_id: int) -> Place:
-    """Where ``doc`` places ``node_id`` (a process of the node runs only there: ``kvstore.membership``)."""
+    """Where ``doc`` places ``node_id`` (a process of the node runs only there: ``kvstore.cluster.membership``)."""
     for node in doc.get("nodes", []):
         if node.get("id") == node_id:
             return (node.get("host"), node.get("port"), node.get("data_dir"))
@@ -341,7 +341,7 @@ def read_etcd_file(path: str | Path) -> tuple[str, str, str] | None:
 
 
 def load(path: str | Path, etcd_endpoints: str | None = None, watch: bool = True) -> ClusterConfig:
-    """The cluster a cluster file describes: the file itself (``kvstore.cluster.load``: nodes and admin tools), or,
+    """The cluster a cluster file describes: the file itself (``cluster.config.load``: nodes and admin tools), or,
     when it names etcd (``etcd_endpoints`` overrides the endpoints), the map in etcd with a :class:`MapFeed` keeping it
     current (``watch=False``: one read). ConfigError (one line) for a bad file, a missing map, a token that is not the
     cluster's, or etcd unreachable."""
@@ -349,7 +349,7 @@ def load(path: str | Path, etcd_endpoints: str | None = None, watch: bool = True
 
 
 def load_client(path: str | Path, token: str | None = None, etcd_endpoints: str | None = None) -> ClusterConfig:
-    """:func:`load` as a client uses it (``kvstore.cluster.load_client``): the cluster file or its token-free client
+    """:func:`load` as a client uses it (``cluster.config.load_client``): the cluster file or its token-free client
     file, presenting ``token``, else ``$KVTIER_TOKEN``, else the file's own token."""
     return _load(
         path,
@@ -362,7 +362,7 @@ def load_client(path: str | Path, token: str | None = None, etcd_endpoints: str 
 
 def load_verifier(path: str | Path, token: str | None = None) -> ClusterConfig:
     """The cluster as a server sees it that authenticates tenants without holding their tokens (the fetcher): every
-    tenant's token replaced by its hash (``kvstore.cluster.verifier``; with ``token``, that token's tenant only). A
+    tenant's token replaced by its hash (``cluster.config.verifier``; with ``token``, that token's tenant only). A
     client file needs no token; a file naming etcd reads the map (which holds hashes) with ``token``, else the file's
     own."""
     if read_etcd_file(path) is None:

@@ -12,12 +12,12 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.client_core import Buffer, ClientCore, _by_node, gather_rows, header_rows, key_rows, node_runs
+from kvtier.kvstore.client.core import Buffer, ClientCore, _by_node, gather_rows, header_rows, key_rows, node_runs
 from kvtier.kvstore.codec import DATA_SHARDS, TOTAL_SHARDS, Codec, addresses
 from kvtier.kvstore.keys import Namespace, TokenInput
 from kvtier.kvstore.placement import RECORD_HOLDERS
-from kvtier.kvstore.protocol import Op, Status
-from kvtier.kvstore.transport import Exchange, Pending
+from kvtier.kvstore.wire.protocol import Op, Status
+from kvtier.kvstore.wire.transport import Exchange, Pending
 
 log = logging.getLogger("kvtier.client")
 

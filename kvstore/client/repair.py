@@ -9,12 +9,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.kvstore.client_core import Survey
-from kvtier.kvstore.client_reads import Reads, ReadState
+from kvtier.kvstore.client.core import Survey
+from kvtier.kvstore.client.reads import Reads, ReadState
 from kvtier.kvstore.codec import TOTAL_SHARDS
-from kvtier.kvstore.held_blocks import PAGE_BLOCKS
-from kvtier.kvstore.protocol import Op
-from kvtier.kvstore.transport import Exchange
+from kvtier.kvstore.wire.protocol import Op
+from kvtier.kvstore.wire.requests import PAGE_BLOCKS
+from kvtier.kvstore.wire.transport import Exchange
 
 
 class Decoded(NamedTuple):

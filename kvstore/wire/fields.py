@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES
-from kvtier.kvstore.protocol import ErrorCode, ProtocolError
+from kvtier.kvstore.wire.protocol import ErrorCode, ProtocolError
 
 KEY_LENGTHS = (16, 32)
 

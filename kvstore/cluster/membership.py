@@ -61,9 +61,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.kvstore.cluster import ClusterConfig
-from kvtier.kvstore.cluster_map import DEFAULT_LEASE_TTL_S, Doc, MapFeed, node_entry, place_of
-from kvtier.kvstore.etcd import ATTEMPT_S, EtcdUnavailable
+from kvtier.kvstore.cluster.config import ClusterConfig
+from kvtier.kvstore.cluster.etcd import ATTEMPT_S, EtcdUnavailable
+from kvtier.kvstore.cluster.map import DEFAULT_LEASE_TTL_S, Doc, MapFeed, node_entry, place_of
 
 log = logging.getLogger("kvtier.membership")
 

@@ -18,14 +18,14 @@ Contract (every method is safe to call from several threads):
   node writes the payload straight into the slots). A shard already COMMITTED under the same (tenant, key,
   index) is left as it is (``EXISTS``). A shard 0 (this node is the block's primary) is charged to the
   primary budget; over budget, ``make_room`` (the GC's evictor) evicts least-recently-used unpinned blocks
-  of the writer's own tenant beyond its share at once (:mod:`~kvtier.kvstore.quotas`). ``NO_SPACE`` when
+  of the writer's own tenant beyond its share at once (:mod:`~kvtier.kvstore.node.quotas`). ``NO_SPACE`` when
   the node stays full for ``room_wait_s``, or when the disk is full. ``cancel`` gives the slots back.
 - ``stage``           keeps the received batch PENDING, in memory only, under the writer's put id: nothing
   of it is in LMDB, so a crash before the COMMIT leaves its slots free, which is exactly right. Shard 0s
   that leave the writer over its own share of the budget, with nothing of its own left to evict, are
   ``NO_SPACE``. ``stale_puts`` lists batches whose writer never settled them (the GC settles them after
   ``gc.pending_timeout_s``). A pending write counts in its own tenant's decisions only: nobody else's blocks
-  make room for it until it commits (:mod:`~kvtier.kvstore.charges`).
+  make room for it until it commits (:mod:`~kvtier.kvstore.node.charges`).
 - ``commit``          settles a staged batch in one LMDB transaction: COMMITTED shard records (one
   ``putmulti``) and, at the holders of shards 0, 1 and 2, the block record that ``match`` and reads consult
   (the primary's; any two lost nodes leave a copy); rows the writer gives up on are dropped. A block without
@@ -36,9 +36,9 @@ Contract (every method is safe to call from several threads):
   anything else is an erasure (``MISSING``/``CORRUPT``/``MISMATCH``/``ABSENT``), never wrong bytes.
 - ``delete``          removes block records first, then shards; a freed slot is reused once no reader pins
   it (and after ``grace_s``, default none). A deleted shard's record stays in LMDB, marked dead
-  (:mod:`~kvtier.kvstore.dead_slots`), until its slot's next record overwrites it. ``remove_blocks`` is the
+  (:mod:`~kvtier.kvstore.node.dead_slots`), until its slot's next record overwrites it. ``remove_blocks`` is the
   primary's side of an eviction: records, its shards and the removal's intent in one transaction
-  (``removals``/``clear_removal`` track the rest; :mod:`~kvtier.kvstore.removals`).
+  (``removals``/``clear_removal`` track the rest; :mod:`~kvtier.kvstore.node.removals`).
 - ``scrub``           reads committed shards in slot order and checks their crc32c (the GC's scrubber).
 
 Every record is scoped by tenant: the tenant is a prefix of the LMDB key and comes from the connection's
@@ -68,22 +68,22 @@ import lmdb
 import numpy as np
 
 from kvtier.kvstore import _native
-from kvtier.kvstore.block_table import BlockTable
-from kvtier.kvstore.charges import Charges
 from kvtier.kvstore.codec import TOTAL_SHARDS
-from kvtier.kvstore.dead_slots import DeadSlots
-from kvtier.kvstore.disk import DiskBudget, MetaRoom, NoSpace, Refusals
 from kvtier.kvstore.keys import HEADER_DIGEST_BYTES as HEADER_BYTES
-from kvtier.kvstore.lru import BlockEntry, TenantLru
-from kvtier.kvstore.owed import Owed, OwedRepairs
+from kvtier.kvstore.node.block_table import BlockTable
+from kvtier.kvstore.node.charges import Charges
+from kvtier.kvstore.node.dead_slots import DeadSlots
+from kvtier.kvstore.node.disk import DiskBudget, MetaRoom, NoSpace, Refusals
+from kvtier.kvstore.node.lru import BlockEntry, TenantLru
+from kvtier.kvstore.node.owed import Owed, OwedRepairs
+from kvtier.kvstore.node.quotas import TenantShares, plan_removals
+from kvtier.kvstore.node.removals import Removal, RemovalLog
+from kvtier.kvstore.node.shard_index import RECORD, ShardIndex, every_shard, name_table, table_names, tables_by_width
+from kvtier.kvstore.node.slabs import SIZE_CLASSES, SlabFiles, by_class
+from kvtier.kvstore.node.unconfirmed import Unconfirmed, UnconfirmedShards
 from kvtier.kvstore.placement import RECORD_HOLDERS
-from kvtier.kvstore.protocol import Status
-from kvtier.kvstore.quotas import TenantShares, plan_removals
-from kvtier.kvstore.removals import Removal, RemovalLog
-from kvtier.kvstore.shard_index import RECORD, ShardIndex, every_shard, name_table, table_names, tables_by_width
-from kvtier.kvstore.slabs import SIZE_CLASSES, SlabFiles, by_class
-from kvtier.kvstore.unconfirmed import Unconfirmed, UnconfirmedShards
-from kvtier.kvstore.wire import RecordState
+from kvtier.kvstore.wire.fields import RecordState
+from kvtier.kvstore.wire.protocol import Status
 
 PENDING, COMMITTED = 1, 2  # PENDING: only in memory (a staged batch), and in LMDB of nodes older than that
 SETTLED_KEPT = 256  # settled puts whose COMMIT answer is kept, for a COMMIT resent after a lost connection
@@ -373,9 +373,9 @@ class ChunkEngine:
         """Open (or create) the data dir. Raises ``MetadataError`` when its LMDB cannot be read (corrupt,
         truncated, not LMDB): nothing is changed then; ``NoSpace`` when the disk is full and the data dir needs
         writing to be opened (a new one, or one of an older layout). On a full disk an existing data dir opens with
-        writes refused (``kvstore.disk``), its reads served. ``max_disk_fraction``: the share of the filesystem the
+        writes refused (``kvstore.node.disk``), its reads served. ``max_disk_fraction``: the share of the filesystem the
         slab files may grow into. ``unconfirmed_share``: of the capacity, what one tenant's shards other than shard
-        0s may take while their primary has not confirmed them (:mod:`~kvtier.kvstore.unconfirmed`)."""
+        0s may take while their primary has not confirmed them (:mod:`~kvtier.kvstore.node.unconfirmed`)."""
         self.data_dir = Path(data_dir)
         self.capacity_bytes = capacity_bytes
         # what the blocks this node is primary for may take on every node of its group (capacity / 12)
@@ -442,7 +442,7 @@ class ChunkEngine:
         self.lru = TenantLru()  # block records this node is primary for, each tenant's least recently used first
         self._accessed: dict[bytes, float] = {}  # last-access times not yet written to LMDB
         # shard 0s reserved or PENDING here (blocks this node will be primary for once committed): charged to their
-        # tenant's use of the primary budget from reservation on (kvstore.charges)
+        # tenant's use of the primary budget from reservation on (kvstore.node.charges)
         self._charges = Charges()
         # shards other than shard 0s, reserved or committed here, that their primary has not confirmed yet
         self.unconfirmed = UnconfirmedShards()
@@ -589,7 +589,7 @@ class ChunkEngine:
     def _charge_unconfirmed(self, tenant: str, batch: WriteBatch) -> None:
         """With the lock held: charge the batch's shards other than shard 0s to ``tenant`` as unconfirmed; while its
         committed unconfirmed shards pass the cap, wait (at most ``room_wait_s``, the GC worker woken to have them
-        confirmed), then refuse those shards NO_SPACE (:mod:`~kvtier.kvstore.unconfirmed`). Nothing is capped
+        confirmed), then refuse those shards NO_SPACE (:mod:`~kvtier.kvstore.node.unconfirmed`). Nothing is capped
         without a GC worker to confirm shards (``on_unconfirmed``)."""
         rows = np.flatnonzero((batch.status == _OK) & (batch.index != 0))
         cap, wake = self.unconfirmed_cap_bytes, self.on_unconfirmed
@@ -605,7 +605,7 @@ class ChunkEngine:
 
     def tenant_usage(self, writer: str | None = None) -> dict[str, int]:
         """With the lock held: bytes per tenant of the blocks this node is primary for, and the ``writer``'s writes
-        in flight (``kvstore.charges``: nobody else's)."""
+        in flight (``kvstore.node.charges``: nobody else's)."""
         usage = self.lru.usage()
         if writer is not None:
             usage[writer] = usage.get(writer, 0) + self._charges.pending(writer)
@@ -1018,7 +1018,7 @@ class ChunkEngine:
     ) -> list[bytes]:
         """Blocks this primary should remove (keys as in the LRU index) to free ``needed`` bytes of its budget
         (default: what it is over by) and ``headroom`` more, chosen by the tenants' shares
-        (:mod:`~kvtier.kvstore.quotas`), each tenant's least recently used first, skipping blocks whose shard 0 a
+        (:mod:`~kvtier.kvstore.node.quotas`), each tenant's least recently used first, skipping blocks whose shard 0 a
         reply is sending (pinned): their bytes could not be reused now anyway, and a block being read is not
         cold. Fewer than needed when too many are pinned or protected by their shares; none when nothing is
         needed. Blocks of pending writes are not in the index and are never candidates.
@@ -1255,7 +1255,7 @@ class ChunkEngine:
         with self._lock:
             return [(names.copy(), records.copy()) for names, records in self._index.items()]
 
-    # -- owed repairs (kvstore.owed) ------------------------------------------------------------------
+    # -- owed repairs (kvstore.node.owed) ------------------------------------------------------------------
 
     def owe(self, items: Sequence[Owed]) -> int:
         """Take on the repair of blocks (a block owed already keeps its entry); returns how many are new."""

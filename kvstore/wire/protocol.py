@@ -114,7 +114,7 @@ before anything of the request is looked at (a list of millions of tiny entries 
 @dataclass(frozen=True)
 class Limits:
     """The ``[limits]`` of the cluster file: upper bounds on frames (enforced on every header, before
-    allocation) and on what peers may hold of a server (:mod:`kvtier.kvstore.admission`). One place for their
+    allocation) and on what peers may hold of a server (:mod:`kvtier.kvstore.wire.admission`). One place for their
     defaults; every server of the cluster (nodes, directory, StateBlock servers, fetchers, metrics endpoints)
     applies them."""
 
