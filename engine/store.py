@@ -80,14 +80,14 @@ class BlockStore:
     def match(self, keys: Sequence[bytes]) -> int:
         """Leading keys stored (0 when the store cannot answer)."""
         try:
-            live = self.client.liveness(keys)  # per key 1 held, 0 not, -1 unknown (its primary did not answer)
+            live = self.client.liveness(keys)  # per key 1 held, 0 not, -1 unknown (no holder of its record answered)
         except STORE_ERRORS as e:
             self.availability.failed(e)
             return 0
         misses = np.flatnonzero(live != 1)
         hit = int(misses[0]) if len(misses) else len(keys)
         if hit < len(keys) and live[hit] == -1:  # a miss only because the store could not answer
-            self.availability.failed(f"the node holding the record of block {hit} of the prompt did not answer")
+            self.availability.failed(f"no node holding the record of block {hit} of the prompt answered")
         else:
             self.availability.answered()
         return hit

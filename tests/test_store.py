@@ -19,7 +19,7 @@ from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.keys import Namespace, chain, header_digests
 from kvtier.kvstore.node.chunks import ChunkEngine
 from kvtier.kvstore.node.slabs import SIZE_CLASSES
-from kvtier.kvstore.placement import Placement
+from kvtier.kvstore.placement import RECORD_HOLDERS, Placement
 from kvtier.kvstore.wire.protocol import Op, Status
 from kvtier.kvstore.wire.transport import Exchange
 
@@ -217,6 +217,25 @@ def test_two_nodes_down_every_block_reads_back(make_cluster) -> None:
         got = client.get(keys)  # three down: misses, never an exception or wrong bytes
         assert any(g is None for g in got)
         assert all(g is None or bytes(g) == b for g, b in zip(got, blocks, strict=True))
+
+
+def test_liveness_asks_the_record_copies_of_a_block_whose_primary_does_not_answer(own_cluster) -> None:
+    """A block's record is kept by the holders of its shards 0, 1 and 2: with its primary down, the other two
+    answer for it (held, or not), and it is unknown (-1) only when none of the three answers."""
+    local = own_cluster()
+    placement = Placement(local.config.groups)
+    with connect(local.config_path) as client:
+        keys = rand_keys(24)
+        assert all(client.put(keys, rand_blocks(24, 4096)))
+        victim = int(placement.primaries(keys)[0])
+        absent = next(k for k in iter(lambda: os.urandom(16), None) if placement.primaries([k])[0] == victim)
+        local.kill(victim)
+        assert client.match(keys) == 24
+        assert client.liveness([*keys, absent]).tolist() == [1] * 24 + [0]
+        holders = placement.shard_nodes(keys[:1])[0, :RECORD_HOLDERS].tolist()
+        for nid in holders[1:]:
+            local.kill(nid)
+        assert client.liveness(keys[:1]).tolist() == [-1]
 
 
 def test_three_nodes_down_reads_are_misses(make_cluster) -> None:

@@ -36,20 +36,22 @@ class Lookups(ClientCore):
         return self.liveness(keys) == 1
 
     def liveness(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Per key: 1 stored and live, 0 not (its primary said so), -1 unknown (primary unreachable). A primary
-        rebuilding its data dir answers unknown (2) for blocks it has no record of yet: the holders of the record's
-        copies (shards 1 and 2) answer for it (live if one keeps the record and its shard)."""
+        """Per key: 1 stored and live, 0 not, -1 unknown (none of the holders of its record answered). Each key's
+        primary is asked; where it does not answer, or is rebuilding its data dir and has no record of the block
+        yet (it answers 2), the holders of the record's copies (shards 1 and 2) answer for it: live if one keeps
+        the record and its shard, not if one answered without them."""
         live = np.full(len(keys), -1, dtype=np.int8)
         if not keys:
             return live
         self._ask_primaries(keys, live)
-        rebuilding = np.flatnonzero(live == REBUILDING)
-        if len(rebuilding):
-            asked = np.zeros((len(rebuilding), TOTAL_SHARDS), dtype=bool)
+        unsure = np.flatnonzero((live == REBUILDING) | (live == -1))
+        if len(unsure):
+            asked = np.zeros((len(unsure), TOTAL_SHARDS), dtype=bool)
             asked[:, 1:RECORD_HOLDERS] = True
-            copies = self._probe([keys[b] for b in rebuilding.tolist()], asked)
+            copies = self._probe([keys[b] for b in unsure.tolist()], asked)
             kept = (copies.present[:, 1:RECORD_HOLDERS] & (copies.records[:, 1:] == RecordState.HELD)).any(axis=1)
-            live[rebuilding] = kept
+            answered = copies.answered[:, 1:RECORD_HOLDERS].any(axis=1)
+            live[unsure] = np.where(kept, 1, np.where(answered, 0, -1))
         moved = self.moved(keys, np.flatnonzero(live == 0))  # a growth moving blocks: ask where they were before
         if len(moved) and self.previous is not None:
             with self.placed_by(self.previous):
