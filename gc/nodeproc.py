@@ -11,7 +11,8 @@ import argparse
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import BinaryIO
 
 from kvtier.gc.evictor import Evictor
 from kvtier.gc.fill import Filler
@@ -28,12 +29,21 @@ from kvtier.kvstore.node.server import open_node, serve
 log = logging.getLogger("kvtier.node")
 
 
-def run_node(config_path: str, node_id: int, etcd: str | None = None, fallback_log_fd: int | None = None) -> None:
-    """Open the node, attach its GC worker, serve until SIGTERM/SIGINT. With an etcd map: register (and keep the
-    lease alive), follow the map, leave when stopped (``kvstore.cluster.membership``). Log lines its log (stderr) cannot
-    take go to ``fallback_log_fd``."""
+def run_node(
+    config_path: str,
+    node_id: int,
+    etcd: str | None = None,
+    fallback_log_fd: int | None = None,
+    end_with_stdin: bool = False,
+) -> None:
+    """Open the node, attach its GC worker, serve until SIGTERM/SIGINT (or, ``end_with_stdin``, until stdin ends:
+    the process that started the node and holds its other end is gone). With an etcd map: register (and keep the
+    lease alive), follow the map, leave when stopped (``kvstore.cluster.membership``). Log lines its log (stderr)
+    cannot take go to ``fallback_log_fd``."""
     logs.configure(fallback_log_fd, node=node_id)
     node, server = open_node(config_path, node_id, etcd)
+    if end_with_stdin:
+        threading.Thread(target=_stop_when_it_ends, args=(sys.stdin.buffer, server.stop), daemon=True).start()
     evictor = Evictor(node.engine, node.config, node_id)
     worker = GCWorker(
         node.engine,
@@ -67,6 +77,13 @@ def run_node(config_path: str, node_id: int, etcd: str | None = None, fallback_l
         feed.close()
 
 
+def _stop_when_it_ends(stream: BinaryIO, stop: Callable[[], None]) -> None:
+    while stream.read(4096):
+        pass
+    log.warning("stdin ended (the process that started this node is gone): stopping")
+    stop()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvtier.gc.nodeproc", description="Run one storage node.")
     parser.add_argument("config", help="cluster file")
@@ -75,9 +92,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--fallback-log-fd", type=int, default=None, help="where log lines go that stderr (the log) cannot take"
     )
+    parser.add_argument(
+        "--end-with-stdin", action="store_true", help="stop when stdin ends (its writer, the starting process, is gone)"
+    )
     args = parser.parse_args(argv)
     try:
-        run_node(args.config, args.node_id, args.etcd, args.fallback_log_fd)
+        run_node(args.config, args.node_id, args.etcd, args.fallback_log_fd, args.end_with_stdin)
     except cluster_mod.ConfigError as exc:
         sys.exit(f"{NODE_ERROR_PREFIX}{exc}")
     except NoSpace as exc:  # a data dir that must be written to be opened, on a disk with no room

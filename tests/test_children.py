@@ -1,12 +1,15 @@
-"""Children that must not outlive the process that started them (the serving front door's StateBlock directory)."""
+"""Children that must not outlive the process that started them (the serving front door's StateBlock directory, a
+local cluster's nodes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from .conftest import wait_for
 
@@ -51,3 +54,32 @@ def test_a_child_started_without_it_outlives_a_killed_parent() -> None:  # what 
         assert _alive(child)
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+CLUSTER_PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from kvtier.kvstore.cluster import config
+    from kvtier.kvstore.cluster.local import LocalCluster
+    local = LocalCluster(config.write_default(sys.argv[1], capacity_bytes=64 << 20))
+    local.start([0, 1])
+    print(*(proc.pid for proc in local.procs.values()), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_the_nodes_of_a_local_cluster_end_when_the_process_that_started_them_is_killed(tmp_path: Path) -> None:
+    """A test killed by its timeout, or a Ctrl-C'd benchmark, leaves no node running on as an orphan."""
+    parent = subprocess.Popen([sys.executable, "-c", CLUSTER_PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    nodes = [int(pid) for pid in parent.stdout.readline().split()]
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    try:
+        assert len(nodes) == 2
+        wait_for(lambda: not any(map(_alive, nodes)), 30, "the nodes to end with the process that started them")
+    finally:
+        for pid in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

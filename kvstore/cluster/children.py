@@ -20,10 +20,17 @@ RESTART_BACKOFF_S = (1.0, 60.0)  # a child that exits is restarted after 1 s, do
 STABLE_S = 60.0  # a child up this long is healthy again: its next exit is restarted after the shortest wait
 
 
+try:  # looked up here, not in the child: a dlopen between fork and exec could wait forever on a lock that another
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # thread of the parent held when it forked
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
 def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Have this (child) process receive SIGTERM when its parent dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        with contextlib.suppress(Exception):
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def exit_reason(code: int) -> str:

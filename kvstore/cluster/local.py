@@ -23,12 +23,44 @@ NODE_ERROR_PREFIX = "kvstore node: "  # how a node process starts the one line i
 NEEDS_RESET_EXIT = 3  # a node's exit status when its metadata is damaged: only `kvstore reset-node` gets it going
 
 
+READY_LIMIT = 20  # a node running all along but not ready after this many times ready_timeout_s is reported
+
+
 class NodeStartError(RuntimeError):
     """A node process exited or stayed silent instead of reporting ready."""
 
 
+class _Progress:
+    """When a process last ran or waited to run: its threads' time on a core and in the run queue
+    (``/proc/PID/task/*/schedstat``). Where that cannot be read, the time it was first asked stands."""
+
+    def __init__(self, pid: int, now: float) -> None:
+        self.tasks = Path(f"/proc/{pid}/task")
+        self.seen = self._read()
+        self.at = now
+
+    def last(self, now: float) -> float:
+        value = self._read()
+        if value is not None and value != self.seen:
+            self.seen, self.at = value, now
+        return self.at
+
+    def _read(self) -> int | None:
+        total = 0
+        try:
+            for task in self.tasks.iterdir():
+                with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                    run_ns, wait_ns, _ = (task / "schedstat").read_text().split()
+                    total += int(run_ns) + int(wait_ns)
+        except (OSError, ValueError):
+            return None
+        return total
+
+
 class LocalCluster:
-    """Starts, stops, kills and restarts the local nodes of one cluster file."""
+    """Starts, stops, kills and restarts the local nodes of one cluster file. The nodes end with the process that
+    started them, however it ends (a test killed by its timeout, a Ctrl-C'd benchmark): each node watches its stdin,
+    a pipe from here that the kernel closes when this process dies, and stops when it ends."""
 
     def __init__(
         self,
@@ -71,27 +103,38 @@ class LocalCluster:
                 override = ["--etcd", self.etcd] if self.etcd else []
                 # what the node's log (its disk full) cannot take goes to this process's stderr
                 divert = ["--fallback-log-fd", str(fallback)] if fallback is not None else []
+                argv = [str(self.config_path), str(nid), "--end-with-stdin", *override, *divert]
                 self.procs[nid] = subprocess.Popen(
-                    [sys.executable, "-m", "kvtier.gc.nodeproc", str(self.config_path), str(nid), *override, *divert],
+                    [sys.executable, "-m", "kvtier.gc.nodeproc", *argv],
                     stdout=subprocess.PIPE,
                     stderr=log,
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.PIPE,  # its other end is held here until the node is stopped, or this process ends
                     pass_fds=(fallback,) if fallback is not None else (),
                 )
-        deadline = time.monotonic() + self.ready_timeout_s
         for nid in ids:
-            self._await_ready(nid, deadline)
+            self._await_ready(nid)
 
-    def _await_ready(self, node_id: int, deadline: float) -> None:
+    def _await_ready(self, node_id: int) -> None:
+        """Wait for the node's ready line while it gets somewhere: a node that has neither run nor waited to run for
+        ``ready_timeout_s`` is stuck (a loaded machine starves a starting node, but it stays runnable), and one not
+        ready after ``READY_LIMIT`` times that is reported however busy it was."""
         proc = self.procs[node_id]
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
         buf = b""
+        since = time.monotonic()
+        progress = _Progress(proc.pid, since)
         while b"ready" not in buf:
             if proc.poll() is not None:
                 raise NodeStartError(self._exit_reason(node_id, proc.returncode))
-            if time.monotonic() > deadline:
-                raise NodeStartError(f"node {node_id} did not report ready in {self.ready_timeout_s:.0f}s")
+            now = time.monotonic()
+            if now - progress.last(now) > self.ready_timeout_s:
+                raise NodeStartError(
+                    f"node {node_id} did not report ready: it has not run for {self.ready_timeout_s:g} s"
+                    f" (log: {self.log_path(node_id)})"
+                )
+            if now - since > READY_LIMIT * self.ready_timeout_s:
+                raise NodeStartError(f"node {node_id} did not report ready in {now - since:.0f} s of running")
             chunk = proc.stdout.read()
             if chunk:
                 buf += chunk
@@ -113,8 +156,7 @@ class LocalCluster:
         proc = self.procs.pop(node_id)
         proc.send_signal(sig)
         proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        _close_pipes(proc)
 
     def restart(self, node_id: int) -> None:
         if node_id in self.procs:
@@ -136,8 +178,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+            _close_pipes(proc)
         self.procs.clear()
 
     def __enter__(self) -> LocalCluster:
@@ -148,6 +189,14 @@ class LocalCluster:
         self.stop()
         if self._config.feed is not None:
             self._config.feed.close()
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    """Close this end of an exited node's stdin and stdout."""
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):  # (a write end whose reader is gone)
+                pipe.close()
 
 
 @contextlib.contextmanager
@@ -302,8 +351,7 @@ class Supervisor:
     def _restart(self, nid: int) -> None:
         exited = self.cluster.procs.pop(nid)
         exited.wait()
-        if exited.stdout is not None:
-            exited.stdout.close()
+        _close_pipes(exited)
         self.backoff[nid].started_now()
         try:
             self.cluster.start([nid])
