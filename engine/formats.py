@@ -103,6 +103,12 @@ class KVFormat:
     def codec(self, kind: str) -> str:
         return dict(self.codecs).get(kind, "exact")
 
+    def layouts(self, parts: tuple[list[Part], list[Part]], dtype: torch.dtype) -> tuple[Layout, Layout]:
+        """The stored forms of a block and of a StateBlock (``parts``: ``Family.kv_parts``' two lists); FormatError
+        (one line) as :meth:`layout`."""
+        blocks, states = parts
+        return self.layout(blocks, dtype, "blocks"), self.layout(states, dtype, "StateBlocks")
+
     def layout(self, parts: list[Part], dtype: torch.dtype, what: str) -> Layout:
         """The stored form of a block (or StateBlock, ``what`` says which) made of ``parts``, values in ``dtype``.
         FormatError (one line) where a part's rows cannot take its codec."""

@@ -52,8 +52,9 @@ from typing import IO, Any, TextIO
 import msgspec
 import torch
 
-from kvtier.engine.checkpoint import DTYPES
+from kvtier.engine.checkpoint import DTYPES, read_config
 from kvtier.engine.engine import Engine, Generation, PromptError
+from kvtier.engine.formats import KVFormat
 from kvtier.engine.sampling import Sampling
 from kvtier.engine.scheduler import Scheduler, StepCost
 from kvtier.engine.store_thread import StoreThread
@@ -124,6 +125,16 @@ def flags(args: argparse.Namespace, *adders: Callable[[argparse.ArgumentParser],
         if value is not None and action.option_strings:
             out += [action.option_strings[0], str(value)]
     return out
+
+
+def check_kv_format(args: argparse.Namespace) -> None:
+    """FormatError (one line) unless the model of ``--checkpoint`` takes ``--kv-format`` in ``--dtype`` (an
+    UnsupportedModelError for a directory that holds none): what a process that starts workers asks first, since a
+    worker refused its format exits, and is restarted, saying so each time. Reads ``config.json`` only."""
+    family, config = read_config(args.checkpoint)
+    dtype = DTYPES[args.dtype]
+    parts = family.kv_parts(config, family.block_tokens(config, None), dtype)
+    KVFormat.parse(args.kv_format).layouts(parts, dtype)
 
 
 def open_engine(role: str, args: argparse.Namespace) -> Engine:

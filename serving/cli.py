@@ -125,7 +125,8 @@ def worker_argv(role: str, args: argparse.Namespace, directory: str) -> list[str
 
 def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
     """The server and its workers (not started) from ``serve``'s arguments, and the helper processes it
-    started (the StateBlock directory). ValueError (one line) for bad arguments."""
+    started (the StateBlock directory). ValueError (one line) for bad arguments, a ``--kv-format`` the model cannot
+    take among them, before anything starts."""
     if args.prefill < 0 or args.decode < 0 or bool(args.prefill) != bool(args.decode):
         raise ValueError("--prefill and --decode are both 0 (embedded) or both at least 1")
     if args.max_queued_requests < 1 or args.max_queued_tokens < 1:
@@ -134,6 +135,7 @@ def make_server(args: argparse.Namespace) -> tuple[Server, list[WorkerProcess]]:
         raise ValueError("--tbt-slo-ms must be a positive number of milliseconds, with --cost-model")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError("--max-num-seqs must be at least 1")
+    worker.check_kv_format(args)  # (a worker refused its format would exit and be restarted, again and again)
     edges = tuple(int(e) for e in args.bucket_edges.split(","))
     if list(edges) != sorted(set(edges)) or edges[0] <= 0:
         raise ValueError(f"--bucket-edges must be increasing positive token counts, got {args.bucket_edges}")

@@ -136,7 +136,8 @@ def test_a_worker_process_gets_every_option_the_embedded_engine_gets() -> None:
     serve_args = ["serve", "--checkpoint", "ck", "--store", "c.public.toml", "--token-file", "t.token",
                   "--state-pool-bytes", "12345", "--cache-tokens", "8192", "--chunk-tokens", "256", "--threads", "2",
                   "--dtype", "bfloat16", "--device", "cpu", "--fetcher", "/f.sock", "--store-timeout-ms", "150",
-                  "--max-num-seqs", "3", "--cost-model", "c.json", "--step-budget-ms", "50"]  # fmt: skip
+                  "--max-num-seqs", "3", "--cost-model", "c.json", "--step-budget-ms", "50",
+                  "--kv-format", "main=fp8-e4m3,window=mxfp8"]  # fmt: skip
     args = cli.build_parser().parse_args(serve_args)
     argv = cli.worker_argv("prefill", args, "127.0.0.1:7400")
     assert argv[1:4] == ["-m", "kvtier.serving.cli", "prefill"]
@@ -184,3 +185,24 @@ def test_a_missing_cost_model_is_one_line_naming_the_option(checkpoint: Path, st
                                           "--cost-model", "cost.json"])  # fmt: skip
     with pytest.raises(ValueError, match=r"--cost-model cost\.json: No such file"):
         cli.make_server(args)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--kv-format", "fp7"], "KV format 'fp7': use one of exact, bf16"),
+        (["--kv-format", "fp8-e4m3", "--dtype", "float16"], "decode to bfloat16 or float32, not torch.float16"),
+    ],
+    ids=["unknown", "not-for-this-model"],
+)
+def test_a_kv_format_serve_cannot_use_is_one_line_before_any_worker_starts(
+    checkpoint: Path, store: Path, options: list[str], says: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.serving.cli", "serve", "--checkpoint", str(checkpoint), "--store", str(store),
+         "--port", str(free_port()), "--prefill", "1", "--decode", "1", *options],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "serving at" not in done.stdout
+    assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr[-2000:]
+    assert "prefill-0" not in done.stderr and "decode-0" not in done.stderr

@@ -134,11 +134,12 @@ def reference_engine(checkpoint: Path) -> Engine:
 
 
 TENANT_TOKEN = "teamb-" + "0123456789abcdef" * 3
+TENANT_FORMAT = "fp8-e4m3"  # the tenant's server keeps its blocks and StateBlocks in a low-precision KV format
 
 
 @pytest.fixture(scope="module")
 def tenant_server(make_cluster, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """P/D as tenant ``teamb`` from the client file and a token file, as a tenant's host runs it."""
+    """P/D as tenant ``teamb`` from the client file and a token file, as a tenant's host runs it, in a KV format."""
     local = make_cluster(capacity_bytes=64 << 20, extra_toml=f'[tenants.teamb]\ntoken = "{TENANT_TOKEN}"')
     public = cluster_mod.write_public(local.config_path)
     tmp = tmp_path_factory.mktemp("tenant")
@@ -146,22 +147,39 @@ def tenant_server(make_cluster, checkpoint: Path, tmp_path_factory: pytest.TempP
     token.write_text(TENANT_TOKEN + "\n")
     token.chmod(0o600)
     server = Served(tmp, "--checkpoint", str(checkpoint), "--store", str(public), "--token-file", str(token),
-                    "--model", "tiny", "--prefill", "1", "--decode", "1")  # fmt: skip
+                    "--model", "tiny", "--prefill", "1", "--decode", "1", "--kv-format", TENANT_FORMAT)  # fmt: skip
     server.cluster = local.config_path  # type: ignore[attr-defined]
     yield server
     server.stop()
 
 
+def served_twice(server: Served, ids: list[int]) -> None:
+    """Ask ``server`` for ``ids`` twice: the second reuses the first's blocks."""
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0}
+    answers = [httpx.post(server.url + "/v1/completions", json=body, timeout=120).json() for _ in range(2)]
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers] == [0, 512]
+
+
+def reused(checkpoint: Path, server: Served, ids: list[int], token: str | None, kv_format: str = TENANT_FORMAT) -> int:
+    """Prompt tokens an engine of ``kv_format`` reuses of ``ids`` from ``server``'s store, as the tenant of ``token``
+    (None: the cluster token's, tenant default)."""
+    cluster = server.cluster  # type: ignore[attr-defined]
+    with Engine.from_pretrained(checkpoint, store=cluster, token=token, kv_format=kv_format) as engine:
+        return engine.generate([ids], 1)[0].hit_tokens
+
+
 def test_pd_serves_a_tenant_from_its_client_file_and_token_file(tenant_server: Served, checkpoint: Path) -> None:
     ids = [(i * 17 + 3) % 500 + 5 for i in range(700)]
-    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0}
-    answers = [httpx.post(tenant_server.url + "/v1/completions", json=body, timeout=120).json() for _ in range(2)]
-    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers] == [0, 512]
-    cluster = tenant_server.cluster  # type: ignore[attr-defined]
-    with Engine.from_pretrained(checkpoint, store=cluster) as as_default:  # the cluster token: tenant default
-        assert as_default.generate([ids], 1)[0].hit_tokens == 0  # the blocks are teamb's, not the admin's
-    with Engine.from_pretrained(checkpoint, store=cluster, token=TENANT_TOKEN) as as_teamb:
-        assert as_teamb.generate([ids], 1)[0].hit_tokens == 512
+    served_twice(tenant_server, ids)
+    assert reused(checkpoint, tenant_server, ids, token=None) == 0  # the blocks are teamb's, not the admin's
+    assert reused(checkpoint, tenant_server, ids, token=TENANT_TOKEN) == 512
+
+
+def test_pd_workers_keep_blocks_in_the_servers_kv_format(tenant_server: Served, checkpoint: Path) -> None:
+    ids = [(i * 13 + 7) % 500 + 5 for i in range(700)]
+    served_twice(tenant_server, ids)
+    hits = {f: reused(checkpoint, tenant_server, ids, TENANT_TOKEN, f) for f in ("exact", TENANT_FORMAT)}
+    assert hits == {"exact": 0, TENANT_FORMAT: 512}  # an engine of another format misses them
 
 
 def test_a_worker_that_dies_is_said_in_one_line_and_so_are_its_restart_and_readiness(tenant_server: Served) -> None:

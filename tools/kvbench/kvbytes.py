@@ -134,9 +134,8 @@ def _row(name: str, family: Any, config: Any, dtype: Any, kv_format: str, store:
     }
     try:
         fmt = KVFormat.parse(kv_format)
-        block_parts, state_parts = family.kv_parts(config, block_tokens, dtype)
-        block = fmt.layout(block_parts, dtype, "blocks").encoded_bytes
-        state = fmt.layout(state_parts, dtype, "StateBlocks").encoded_bytes
+        block_form, state_form = fmt.layouts(family.kv_parts(config, block_tokens, dtype), dtype)
+        block, state = block_form.encoded_bytes, state_form.encoded_bytes
     except FormatError as e:
         return {**row, "error": str(e)}
     held = local_capacity(store[0], block, store[1])
