@@ -74,8 +74,14 @@ class StoreSettings:
         """Settings from an engine's configuration mapping (other keys in it are the engine's own and ignored).
 
         ``token_file`` (a file holding the token) may stand for ``token``, so that the token is not on a command
-        line. Raises SettingsError naming ``where``.
+        line. Raises SettingsError naming ``where``, for ``kv_format`` too: adapters store the engine's pages as
+        they are (docs/adapters.md, "KV formats"), and ignoring it would leave a deployment believing them encoded.
         """
+        if "kv_format" in values:
+            raise SettingsError(
+                f"{where}: 'kv_format' is not an adapter setting: pages are stored in the engine's own KV dtype; "
+                "choose it there (vLLM and SGLang: --kv-cache-dtype)"
+            )
         path = values.get("config")
         if not isinstance(path, str | Path) or not str(path):
             raise SettingsError(f"{where}: 'config' must name kvtier's cluster file (e.g. /srv/kvtier/cluster.toml)")

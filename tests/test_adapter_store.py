@@ -41,6 +41,14 @@ def test_settings_refuse_what_cannot_work_in_one_line(tmp_path: Path) -> None:
         assert str(err.value).startswith("where: ") and "\n" not in str(err.value)
 
 
+def test_a_kv_format_setting_is_refused_in_one_line_naming_the_engines_own() -> None:
+    # the adapters store the host engine's pages as they are (docs/adapters.md, "KV formats"): a kvtier KV format
+    # there would be ignored, the pages staying in the engine's dtype while the deployment believes them encoded
+    with pytest.raises(SettingsError, match="kv-cache-dtype") as err:
+        StoreSettings.from_mapping({"config": "c.toml", "kv_format": "fp8-e4m3"}, "where")
+    assert str(err.value).startswith("where: 'kv_format'") and "\n" not in str(err.value)
+
+
 def test_a_token_file_keeps_the_token_off_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("s3cret\n")
     (tmp_path / "token").chmod(0o600)
