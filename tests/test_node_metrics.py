@@ -40,6 +40,7 @@ EXPOSED = {
     "kvtier_node_pre_auth_connections",
     "kvtier_node_connections_refused",
     "kvtier_node_hello_timeouts",
+    "kvtier_node_pre_auth_evicted",
     "kvtier_node_blocks_under_replicated",
     "kvtier_node_oldest_owed_repair_seconds",
     "kvtier_node_redundancy_restored_seconds_bucket",
