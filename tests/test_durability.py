@@ -44,6 +44,11 @@ def stored_blocks(client: Client, n: int) -> tuple[list[bytes], list[bytes]]:
     return keys, data
 
 
+def confirmed_shards(client: Client) -> int:
+    """Shards other than shard 0s whose block's primary confirmed it, over every node."""
+    return sum(info["gc"]["shards_confirmed"] for info in client.node_info().values())
+
+
 def kvctl(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_CONFIG", "COLUMNS")}
     cmd = [sys.executable, "-m", "kvtier.tools.kvctl", "--config", str(path), *args]
@@ -253,6 +258,9 @@ def test_blocks_whose_every_record_was_lost_are_rebuilt_from_their_shards(own_cl
     placement = Placement(local.config.groups)
     with Client(local.config) as client:
         keys, data = stored_blocks(client, 120)
+        # every shard confirmed by its block's primary first: shards whose block no record names before that are
+        # an orphan's (kvstore.node.unconfirmed), as a put that never committed would leave them
+        wait_for(lambda: confirmed_shards(client) >= 11 * len(keys), 60, "the shards' blocks confirmed")
         recorded_at = placement.shard_nodes(keys)[:, :3].tolist()
         orphans = [k for k, holders in zip(keys, recorded_at, strict=True) if holders == [5, 6, 7]]
         assert orphans

@@ -587,21 +587,22 @@ class ChunkEngine:
             self.unconfirmed.release(batch.tenant, SIZE_CLASSES[int(batch.size_class[i])])
 
     def _charge_unconfirmed(self, tenant: str, batch: WriteBatch) -> None:
-        """With the lock held: charge the batch's shards other than shard 0s to ``tenant`` as unconfirmed; while its
-        committed unconfirmed shards pass the cap, wait (at most ``room_wait_s``, the GC worker woken to have them
-        confirmed), then refuse those shards NO_SPACE (:mod:`~kvtier.kvstore.node.unconfirmed`). Nothing is capped
-        without a GC worker to confirm shards (``on_unconfirmed``)."""
+        """With the lock held: charge the batch's shards other than shard 0s to ``tenant`` as unconfirmed. While its
+        unconfirmed shards pass the cap, wait (at most ``room_wait_s``, the GC worker woken to ask about them); then
+        refuse those shards NO_SPACE if its denied shards alone pass the cap (:mod:`~kvtier.kvstore.node.unconfirmed`:
+        a writer the GC worker has fallen behind waits, and is not refused). Nothing is capped without a GC worker
+        to confirm shards (``on_unconfirmed``)."""
         rows = np.flatnonzero((batch.status == _OK) & (batch.index != 0))
-        cap, wake = self.unconfirmed_cap_bytes, self.on_unconfirmed
-        if len(rows) and wake is not None and self.unconfirmed.bytes_of(tenant) > cap:
+        cap, wake, held = self.unconfirmed_cap_bytes, self.on_unconfirmed, self.unconfirmed
+        if len(rows) and wake is not None and held.bytes_of(tenant) > cap:
             deadline = time.monotonic() + self.room_wait_s
-            while self.unconfirmed.bytes_of(tenant) > cap and (left := deadline - time.monotonic()) > 0:
+            while held.bytes_of(tenant) > cap and (left := deadline - time.monotonic()) > 0:
                 wake()
                 self._room.wait(min(left, 0.05))
-            if self.unconfirmed.bytes_of(tenant) > cap:
+            if held.denied_of(tenant) > cap:
                 batch.status[rows] = _NO_SPACE
                 return
-        self.unconfirmed.reserve(tenant, int(_CLASS_BYTES[batch.size_class[rows]].sum()))
+        held.reserve(tenant, int(_CLASS_BYTES[batch.size_class[rows]].sum()))
 
     def tenant_usage(self, writer: str | None = None) -> dict[str, int]:
         """With the lock held: bytes per tenant of the blocks this node is primary for, and the ``writer``'s writes
@@ -801,11 +802,14 @@ class ChunkEngine:
 
     def settle_unconfirmed(self, tenant: str, shards: Unconfirmed, live: np.ndarray, orphan_before: float) -> int:
         """What the primaries said of ``shards``' blocks (``live``: 1 live, 0 not, -1 unknown, per row): live ones
-        are confirmed, those not live and committed before ``orphan_before`` are orphans and removed, the rest
-        wait for the next pass. Returns how many orphans were removed."""
-        orphan = (live == 0) & (shards.at < orphan_before)
+        are confirmed, those not live and committed before ``orphan_before`` are orphans and removed, those removed
+        here meanwhile (an evicted block's) are charged no more, the rest wait for the next pass (denied, when the
+        primaries said not live). Returns how many orphans were removed."""
         with self._lock:
-            self.unconfirmed.settle(tenant, shards, keep=(live != 1) & ~orphan)
+            # a shard removed here meanwhile (its block evicted, deleted or dropped) takes no room any more
+            present = self._index.contains(shards.names)
+            orphan = present & (live == 0) & (shards.at < orphan_before)
+            self.unconfirmed.settle(tenant, shards, keep=present & (live != 1) & ~orphan, denied=live == 0)
             self._room.notify_all()
         if not orphan.any():
             return 0

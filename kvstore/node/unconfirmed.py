@@ -11,18 +11,23 @@ after the commit: ``GCWorker.confirm_shards``):
 | what the primary says | the shard |
 |---|---|
 | live | confirmed: no longer charged here |
-| not live, the shard committed less than ``write_timeout_s`` ago | still unconfirmed (asked again at the next pass) |
+| not live, committed less than ``write_timeout_s`` ago | *denied*: still unconfirmed, asked again next pass |
 | not live, ``write_timeout_s`` or more ago | an orphan: removed here |
-| nothing (unreachable) | still unconfirmed |
+| nothing (unreachable) | still unconfirmed, not denied |
 
-A tenant's committed unconfirmed bytes at a node are capped at ``gc.unconfirmed_share`` of its capacity: while they
-are beyond it, that tenant's new shards other than shard 0s wait (``room_wait_s``) for confirmations and are refused
-``NO_SPACE`` if none come. A request is never refused for its own size (a legitimate put may be large), so a tenant
-can strand at most that share of a node plus the shards of one request, for at most ``write_timeout_s`` (its shards
-reserved and not yet committed are dropped within ``gc.pending_timeout_s``). A legitimate writer's shards are
-confirmed within a pass of their commit. Unconfirmed shards are held in memory: a node restarted meanwhile treats
-them as confirmed (a rebuild, ``kvctl repair --rebuild``, still reclaims orphans from their records). A chunk engine
-with nobody to confirm its shards (no GC worker: tests, tools) charges them and caps nothing.
+While a tenant's unconfirmed bytes at a node pass ``gc.unconfirmed_share`` of its capacity, its new shards other
+than shard 0s wait (at most ``room_wait_s``, the GC worker woken to ask about them); then they are refused
+``NO_SPACE`` if its denied bytes alone pass that share. A legitimate writer's shards are confirmed at the first pass
+that asks about them, however late it comes on a loaded node, so such a writer is slowed to the pace of the passes
+and never refused (a cap on every unconfirmed byte refused a legitimate ``kvbench putget`` whenever the GC worker
+fell two seconds behind its writes); an attacker's are denied at that same pass. A request is never refused for its
+own size (a legitimate put may be large), so a tenant can strand at most that share of a node plus the shards of
+one request (and what it commits while the GC worker is more than ``room_wait_s`` behind), for at most
+``write_timeout_s`` (its shards reserved and not yet committed are dropped within
+``gc.pending_timeout_s``). Unconfirmed shards are held in
+memory: a node restarted meanwhile treats them as confirmed (a rebuild, ``kvctl repair --rebuild``, still reclaims
+orphans from their records). A chunk engine with nobody to confirm its shards (no GC worker: tests, tools) charges
+them and caps nothing.
 
 Not thread-safe: the chunk engine calls it under its lock.
 """
@@ -37,11 +42,13 @@ import numpy as np
 @dataclass(eq=False)
 class Unconfirmed:
     """Shards of one tenant committed at ``at`` (node clock), waiting for their primary's word: their names
-    (``tenant/key/index`` rows, ``uint8 [n, width]``) and the slot bytes each takes."""
+    (``tenant/key/index`` rows, ``uint8 [n, width]``), the slot bytes each takes, and whether their primary has
+    said it does not know their blocks (``denied``)."""
 
     names: np.ndarray
     sizes: np.ndarray
     at: float
+    denied: bool = False
 
 
 class UnconfirmedShards:
@@ -52,10 +59,15 @@ class UnconfirmedShards:
         self._waiting: dict[str, list[Unconfirmed]] = {}
         self._reserved: dict[str, int] = {}
         self._bytes: dict[str, int] = {}  # committed, not confirmed yet (those being asked about included)
+        self._denied: dict[str, int] = {}  # of those, the ones whose primary said it does not know their block
 
     def bytes_of(self, tenant: str) -> int:
-        """``tenant``'s committed unconfirmed bytes here (what the cap applies to)."""
+        """``tenant``'s committed unconfirmed bytes here, asked about or not."""
         return self._bytes.get(tenant, 0)
+
+    def denied_of(self, tenant: str) -> int:
+        """``tenant``'s denied bytes here (what the cap applies to)."""
+        return self._denied.get(tenant, 0)
 
     def reserved_of(self, tenant: str) -> int:
         """``tenant``'s reserved bytes here, not committed yet."""
@@ -84,11 +96,18 @@ class UnconfirmedShards:
             waiting[:] = [shards for shards in waiting if shards.at >= before]
         return out
 
-    def settle(self, tenant: str, shards: Unconfirmed, keep: np.ndarray) -> None:
-        """The answer about ``shards`` (from :meth:`due`): rows ``keep`` stay unconfirmed, the rest are charged no
-        more (confirmed, or orphans removed)."""
-        if keep.any():
-            self._waiting.setdefault(tenant, []).append(Unconfirmed(shards.names[keep], shards.sizes[keep], shards.at))
+    def settle(self, tenant: str, shards: Unconfirmed, keep: np.ndarray, denied: np.ndarray) -> None:
+        """The answer about ``shards`` (from :meth:`due`): rows ``keep`` stay unconfirmed, those of them also in
+        ``denied`` counting against the cap; the rest are charged no more (confirmed, or orphans removed)."""
+        if shards.denied:
+            _add(self._denied, tenant, -int(shards.sizes.sum()))
+        for rows, said_no in ((keep & denied, True), (keep & ~denied, False)):
+            if rows.any():
+                self._waiting.setdefault(tenant, []).append(
+                    Unconfirmed(shards.names[rows], shards.sizes[rows], shards.at, said_no)
+                )
+                if said_no:
+                    _add(self._denied, tenant, int(shards.sizes[rows].sum()))
         _add(self._bytes, tenant, -int(shards.sizes[~keep].sum()))
 
 
