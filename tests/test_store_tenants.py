@@ -19,6 +19,7 @@ from kvtier.kvstore.wire.protocol import Op, encode_head
 
 from .conftest import ClusterFactory, wait_for
 from .rawwire import recv_frame
+from .test_quotas import keys_at
 
 TA_TOKEN, TB_TOKEN = secrets.token_hex(32), secrets.token_hex(32)
 BLOCK = 64 << 10
@@ -31,15 +32,6 @@ def tenants(quota_b: float | None = None) -> str:
     return f'[tenants.ta]\ntoken = "{TA_TOKEN}"\n[tenants.tb]\ntoken = "{TB_TOKEN}"\n' + (
         f"quota = {quota_b}\n" if quota_b is not None else ""
     )
-
-
-def keys_at(local: LocalCluster, primary: int, n: int) -> list[bytes]:
-    """``n`` random keys whose primary is ``primary``."""
-    placement, keys = Placement(local.config.groups), []
-    while len(keys) < n:
-        candidates = [os.urandom(16) for _ in range(64)]
-        keys += [k for k, p in zip(candidates, placement.primaries(candidates).tolist(), strict=True) if p == primary]
-    return keys[:n]
 
 
 def put(local: LocalCluster, token: str, keys: list[bytes], ttl_class: str = "chatbot") -> np.ndarray:
