@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import BinaryIO
 
 from kvtier.gc.evictor import Evictor
 from kvtier.gc.fill import Filler
@@ -43,7 +43,7 @@ def run_node(
     logs.configure(fallback_log_fd, node=node_id)
     node, server = open_node(config_path, node_id, etcd)
     if end_with_stdin:
-        threading.Thread(target=_stop_when_it_ends, args=(sys.stdin.buffer, server.stop), daemon=True).start()
+        threading.Thread(target=_stop_when_it_ends, args=(sys.stdin.fileno(), server.stop), daemon=True).start()
     evictor = Evictor(node.engine, node.config, node_id)
     worker = GCWorker(
         node.engine,
@@ -77,8 +77,11 @@ def run_node(
         feed.close()
 
 
-def _stop_when_it_ends(stream: BinaryIO, stop: Callable[[], None]) -> None:
-    while stream.read(4096):
+def _stop_when_it_ends(fd: int, stop: Callable[[], None]) -> None:
+    """Read ``fd`` (stdin) to its end, then ``stop``. Raw reads: a daemon thread blocked in ``sys.stdin``'s buffered
+    read holds its lock, and a node exiting meanwhile (it could not bind) aborted at interpreter shutdown
+    ("could not acquire lock for <_io.BufferedReader name='<stdin>'>", exit -6) instead of exiting with its error."""
+    while os.read(fd, 4096):
         pass
     log.warning("stdin ended (the process that started this node is gone): stopping")
     stop()
