@@ -6,6 +6,7 @@ even for a type checker; nothing of kvtier uses a kvstore module's old name; the
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -52,6 +53,21 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once. CPython 3.11's ``ast`` keeps one recursion counter for every thread
+    (gh-106905), and 3.11 parses a traceback's source line to place its carets: a traceback formatted meanwhile on
+    a thread an earlier test left in this process made a parse fail with "SystemError: AST constructor recursion
+    depth mismatch" (under make test). The source is parsed again then; a real syntax error is raised as it is."""
+    source = path.read_text()
+    for _ in range(3):
+        try:
+            return ast.parse(source, str(path))
+        except SystemError:
+            continue
+    return ast.parse(source, str(path))
+
+
 def runtime_imports(path: Path, known: set[str]) -> set[str]:
     """The kvtier modules ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks are for type checkers)."""
     return kvtier_imports(path, known, type_only=False)
@@ -59,7 +75,7 @@ def runtime_imports(path: Path, known: set[str]) -> set[str]:
 
 def kvtier_imports(path: Path, known: set[str], type_only: bool = True) -> set[str]:
     """The kvtier modules ``path`` names in an import; ``type_only``: those under ``if TYPE_CHECKING:`` too."""
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
             node.body = node.body if type_only else []
@@ -185,7 +201,7 @@ def from_imports(path: Path) -> set[tuple[str, str]]:
     """Every (module, name) of a ``from module import name`` in ``path``."""
     return {
         (node.module or "", alias.name)
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(parsed(path))
         if isinstance(node, ast.ImportFrom) and node.level == 0
         for alias in node.names
     }
@@ -194,7 +210,7 @@ def from_imports(path: Path) -> set[tuple[str, str]]:
 def any_imports(path: Path) -> set[str]:
     """Every absolute module ``path`` names in an import, kvtier's or not."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.ImportFrom) and node.level == 0:
             found.add(node.module or "")
         elif isinstance(node, ast.Import):
