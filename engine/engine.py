@@ -416,15 +416,17 @@ class Engine:
         self, seq: Sequence, tokens: TokenInput, keys: list[bytes], first: int, states: dict[int, torch.Tensor]
     ) -> None:
         """Blocks ``first…`` of ``keys`` (the chain over ``tokens``, whose KV ``seq``'s pages hold) to the store,
-        ``states`` to the StateBlock pool. Only for exactly computed sequences (``seq.publishing``)."""
+        ``states`` to the StateBlock pool. Only for exactly computed sequences (``seq.publishing``). The StateBlocks
+        go first: a lookup that finds the blocks then finds them too (blocks first, a request arriving between the
+        two found the blocks without their StateBlock and replayed the window: approximate where it could be exact)."""
         assert self.transfer is not None and self.store is not None
-        self.transfer.store_pages(keys[first:], seq.pages[first : len(keys)], tokens)
         if states:
             state_keys = chain(self.state_namespace, np.asarray(tokens, dtype=np.uint32), self.store.hash_algo)
             local = isinstance(self.state_blocks, LocalStateBlocks)  # (takes the tensor as it is, on its device)
             for m, data in states.items():
                 data = self.state_format.encode(data[None])[0]  # (in the KV format, encoded on the device)
                 self.state_blocks.put(self._state_key(state_keys, m), data if local else memoryview(data.cpu().numpy()))
+        self.transfer.store_pages(keys[first:], seq.pages[first : len(keys)], tokens)
 
     def _state(self, key: bytes) -> torch.Tensor | None:
         """The StateBlock ``key`` (flat uint8), or None if the pool does not hold it."""

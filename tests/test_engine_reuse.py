@@ -216,6 +216,34 @@ def test_block_kv_without_its_state_is_replayed_and_never_stored(
     assert consumer.store.match(keys) == len(p) // 64 < len(keys)  # none of the replayed request's blocks
 
 
+class StoreWatchingStateBlocks(LocalStateBlocks):
+    """A StateBlock pool that notes, at each put, how many blocks of ``keys`` the store already holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: Engine | None = None
+        self.keys: list[bytes] = []
+        self.held_at_put: list[int] = []
+
+    def put(self, key: bytes, data: torch.Tensor) -> None:
+        assert self.engine is not None and self.engine.store is not None
+        self.held_at_put.append(self.engine.store.match(self.keys))
+        super().put(key, data)
+
+
+def test_a_prompts_state_blocks_are_in_their_pool_before_its_blocks_are_in_the_store(
+    checkpoint: Path, cluster_file: Path, engine: MakeEngine
+) -> None:
+    """Blocks were published before their StateBlocks: a request whose lookup came between the two found the blocks
+    without their StateBlock and replayed the window (test_kv_formats' warm run did so under make test)."""
+    states = StoreWatchingStateBlocks()
+    e = engine(checkpoint, cluster_file, states)
+    p = prompt(700, seed=41)
+    states.engine, states.keys = e, e.store.keys(p)
+    e.generate([p], 1)
+    assert states.held_at_put and set(states.held_at_put) == {0}
+
+
 def test_a_window_of_256_reuses_exactly_and_replays_from_position_0_at_most(
     tmp_path: Path, cluster_file: Path, engine: MakeEngine
 ) -> None:
