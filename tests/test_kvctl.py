@@ -264,7 +264,8 @@ def test_repair_rewrites_the_shards_a_draining_node_did_not_take(cluster: Path) 
         finally:
             kv.admin("drain", [drained], on=False)
         keys = [k for k, s in zip(keys, stored, strict=True) if s]
-        assert keys and (kv.probe(keys).sum(axis=1) == 11).all()
+        # the drained node took none of their shards; their primaries, owing the repairs, may have made some already
+        assert keys and (kv.probe(keys).sum(axis=1) >= 11).all()
         repaired = ok_json(cluster, "repair")
         assert kv.probe(keys).all()
         # their primaries owe these repairs and may have made them already; either way each shard is written once

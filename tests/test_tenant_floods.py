@@ -391,13 +391,18 @@ def test_under_each_flood_the_other_tenant_reads_and_writes_as_fast_and_a_new_en
 ) -> None:
     """Two tenants side by side: ta's rounds (a put and a read through the store, a fetch through the fetcher, a
     register and a lookup at the directory, over connections opened before) take at most twice as long as without
-    the flood, and a new engine connects and reads within a second. Each side is its fastest of 9 rounds: a flood
-    that starves ta slows every round, where the other tests running beside this one on a shared machine slow some."""
+    the flood, and a new engine connects and reads within a second. Each side is its fastest of 9 rounds, and the
+    pair is measured again (three times at most) when the flooded side was slower: a flood that starves ta slows
+    every round of every try, where the other tests running beside this one on a shared machine slow some (2.1x
+    once under make test, with the fastest of 9)."""
     keys, blocks = stored(cluster, TA_TOKEN, 4)
     with Client(cluster.config, token=TA_TOKEN) as client, FetchClient(servers.fetcher.socket_path, TA_TOKEN) as f:
         ta_round(client, servers, f)  # (connections made, pool segments mapped)
-        quiet = min(ta_round(client, servers, f) for _ in range(9))
-        with flood(name, cluster, servers):
-            flooded = min(ta_round(client, servers, f) for _ in range(9))
-            assert new_engine(cluster, servers, keys, blocks) < 1.0
+        for _ in range(3):
+            quiet = min(ta_round(client, servers, f) for _ in range(9))
+            with flood(name, cluster, servers):
+                flooded = min(ta_round(client, servers, f) for _ in range(9))
+                assert new_engine(cluster, servers, keys, blocks) < 1.0
+            if flooded <= 2 * quiet:
+                break
     assert flooded <= 2 * quiet, f"ta's round: {quiet * 1000:.1f} ms unflooded, {flooded * 1000:.1f} ms flooded"
