@@ -36,6 +36,7 @@ from kvtier.transfer.fetcher import LocalFetcher
 
 from .conftest import ClusterFactory, wait_for
 from .rawwire import SOCKET_TIMEOUT_S, raw_map
+from .test_children import _alive
 
 BLOCK = 16 << 10
 TA_TOKEN, TB_TOKEN = secrets.token_hex(32), secrets.token_hex(32)
@@ -225,6 +226,16 @@ def test_a_fetcher_server_that_dies_is_restarted_and_the_log_says_how_it_died(
 
 
 # -- credentials per tenant, engines of other uids (item 1) -----------------------------------------------------
+
+
+def test_a_fetchers_server_ends_when_its_supervisor_is_killed(start_fetcher) -> None:
+    """The server ends with its supervisor without a preexec_fn (which made subprocess fork a supervisor holding
+    gRPC threads: "epoll_wait error: Bad file descriptor", and no server in test_multihost)."""
+    fetcher = start_fetcher()
+    assert fetcher.proc is not None and _alive(fetcher.server_pid)
+    fetcher.proc.kill()
+    fetcher.proc.wait()
+    wait_for(lambda: not _alive(fetcher.server_pid), 10, "the server to end with its supervisor")
 
 
 def test_a_fetcher_holds_no_tenants_token_and_each_engine_acts_as_its_own_tenant_only(

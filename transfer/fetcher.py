@@ -16,7 +16,7 @@ Two processes: a **supervisor** (the command itself) and the **server** it runs 
 runs the nodes. A server that dies, whatever killed it, is logged with how it died (its exit code, or the signal
 and what it means; a fault also leaves the Python stacks of its threads in the log, ``faulthandler``) and
 restarted after a back-off (``children.Backoff``: 1 s, doubling while it keeps dying, up to 60 s); engines
-reconnect by themselves. The server ends with its supervisor (``die_with_parent``); SIGTERM to the supervisor stops
+reconnect by themselves. The server ends with its supervisor (``children.ended_with``); SIGTERM to the supervisor stops
 both.
 
 The server: its host pool (:class:`~kvtier.transfer.host_pool.HostPool`: segments per tenant and size class, made on
@@ -48,7 +48,7 @@ from pathlib import Path
 from kvtier.kvstore import logs
 from kvtier.kvstore.cluster import config as cluster_mod
 from kvtier.kvstore.cluster import map as cluster_map
-from kvtier.kvstore.cluster.children import Backoff, die_with_parent, exit_reason
+from kvtier.kvstore.cluster.children import Backoff, ended_with, exit_reason
 from kvtier.kvstore.units import format_size, parse_size
 from kvtier.transfer.conn import parse_addr
 from kvtier.transfer.fetch_server import Fetcher
@@ -174,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=2, help="threads calling the store")
     parser.add_argument("--metrics", help="serve /metrics and /health on HOST:PORT")
     parser.add_argument("--json", action="store_true", help="status: print JSON")
-    parser.add_argument("--server", action="store_true", help=argparse.SUPPRESS)  # the supervisor's child
+    parser.add_argument("--server", type=int, metavar="PID", help=argparse.SUPPRESS)  # the child of supervisor PID
     parser.add_argument("command", nargs="?", choices=["serve", "status"], default="serve")
     return parser
 
@@ -182,6 +182,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    if args.server and ended_with(args.server):
+        return 0
     try:
         token = cluster_mod.read_token_file(args.token_file) if args.token_file else None
         if args.command == "status":
@@ -206,9 +208,11 @@ def _supervise(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     backoff, first = Backoff(), True
-    command = [sys.executable, "-m", "kvtier.transfer.fetcher", *argv, "--server"]
+    # the server ends with this process (children.ended_with): not a preexec_fn, this process has gRPC threads
+    # with an etcd cluster map
+    command = [sys.executable, "-m", "kvtier.transfer.fetcher", *argv, "--server", str(os.getpid())]
     while not stopping.is_set():
-        server = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        server = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
         backoff.started_now()
         assert server.stdout is not None
         said = server.stdout.readline().split()

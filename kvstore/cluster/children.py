@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -31,6 +32,15 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child between f
     if _prctl is not None:
         with contextlib.suppress(Exception):
             _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def ended_with(parent: int) -> bool:
+    """For a child that cannot be given ``die_with_parent`` by its parent (one with gRPC threads: a ``preexec_fn``
+    makes ``subprocess`` fork, and gRPC's fork handlers then broke the parent's poller, "epoll_wait error: Bad file
+    descriptor"): call it first thing. The child then gets SIGTERM when ``parent`` dies; True when ``parent`` is
+    already gone (the child should end now)."""
+    die_with_parent()
+    return os.getppid() != parent
 
 
 def exit_reason(code: int) -> str:
