@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -49,6 +51,16 @@ HEAVY = {
     "test_replay_live.py",
     "test_multihost.py",
 }
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """How full the disk under the tests' temporary directories is: nodes refuse new slots past
+    ``gc.max_disk_fraction`` (0.9) of it, so a run on a disk that others filled fails its writes (``CapacityError``)."""
+    stats = os.statvfs(tempfile.gettempdir())
+    used = (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+    free = stats.f_bavail * stats.f_frsize
+    warning = "; over 85 %: nodes refuse writes past 90 %" if used > 0.85 * (used + free) else ""
+    return f"disk under the tests' files: {used / (used + free):.0%} used, {free >> 30} GiB free{warning}"
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it (no -n) nothing calls it
@@ -111,7 +123,17 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFa
 
     yield factory
     for local in started:
-        local.stop()
+        discard(local)
+
+
+def discard(local: LocalCluster) -> None:
+    """Stop ``local`` and remove what its nodes stored (slab files, metadata), keeping their logs: a test run
+    starts some 170 clusters of ~100-300 MB each, which together filled the disk until every node refused writes
+    (its slabs stay within ``gc.max_disk_fraction`` of the filesystem)."""
+    local.stop()
+    for node in local.config.nodes.values():
+        for stored in ("slabs", "meta"):
+            shutil.rmtree(node.data_dir / stored, ignore_errors=True)
 
 
 @pytest.fixture
@@ -125,7 +147,7 @@ def own_cluster(make_cluster: ClusterFactory) -> Iterator[ClusterFactory]:
 
     yield factory
     for local in made:
-        local.stop()
+        discard(local)
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
