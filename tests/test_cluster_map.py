@@ -249,12 +249,15 @@ def test_a_client_on_an_older_map_refreshes_when_a_node_answers_on_a_newer_one(l
 
 
 def test_a_replacement_made_while_another_fills_does_not_keep_the_first_filling(
-    loopback_cluster: LocalCluster, tmp_path: Path
+    loopback_cluster: LocalCluster,
 ) -> None:
     """Every peer runs one pass for the first replacement, then one for the second: the second pass's progress
     record must still say the first was covered, or the first stays ``filling`` (read around) for good."""
     local = loopback_cluster
     kvctl = [str(BIN / "kvctl"), "--config", str(local.config_path), "--json"]
+    # beside the cluster's own data: the replacements serve the module's later tests (a passing test's tmp_path
+    # is removed when it ends, under them)
+    data_root = local.config_path.parent / "data"
     with connect(local.config_path) as client:
         feed = client.config.feed
         keys = [os.urandom(16) for _ in range(240)]
@@ -265,7 +268,7 @@ def test_a_replacement_made_while_another_fills_does_not_keep_the_first_filling(
         def replace(nid: int) -> str:
             local.kill(nid)
             run = subprocess.run(
-                [*kvctl, "node", "replace", str(nid), "--host", "h", "--data-dir", str(tmp_path / f"new-{nid}")],
+                [*kvctl, "node", "replace", str(nid), "--host", "h", "--data-dir", str(data_root / f"new-{nid}")],
                 capture_output=True,
                 text=True,
             )
