@@ -25,7 +25,6 @@ import re
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from kvtier.tools.benchutil import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -114,11 +115,6 @@ def server_commands(text: str) -> list[str]:
         commands.append(re.sub(r"\s*&$", "", current + line.strip()))
         current = ""
     return commands
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return s.getsockname()[1]
 
 
 class Session:

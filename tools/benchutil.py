@@ -193,10 +193,10 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel hands out right now (another process may take it before it is used)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free right now, below the kernel's ephemeral range (``cluster_mod.free_ports``): another process may
+    still bind it first, but no process's outgoing connection takes it (a port the kernel handed out for the asking
+    was the local end of another test's connection before the server that was to listen on it started)."""
+    return cluster_mod.free_ports(1, host)[0]
 
 
 def start_serve(

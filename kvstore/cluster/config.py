@@ -574,16 +574,23 @@ def _limits(table: dict[str, Any]) -> Limits:
     return limits
 
 
-def _free_ports(count: int, host: str) -> list[int]:
-    """Distinct ports free right now, below the kernel's ephemeral range (32768 and up), so that the outgoing
-    connections of other processes cannot take one between this call and the nodes binding it."""
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct ports free right now, below the kernel's ephemeral range (``ip_local_port_range``, 32768 and up by
+    default), so that the outgoing connections of other processes cannot take one between this call and the nodes
+    binding it."""
     rng = random.SystemRandom()
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        low = 32_768
+    lowest = min(10_000, max(1_024, low // 2))
+    highest = low if low - lowest > 4 * count else 65_536  # (a kernel that leaves no room below its range)
     socks: list[socket.socket] = []
     try:
         while len(socks) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                s.bind((host, rng.randrange(10_000, 32_768)))
+                s.bind((host, rng.randrange(lowest, highest)))
             except OSError:
                 s.close()
                 continue
@@ -628,7 +635,7 @@ def write_default(
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / "cluster.toml"
     count = 2 * nodes if metrics else nodes
-    ports = _free_ports(count, host) if base_port is None else list(range(base_port, base_port + count))
+    ports = free_ports(count, host) if base_port is None else list(range(base_port, base_port + count))
     doc = tomlkit.document()
     doc.add(tomlkit.comment("kvtier cluster file (written by `kvstore init`)"))
     doc["cluster"] = _table(name="local", token=new_token(), hash="xxh3_128")
