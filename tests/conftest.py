@@ -53,6 +53,18 @@ HEAVY = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker picks ports (cluster files, servers) from a range of its own, inherited by what it starts:
+    a node killed and started again binds its port again, and the other worker's next cluster file could have
+    taken it in between (``Address already in use`` at the restart)."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and workers and cluster_mod.PORT_RANGE_ENV not in os.environ:
+        low, high = cluster_mod.port_range(1)
+        share = (high - low) // int(workers)
+        first = low + share * int(worker.removeprefix("gw"))
+        os.environ[cluster_mod.PORT_RANGE_ENV] = f"{first}-{first + share}"
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     """How full the disk under the tests' temporary directories is: nodes refuse new slots past
     ``gc.max_disk_fraction`` (0.9) of it, so a run on a disk that others filled fails its writes (``CapacityError``)."""

@@ -20,7 +20,7 @@ import pytest
 from kvtier.gc import fill
 from kvtier.kvstore.client import connect
 from kvtier.kvstore.cluster import map as cluster_map
-from kvtier.kvstore.cluster.config import ConfigError, token_hash
+from kvtier.kvstore.cluster.config import ConfigError, port_range, token_hash
 from kvtier.kvstore.cluster.etcd import Etcd
 from kvtier.kvstore.cluster.local import LocalCluster
 from kvtier.kvstore.cluster.map import MapStore, new_map
@@ -75,8 +75,9 @@ def _answers(etcd: Etcd) -> bool:
 def free_run(length: int) -> int:
     """A port P with P .. P+length all free now (the map gives node k port P+k, its metrics P+1000+k)."""
     rng = random.SystemRandom()
+    low, high = port_range(length)
     while True:
-        base = rng.randrange(10_000, 30_000)
+        base = rng.randrange(low, high - length)
         socks = []
         try:
             for port in range(base, base + length):

@@ -29,7 +29,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     init.add_argument("dir")
     init.add_argument("--nodes", type=int, default=12, help="number of nodes, a multiple of 12 (default 12)")
     init.add_argument("--capacity", default="2GiB", help="capacity per node, e.g. 2GiB (default)")
-    init.add_argument("--base-port", type=int, default=None, help="first port (default: free ports; 7400 with --etcd)")
+    init.add_argument(
+        "--base-port",
+        type=int,
+        default=None,
+        help="first port (default: free ports below the ephemeral range, or in $KVTIER_PORT_RANGE; 7400 with --etcd)",
+    )
     etcd = init.add_argument_group("a cluster on many hosts, its map in etcd")
     etcd.add_argument("--etcd", metavar="URL[,URL...]", help="etcd endpoints: write the map there")
     etcd.add_argument("--name", default="kvtier", help="the cluster's name (its etcd prefix /kvtier/NAME/)")

@@ -574,20 +574,24 @@ def _limits(table: dict[str, Any]) -> Limits:
     return limits
 
 
+PORT_RANGE_ENV = "KVTIER_PORT_RANGE"  # LOW-HIGH: where free_ports looks (one range per process that picks ports)
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Distinct ports free right now, below the kernel's ephemeral range (``ip_local_port_range``, 32768 and up by
     default), so that the outgoing connections of other processes cannot take one between this call and the nodes
-    binding it."""
+    binding it; within ``$KVTIER_PORT_RANGE`` (``LOW-HIGH``, high excluded) where it is set, so that processes given
+    ranges apart never pick a port another one of them was given (a node killed and started again binds its port
+    again: another cluster's file written in between could have taken it). ConfigError for a malformed range."""
+    lowest, highest = port_range(count)
     rng = random.SystemRandom()
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):  # not Linux
-        low = 32_768
-    lowest = min(10_000, max(1_024, low // 2))
-    highest = low if low - lowest > 4 * count else 65_536  # (a kernel that leaves no room below its range)
     socks: list[socket.socket] = []
+    tries = 64 * count
     try:
         while len(socks) < count:
+            tries -= 1
+            if not tries:
+                raise ConfigError(f"no {count} free ports between {lowest} and {highest} ({PORT_RANGE_ENV})")
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 s.bind((host, rng.randrange(lowest, highest)))
@@ -599,6 +603,26 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def port_range(count: int) -> tuple[int, int]:
+    """``free_ports``' range: ``$KVTIER_PORT_RANGE``, else from 10000 (or lower, where the kernel's ephemeral range
+    starts lower) up to the kernel's ephemeral range."""
+    given = os.environ.get(PORT_RANGE_ENV)
+    if given:
+        low, _, high = given.partition("-")
+        if not (low.isdigit() and high.isdigit() and int(low) >= 1024 and int(low) + count <= int(high) <= 65536):
+            raise ConfigError(
+                f"{PORT_RANGE_ENV}={given!r} is no port range with room for {count}: write LOW-HIGH, "
+                "1024 <= LOW and LOW + ports <= HIGH <= 65536 (HIGH excluded)"
+            )
+        return int(low), int(high)
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        ephemeral = 32_768
+    lowest = min(10_000, max(1_024, ephemeral // 2))
+    return lowest, ephemeral if ephemeral - lowest > 4 * count else 65_536  # (no room below the kernel's range)
 
 
 def _size_value(n: int) -> str | int:
