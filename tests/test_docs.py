@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.benchutil import free_port
+from kvtier.kvstore.cluster.config import PORT_RANGE_ENV, free_ports, port_range
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -42,6 +42,7 @@ RUNNERS = ("sh", "python")
 REFUSED = ("bash", "shell", "console", "zsh", "py", "python3")  # fences that look runnable but would not be run
 BLOCK_TIMEOUT_S = 300.0
 READY_TIMEOUT_S = 120.0
+RESERVED_PORTS = 100  # at the bottom of this process's port range: the servers the blocks start
 _FENCE = re.compile(r"^```(.*)$")
 _READY = re.compile(r"\bready\b")
 
@@ -125,9 +126,14 @@ class Session:
         env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_TOKEN", "KVTIER_CONFIG")}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["KVTIER_HOME"] = str(home)
-        env["KVTIER_DIRECTORY"] = f"127.0.0.1:{free_port()}"
+        # the servers' ports are picked now and bound blocks later: the blocks' own programs (kvstore init) pick
+        # theirs from above them, never one of these (README.md:198's directory found its port taken, once)
+        low, high = port_range(RESERVED_PORTS)
+        directory, serve = free_ports(2, within=(low, low + RESERVED_PORTS))
+        env[PORT_RANGE_ENV] = f"{low + RESERVED_PORTS}-{high}"
+        env["KVTIER_DIRECTORY"] = f"127.0.0.1:{directory}"
         env["KVTIER_POOL"] = f"kvtier-doctest-{secrets.token_hex(4)}"
-        env["KVTIER_PORT"] = str(free_port())
+        env["KVTIER_PORT"] = str(serve)
         env["COLUMNS"] = "120"
         self.env = env
         self.servers: list[tuple[str, subprocess.Popen[bytes], Path]] = []

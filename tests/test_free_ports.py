@@ -47,3 +47,8 @@ def test_a_range_with_no_free_port_left_is_an_error_not_a_wait(monkeypatch: pyte
     monkeypatch.setenv(cluster_mod.PORT_RANGE_ENV, f"{port}-{port + 1}")
     with held, pytest.raises(ConfigError, match=f"no 1 free ports between {port} and {port + 1}"):
         cluster_mod.free_ports(1)
+
+
+def test_free_ports_within_a_range_given_by_the_caller_stay_in_it() -> None:
+    low, _ = cluster_mod.port_range(1)
+    assert all(low <= port < low + 100 for port in cluster_mod.free_ports(20, within=(low, low + 100)))

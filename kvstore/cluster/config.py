@@ -577,13 +577,14 @@ def _limits(table: dict[str, Any]) -> Limits:
 PORT_RANGE_ENV = "KVTIER_PORT_RANGE"  # LOW-HIGH: where free_ports looks (one range per process that picks ports)
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(count: int, host: str = "127.0.0.1", within: tuple[int, int] | None = None) -> list[int]:
     """Distinct ports free right now, below the kernel's ephemeral range (``ip_local_port_range``, 32768 and up by
     default), so that the outgoing connections of other processes cannot take one between this call and the nodes
     binding it; within ``$KVTIER_PORT_RANGE`` (``LOW-HIGH``, high excluded) where it is set, so that processes given
     ranges apart never pick a port another one of them was given (a node killed and started again binds its port
-    again: another cluster's file written in between could have taken it). ConfigError for a malformed range."""
-    lowest, highest = port_range(count)
+    again: another cluster's file written in between could have taken it); within ``within`` (low, high excluded)
+    where given. ConfigError for a malformed range, or one with no ``count`` free ports."""
+    lowest, highest = within or port_range(count)
     rng = random.SystemRandom()
     socks: list[socket.socket] = []
     tries = 64 * count
