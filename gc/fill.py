@@ -36,11 +36,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from kvtier.gc.worker import GCWorker
+from kvtier.kvstore.client import Client
 from kvtier.kvstore.cluster.etcd import EtcdUnavailable
 from kvtier.kvstore.cluster.map import Doc, MapFeed, node_entry
 from kvtier.kvstore.codec import TOTAL_SHARDS
@@ -117,7 +118,8 @@ class Filler:
         progress(0, -1, 0)
         config = self.feed.latest()
         if config.previous_groups:
-            Mover(self.worker).move(Placement(config.previous_groups), progress)
+            with Mover(self.worker) as mover:
+                mover.move(Placement(config.previous_groups), progress)
         self.worker.repairer.full_pass(progress=progress)
         self.covered |= tokens
         progress(*last, done=True)
@@ -172,15 +174,24 @@ class Filler:
 
 class Mover:
     """Step 2 of a growth at one node of an old group (see the module docstring), over the GC worker's engine and
-    admin client. No lock is held across a batch: a block evicted while it moves may be kept in its new group
-    (never wrong bytes: a key names its contents)."""
+    an admin client of its own: a client is one thread's (its connections, the tenant it acts for, the placement it
+    places by), and the GC worker's thread uses the worker's at the same time (its cycles placed blocks by the old
+    groups while a move did, and read each other's replies: "take_head() is only allowed between frames", a block
+    lost in a growth). No lock is held across a batch: a block evicted while it moves may be kept in its new group
+    (never wrong bytes: a key names its contents). Close it (``with``) when the move is done."""
 
     def __init__(self, worker: GCWorker) -> None:
         self.worker = worker
         self.engine = worker.engine
-        self.client = worker.client
+        self.client = Client(worker.config)  # the cluster token: admin, may act for any tenant
         self.config = worker.config
         self.node_id = worker.node_id
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
 
     def move(self, previous: Placement, progress: Callable[[int, int, int], None] | None = None) -> int:
         """Move the blocks this node is primary for under ``previous`` (the groups before a growth) that the current

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.gc.fill import Mover
 from kvtier.gc.policy import ManualClock
 from kvtier.gc.worker import GCWorker
 from kvtier.kvstore.client import CapacityError, Client, connect
@@ -441,3 +442,20 @@ def test_ttls_of_days_expire_on_an_injected_clock(tmp_path) -> None:
     worker.cycle()
     assert len(engine.lru) == 0 and worker.stats.expirations == 2
     engine.close()
+
+
+def test_a_growths_mover_places_and_acts_through_a_client_the_gc_workers_cycles_do_not_use(tmp_path) -> None:
+    """A move (the fill thread) placed blocks by the old groups and acted for their tenant on the GC worker's own
+    client while the worker's thread used it: each read the other's replies ("take_head() is only allowed between
+    frames") and a block was lost in a growth (test_cluster_map's new-group test, 1 run in 3 after a replacement)."""
+    path = cluster_mod.write_default(tmp_path, capacity_bytes=CAPACITY)
+    config = cluster_mod.load(path)
+    engine = ChunkEngine(tmp_path / "engine", CAPACITY)
+    worker = GCWorker(engine, 0, config, lambda: config.ttl_classes)
+    old_groups = Placement([list(reversed(group)) for group in config.groups])
+    try:
+        with Mover(worker) as mover, mover.client.placed_by(old_groups), mover.client.acting_for("teamb"):
+            assert worker.client.placement is not old_groups and worker.client.pool.act_as != "teamb"
+    finally:
+        worker.client.close()
+        engine.close()
