@@ -66,12 +66,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    """How full the disk under the tests' temporary directories is: nodes refuse new slots past
-    ``gc.max_disk_fraction`` (0.9) of it, so a run on a disk that others filled fails its writes (``CapacityError``)."""
+    """How full the disk under the tests' temporary directories is: nodes refuse new slots where less than their
+    headroom would stay free (on a large disk ``gc.max_headroom_bytes``, 1 GiB), and the suite's clusters take a
+    few GiB at once, so a run on a disk that others filled fails its writes (``CapacityError``)."""
     stats = os.statvfs(tempfile.gettempdir())
     used = (stats.f_blocks - stats.f_bfree) * stats.f_frsize
     free = stats.f_bavail * stats.f_frsize
-    warning = "; over 85 %: nodes refuse writes past 90 %" if used > 0.85 * (used + free) else ""
+    warning = "; under 6 GiB free: nodes refuse writes with less than 1 GiB free" if free < 6 << 30 else ""
     return f"disk under the tests' files: {used / (used + free):.0%} used, {free >> 30} GiB free{warning}"
 
 
@@ -141,7 +142,7 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFa
 def discard(local: LocalCluster) -> None:
     """Stop ``local`` and remove what its nodes stored (slab files, metadata), keeping their logs: a test run
     starts some 170 clusters of ~100-300 MB each, which together filled the disk until every node refused writes
-    (its slabs stay within ``gc.max_disk_fraction`` of the filesystem)."""
+    (its slabs leave the filesystem a headroom, ``gc.max_headroom_bytes`` on a large one)."""
     local.stop()
     for node in local.config.nodes.values():
         for stored in ("slabs", "meta"):

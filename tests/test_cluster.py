@@ -64,6 +64,8 @@ def test_an_edit_that_breaks_the_file_is_refused_and_changes_nothing(tmp_path: P
         ("[gc]\n", "[gc]\ninterval = 5\n", "[gc] has unknown keys: interval"),
         ("[gc]\n", "[gc]\nmeta_sync_s = 0\n", "[gc] meta_sync_s and access_flush_s must be positive"),
         ("[gc]\n", "[gc]\nmax_disk_fraction = 1.5\n", "[gc] max_disk_fraction must be above 0 and at most 1"),
+        ("[gc]\n", "[gc]\nmax_headroom_bytes = -1\n", "[gc] max_headroom_bytes must be 0 or more"),
+        ("[gc]\n", '[gc]\nmax_headroom_bytes = "lots"\n', "gc.max_headroom_bytes: bad size 'lots'"),
         ("[gc]\n", "[limits]\nmax_batch = 1.5\n\n[gc]\n", "limits.max_batch: expected `int`, got `float`"),
         ("[gc]\n", "[limits]\nmax_batch = 65537\n\n[gc]\n", "limits.max_batch cannot exceed 65536"),
         ("[gc]\n", '[tenants.teamb]\ntoken = "short"\n\n[gc]\n', "tenants.teamb.token must be at least 32"),

@@ -79,6 +79,21 @@ def test_new_slots_stop_at_the_disks_budget_leaving_the_rest_of_it_free(small_di
     slabs.close()
 
 
+def test_the_headroom_left_free_is_at_most_max_headroom_bytes_on_a_disk_others_filled(small_disk: Path) -> None:
+    others = small_disk / "others"
+    others.write_bytes(b"x" * (1 << 20))  # half of the disk is someone else's: a share of 0.5 has no room left
+    slabs = SlabFiles(small_disk, DiskBudget(small_disk, max_fraction=0.5, max_headroom_bytes=256 << 10))
+    size_class = size_class_for(64 << 10)
+    taken = 0
+    with pytest.raises(NoSpace, match="max_headroom_bytes"):
+        while True:
+            slabs.allocate(size_class, 1)
+            taken += 1
+    stats = os.statvfs(small_disk)
+    assert taken > 0 and stats.f_bavail * stats.f_frsize >= 256 << 10
+    slabs.close()
+
+
 def test_a_pinned_slot_is_not_reused_after_its_grace_until_unpinned(tmp_path: Path) -> None:
     slabs = SlabFiles(tmp_path)
     (slot,) = slabs.allocate(0, 1)

@@ -149,9 +149,11 @@ class GCConfig:
     # every committed shard's crc32c is checked once per period, reading at most this fast (the scrubber)
     scrub_period_s: float = 7 * 86400.0
     scrub_bytes_per_s: float = 32.0 * (1 << 20)
-    # a node's slab files take new room only while its filesystem stays within this share of its size: the rest is
-    # headroom for the metadata and the logs (``kvstore.node.disk``); beyond it a write is refused NO_SPACE
+    # a node's slab files take new room only while its filesystem keeps a headroom free for the metadata and the
+    # logs (``kvstore.node.disk``): the share of its size past this fraction, but never more than max_headroom_bytes
+    # (10 % of a large disk is far more than they need); beyond it a write is refused NO_SPACE
     max_disk_fraction: float = 0.9
+    max_headroom_bytes: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -526,6 +528,8 @@ def parse(doc: dict[str, Any], base_dir: Path, path: Path | None = None) -> Clus
         raise ConfigError("[gc] scrub_period_s, scrub_bytes_per_s and repair_bytes_per_s must be positive")
     if not 0 < gc.max_disk_fraction <= 1:
         raise ConfigError("[gc] max_disk_fraction must be above 0 and at most 1")
+    if not gc.max_headroom_bytes >= 0:
+        raise ConfigError("[gc] max_headroom_bytes must be 0 or more")
     client = _settings(ClientConfig, file.client, "client")
     if not 10 <= client.read_fanout <= TOTAL_SHARDS:
         raise ConfigError(f"[client] read_fanout must be between 10 and {TOTAL_SHARDS}")

@@ -368,14 +368,16 @@ class ChunkEngine:
         room_wait_s: float = 2.0,
         quotas: Mapping[str, float] | None = None,
         max_disk_fraction: float = 1.0,
+        max_headroom_bytes: int | None = None,
         unconfirmed_share: float = 0.1,
     ) -> None:
         """Open (or create) the data dir. Raises ``MetadataError`` when its LMDB cannot be read (corrupt,
         truncated, not LMDB): nothing is changed then; ``NoSpace`` when the disk is full and the data dir needs
         writing to be opened (a new one, or one of an older layout). On a full disk an existing data dir opens with
-        writes refused (``kvstore.node.disk``), its reads served. ``max_disk_fraction``: the share of the filesystem the
-        slab files may grow into. ``unconfirmed_share``: of the capacity, what one tenant's shards other than shard
-        0s may take while their primary has not confirmed them (:mod:`~kvtier.kvstore.node.unconfirmed`)."""
+        writes refused (``kvstore.node.disk``), its reads served. ``max_disk_fraction``, ``max_headroom_bytes``:
+        the headroom the slab files leave free (:class:`~kvtier.kvstore.node.disk.DiskBudget`).
+        ``unconfirmed_share``: of the capacity, what one tenant's shards other than shard 0s may take while their
+        primary has not confirmed them (:mod:`~kvtier.kvstore.node.unconfirmed`)."""
         self.data_dir = Path(data_dir)
         self.capacity_bytes = capacity_bytes
         # what the blocks this node is primary for may take on every node of its group (capacity / 12)
@@ -397,7 +399,7 @@ class ChunkEngine:
         meta = self.data_dir / "meta"
         meta.mkdir(parents=True, exist_ok=True)
         self.refusals = Refusals(self.data_dir)  # writes refused for lack of disk: counted, logged once
-        self.disk = DiskBudget(self.data_dir, max_disk_fraction)
+        self.disk = DiskBudget(self.data_dir, max_disk_fraction, max_headroom_bytes)
         # a data dir without metadata is new (or was wiped): the blocks it should hold are rebuilt from its peers
         self.fresh = not (meta / "data.mdb").exists()
         try:

@@ -4,9 +4,12 @@ Two things on one filesystem can take its last block: the slab files (``posix_fa
 which runs with ``writemap`` — a new page is a store into the mapped file, and a store into a page the filesystem
 has no block for is a SIGBUS, not an error (the node then died, and died again at every start). Neither may:
 
-- **Slabs** (:class:`DiskBudget`): new slots are reserved only while the filesystem stays within
-  ``gc.max_disk_fraction`` of its size; beyond it (or at ENOSPC) the reservation is ``NoSpace``. The rest is headroom
-  for the metadata and the logs, whoever else shares the filesystem.
+- **Slabs** (:class:`DiskBudget`): new slots are reserved only while the filesystem keeps a headroom free: the
+  share of its size past ``gc.max_disk_fraction``, but never more than ``gc.max_headroom_bytes`` (as Elasticsearch's
+  disk watermarks' ``max_headroom``: on a large disk a share of it is far more than the metadata and the logs need,
+  and a disk that others filled past the share would refuse every write with tens of GiB free). Beyond it (or at
+  ENOSPC) the reservation is ``NoSpace``. The headroom is for the metadata and the logs, whoever else shares the
+  filesystem.
 - **Metadata** (:class:`MetaRoom`): before every write transaction the engine asks for room for it; LMDB's file is
   kept allocated (``posix_fallocate``) ``META_AHEAD_BYTES`` past its last page, so a transaction never stores into
   a hole. Room that cannot be allocated is ``NoSpace`` before the transaction starts: nothing is written, nothing
@@ -16,7 +19,7 @@ Every refusal is counted and the first of an episode logged (:class:`Refusals`):
 
 | what asks | room it needs | without it |
 |---|---|---|
-| a PUT's new slots | the filesystem within ``max_disk_fraction`` | ``NO_SPACE`` for those shards |
+| a PUT's new slots | the filesystem's headroom left free | ``NO_SPACE`` for those shards |
 | a PUT | its COMMIT's records in LMDB's allocated file | ``NO_SPACE`` for every shard |
 | any write transaction (commit, delete, access times, ...) | LMDB's allocated file | ``NoSpace``: nothing written |
 | the load at start-up | LMDB's allocated file | dead records stay for a later start; reads are served |
@@ -71,20 +74,27 @@ class Refusals:
 class DiskBudget:
     """The share of a filesystem the slab files may grow into (see the module docstring)."""
 
-    def __init__(self, path: Path, max_fraction: float) -> None:
+    def __init__(self, path: Path, max_fraction: float, max_headroom_bytes: int | None = None) -> None:
+        """``max_headroom_bytes``: the most the budget keeps free, whatever ``max_fraction`` leaves (None: no cap)."""
         self.path = path
         self.max_fraction = max_fraction
+        self.max_headroom_bytes = max_headroom_bytes
 
     def check(self, more_bytes: int) -> None:
-        """NoSpace unless ``more_bytes`` more keep the filesystem within ``max_fraction`` of its size (as ``df``
-        counts it: what is used and what is available, blocks kept for root apart)."""
+        """NoSpace unless ``more_bytes`` more leave the filesystem its headroom: ``1 - max_fraction`` of its size
+        (as ``df`` counts it: what is used and what is available, blocks kept for root apart), at most
+        ``max_headroom_bytes``."""
         stats = os.statvfs(self.path)
         used = (stats.f_blocks - stats.f_bfree) * stats.f_frsize
-        total = used + stats.f_bavail * stats.f_frsize
-        if used + more_bytes > self.max_fraction * total:
+        free = stats.f_bavail * stats.f_frsize
+        headroom = (1 - self.max_fraction) * (used + free)
+        if self.max_headroom_bytes is not None:
+            headroom = min(headroom, self.max_headroom_bytes)
+        if free - more_bytes < headroom:
             raise NoSpace(
-                f"{used + more_bytes} of {total} bytes would be used, over the budget of "
-                f"{self.max_fraction:g} of the filesystem (gc.max_disk_fraction)"
+                f"{more_bytes} more bytes would leave {free - more_bytes} of {used + free} free, under the headroom "
+                f"of {int(headroom)} (gc.max_disk_fraction {self.max_fraction:g}, gc.max_headroom_bytes "
+                f"{self.max_headroom_bytes})"
             )
 
 

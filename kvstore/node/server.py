@@ -785,6 +785,7 @@ def open_node(config_path: str, node_id: int, etcd: str | None = None) -> tuple[
         room_wait_s=config.gc.room_wait_s,
         quotas=config.quotas,
         max_disk_fraction=config.gc.max_disk_fraction,
+        max_headroom_bytes=config.gc.max_headroom_bytes,
         unconfirmed_share=config.gc.unconfirmed_share,
     )
     node = StorageNode(config, node_id, engine)
