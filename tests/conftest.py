@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -65,15 +66,54 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[cluster_mod.PORT_RANGE_ENV] = f"{first}-{first + share}"
 
 
+class DiskWatch:
+    """The free space of the disk under the tests' temporary directories, at the start, at its least (sampled every
+    few seconds by a daemon thread of the process that reports) and at the end: nodes refuse new slots where less than
+    their headroom would stay free (on a large disk ``gc.max_headroom_bytes``, 1 GiB), and the suite's clusters take a
+    few GiB at once, so a run on a disk that others filled fails its writes (``CapacityError``), and the summary says
+    so."""
+
+    def __init__(self) -> None:
+        self.start = self.least = self.free()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    @staticmethod
+    def free() -> int:
+        stats = os.statvfs(tempfile.gettempdir())
+        return stats.f_bavail * stats.f_frsize
+
+    def _sample(self) -> None:
+        while True:
+            time.sleep(5)
+            self.least = min(self.least, self.free())
+
+    def header(self) -> str:
+        stats = os.statvfs(tempfile.gettempdir())
+        used = (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+        warning = "; under 6 GiB free: nodes refuse writes with less than 1 GiB free" if self.start < 6 << 30 else ""
+        return (
+            f"disk under the tests' files: {used / (used + self.start):.0%} used, {self.start / (1 << 30):.1f} GiB "
+            f"free{warning}"
+        )
+
+    def summary(self) -> str:
+        return (
+            f"disk under the tests' files: {self.start / (1 << 30):.1f} GiB free at the start, "
+            f"{self.least / (1 << 30):.1f} at the least, {self.free() / (1 << 30):.1f} at the end"
+        )
+
+
+DISK = DiskWatch()
+
+
 def pytest_report_header(config: pytest.Config) -> str:
-    """How full the disk under the tests' temporary directories is: nodes refuse new slots where less than their
-    headroom would stay free (on a large disk ``gc.max_headroom_bytes``, 1 GiB), and the suite's clusters take a
-    few GiB at once, so a run on a disk that others filled fails its writes (``CapacityError``)."""
-    stats = os.statvfs(tempfile.gettempdir())
-    used = (stats.f_blocks - stats.f_bfree) * stats.f_frsize
-    free = stats.f_bavail * stats.f_frsize
-    warning = "; under 6 GiB free: nodes refuse writes with less than 1 GiB free" if free < 6 << 30 else ""
-    return f"disk under the tests' files: {used / (used + free):.0%} used, {free >> 30} GiB free{warning}"
+    return DISK.header()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """After the failures' summary, where the end of a long output shows it."""
+    terminalreporter.write_line(DISK.summary())
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it (no -n) nothing calls it
