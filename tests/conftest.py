@@ -110,9 +110,11 @@ def pytest_report_header(config: pytest.Config) -> str:
     return DISK.header()
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """After the failures' summary, where the end of a long output shows it."""
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Iterator[None]:
+    """After the short summary of the failures (the terminal reporter writes it once the other hooks have run), where
+    the end of a long output shows it."""
+    yield
     terminalreporter.write_line(DISK.summary())
 
 
