@@ -18,6 +18,7 @@ import pytest
 
 from kvtier.kvstore.cluster import config as cluster_mod
 from kvtier.kvstore.cluster.local import LocalCluster, NodeStartError
+from kvtier.kvstore.units import format_size
 
 ClusterFactory = Callable[..., LocalCluster]
 
@@ -66,21 +67,26 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[cluster_mod.PORT_RANGE_ENV] = f"{first}-{first + share}"
 
 
+HEADROOM_BYTES = cluster_mod.GCConfig().max_headroom_bytes  # what a node leaves free on a large disk
+
+
 class DiskWatch:
     """The free space of the disk under the tests' temporary directories, at the start, at its least (sampled every
-    few seconds by a daemon thread of the process that reports) and at the end: nodes refuse new slots where less than
-    their headroom would stay free (on a large disk ``gc.max_headroom_bytes``, 1 GiB), and the suite's clusters take a
-    few GiB at once, so a run on a disk that others filled fails its writes (``CapacityError``), and the summary says
-    so."""
+    few seconds by a daemon thread of the process that reports, ``watch``) and at the end: nodes refuse new slots
+    where less than their headroom would stay free (on a large disk ``gc.max_headroom_bytes``), and the suite's
+    clusters take a few GiB at once, so a run on a disk that others filled fails its writes (``CapacityError``), and
+    the summary says so."""
 
     def __init__(self) -> None:
         self.start = self.least = self.free()
-        threading.Thread(target=self._sample, daemon=True).start()
 
     @staticmethod
     def free() -> int:
         stats = os.statvfs(tempfile.gettempdir())
         return stats.f_bavail * stats.f_frsize
+
+    def watch(self) -> None:
+        threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
         while True:
@@ -90,20 +96,28 @@ class DiskWatch:
     def header(self) -> str:
         stats = os.statvfs(tempfile.gettempdir())
         used = (stats.f_blocks - stats.f_bfree) * stats.f_frsize
-        warning = "; under 6 GiB free: nodes refuse writes with less than 1 GiB free" if self.start < 6 << 30 else ""
+        low = 6 * HEADROOM_BYTES
+        headroom = format_size(HEADROOM_BYTES)
+        warning = f"; under {format_size(low)} free: nodes refuse writes with less than {headroom} free"
         return (
-            f"disk under the tests' files: {used / (used + self.start):.0%} used, {self.start / (1 << 30):.1f} GiB "
-            f"free{warning}"
+            f"disk under the tests' files: {used / (used + self.start):.0%} used, {format_size(self.start)} free"
+            f"{warning if self.start < low else ''}"
         )
 
     def summary(self) -> str:
         return (
-            f"disk under the tests' files: {self.start / (1 << 30):.1f} GiB free at the start, "
-            f"{self.least / (1 << 30):.1f} at the least, {self.free() / (1 << 30):.1f} at the end"
+            f"disk under the tests' files: {format_size(self.start)} free at the start, {format_size(self.least)} at "
+            f"the least, {format_size(self.free())} at the end"
         )
 
 
 DISK = DiskWatch()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The disk is watched by the process that reports (not by each xdist worker)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        DISK.watch()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -66,14 +66,21 @@ def test_a_full_disk_is_no_space_at_allocation(small_disk: Path) -> None:
     slabs.close()
 
 
-def test_new_slots_stop_at_the_disks_budget_leaving_the_rest_of_it_free(small_disk: Path) -> None:
-    slabs = SlabFiles(small_disk, DiskBudget(small_disk, max_fraction=0.5))
+def slots_until_refused(slabs: SlabFiles, refusal: str) -> int:
+    """Allocate 64 KiB slots one at a time until the budget refuses one (``NoSpace`` matching ``refusal``); returns
+    how many were taken."""
     size_class = size_class_for(64 << 10)
     taken = 0
-    with pytest.raises(NoSpace, match="max_disk_fraction"):
+    with pytest.raises(NoSpace, match=refusal):
         while True:
             slabs.allocate(size_class, 1)
             taken += 1
+    return taken
+
+
+def test_new_slots_stop_at_the_disks_budget_leaving_the_rest_of_it_free(small_disk: Path) -> None:
+    slabs = SlabFiles(small_disk, DiskBudget(small_disk, max_fraction=0.5))
+    taken = slots_until_refused(slabs, "max_disk_fraction")
     stats = os.statvfs(small_disk)
     assert taken > 0 and stats.f_bfree / stats.f_blocks >= 0.5  # the rest is the metadata's and the logs'
     slabs.close()
@@ -83,12 +90,7 @@ def test_the_headroom_left_free_is_at_most_max_headroom_bytes_on_a_disk_others_f
     others = small_disk / "others"
     others.write_bytes(b"x" * (1 << 20))  # half of the disk is someone else's: a share of 0.5 has no room left
     slabs = SlabFiles(small_disk, DiskBudget(small_disk, max_fraction=0.5, max_headroom_bytes=256 << 10))
-    size_class = size_class_for(64 << 10)
-    taken = 0
-    with pytest.raises(NoSpace, match="max_headroom_bytes"):
-        while True:
-            slabs.allocate(size_class, 1)
-            taken += 1
+    taken = slots_until_refused(slabs, "max_headroom_bytes")
     stats = os.statvfs(small_disk)
     assert taken > 0 and stats.f_bavail * stats.f_frsize >= 256 << 10
     slabs.close()
